@@ -1,0 +1,19 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test test-all venv
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh $(VENV)
+
+demo: venv
+	$(PY) -m fxdream demo
+
+test: venv
+	$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests were collected (pytest exit 5)"; exit 1; fi; exit $$rc
+
+test-all: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow"

@@ -1,0 +1,119 @@
+"""Tie every node of an ATen graph to the layer (module qualified name) it computes.
+
+Forward nodes carry dynamo's ``nn_module_stack``; backward nodes carry
+``fwd_nn_module_stack`` (the stack of the forward op they differentiate) and the
+autograd ``seq_nr`` they share with that forward op. We use them in that order,
+so a backward node of ``layer1.0.conv1`` is annotated ``layer1.0.conv1`` too.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+LAYER = "layer"              # qualified module name; "" is the model itself
+PHASE = "fxdream.phase"      # "fw" | "bw"
+ROOT_LAYER_LABEL = "(model)"  # how the root layer "" is shown in tables
+
+# Ops that only reinterpret metadata: they cost dispatch but no kernel.
+VIEW_OPS = frozenset({
+    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.t", "aten.transpose",
+    "aten.permute", "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.detach",
+    "aten.alias", "aten.as_strided", "aten.slice", "aten.select", "aten.split",
+    "aten.split_with_sizes", "aten.unbind", "aten.chunk", "aten.narrow",
+    "aten.view_as", "aten.expand_as", "aten.flatten", "aten.lift_fresh",
+})
+
+_SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+_MODULES_ITEM = re.compile(r"_modules\['([^']*)'\]")
+_INDEX_ITEM = re.compile(r"\[(\d+)\]")
+
+
+def qualified_name(dynamo_path: str) -> str:
+    """``"L['self'].layer1._modules['0'].conv1"`` → ``"layer1.0.conv1"``."""
+    path = _SOURCE_PREFIX.sub("", dynamo_path)
+    path = _MODULES_ITEM.sub(r"\1", path)
+    path = _INDEX_ITEM.sub(r".\1", path)
+    return re.sub(r"\.+", ".", path).strip(".")
+
+
+def _innermost(stack) -> str | None:
+    if not stack:
+        return None
+    path, _type = list(stack.values())[-1]
+    return qualified_name(path)
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten.convolution`` for ``aten.convolution.default``; the Python name otherwise."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None:
+        return str(packet)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def is_compute(node: fx.Node) -> bool:
+    """A call that does work on tensors (not a placeholder, output, getitem or view)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if node.target is operator.getitem:
+        return False
+    return op_name(node) not in VIEW_OPS
+
+
+def annotate_forward(gm: fx.GraphModule) -> dict[int, str]:
+    """Set meta["layer"] and phase on a forward graph; return seq_nr → layer for the backward."""
+    by_seq_nr: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        layer = _innermost(node.meta.get("nn_module_stack"))
+        if layer is None and node.target is operator.getitem:
+            layer = node.args[0].meta.get(LAYER) if isinstance(node.args[0], fx.Node) else None
+        node.meta[LAYER] = layer if layer is not None else ""
+        node.meta[PHASE] = "fw"
+        seq_nr = node.meta.get("seq_nr")
+        if seq_nr is not None and layer is not None:
+            by_seq_nr.setdefault(seq_nr, layer)
+    return by_seq_nr
+
+
+def annotate_backward(gm: fx.GraphModule, forward_layers: Mapping[int, str]) -> int:
+    """Set meta["layer"] on a backward graph; return how many nodes fell back to the model root."""
+    unmapped = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        layer = _innermost(node.meta.get("fwd_nn_module_stack"))
+        if layer is None:
+            layer = forward_layers.get(node.meta.get("seq_nr"))
+        if layer is None and node.target is operator.getitem:
+            layer = node.args[0].meta.get(LAYER)
+        if layer is None:
+            layer = ""
+            unmapped += is_compute(node)
+        node.meta[LAYER] = layer
+        node.meta[PHASE] = "bw"
+    return unmapped
+
+
+def _val(arg):
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one node from torch.utils.flop_counter's formulas on its fake tensors."""
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet) if packet is not None else None
+    if formula is None:
+        return 0
+    args = torch.utils._pytree.tree_map(_val, node.args)
+    kwargs = torch.utils._pytree.tree_map(_val, node.kwargs)
+    try:
+        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # a formula that cannot read symbolic or missing shapes
+        return 0

@@ -1,0 +1,291 @@
+"""Capture a model as ATen-level forward (+ backward) FX graphs, one set per dynamo subgraph.
+
+torch.compile's dynamo front end splits the model at graph breaks; for each piece our
+backend calls aot_autograd, which hands us the forward graph and, on the first
+backward, the backward graph. ``CaptureSession`` is that backend: it annotates
+layers, lets an optional transform (the pass pipeline) rewrite each graph, and keeps
+what it saw so reports and simulations can read it.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from functorch.compile import aot_module_simplified, make_boxed_func
+
+from .annotate import (LAYER, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
+                       is_compute, node_flops, op_name)
+
+GraphTransform = Callable[[fx.GraphModule, str, int], fx.GraphModule]
+"""(graph_module, phase "fw"|"bw", subgraph index) → graph_module to run."""
+
+
+class CaptureError(RuntimeError):
+    """Nothing could be captured; the message says why."""
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    layer: str
+    forward_ops: int
+    backward_ops: int
+    forward_flops: int
+    backward_flops: int
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One dynamo subgraph: its ATen forward and (in training) backward graphs.
+
+    ``forward``/``backward`` are the graphs as captured (before any pass); every
+    compute node has ``meta["layer"]`` and ``meta["val"]`` (a fake tensor).
+    """
+    index: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    torch_graph: fx.GraphModule
+    training: bool
+    input_shapes: tuple
+    unmapped_backward_nodes: int = 0
+
+    def graphs(self) -> tuple[tuple[str, fx.GraphModule], ...]:
+        pairs = [("fw", self.forward)]
+        if self.backward is not None:
+            pairs.append(("bw", self.backward))
+        return tuple(pairs)
+
+    def layers(self) -> tuple[LayerStats, ...]:
+        """Per layer, in forward order: op counts and FLOPs of forward and backward."""
+        order: dict[str, list[int]] = {}
+        for phase, gm in self.graphs():
+            offset = 0 if phase == "fw" else 1
+            for node in gm.graph.nodes:
+                if not is_compute(node):
+                    continue
+                row = order.setdefault(node.meta.get(LAYER, ""), [0, 0, 0, 0])
+                row[offset] += 1
+                row[2 + offset] += node_flops(node)
+        return tuple(LayerStats(layer, *row) for layer, row in order.items())
+
+    def total_flops(self) -> int:
+        return sum(s.forward_flops + s.backward_flops for s in self.layers())
+
+    def summary(self, top: int | None = None) -> str:
+        """A table of layers (op counts, GFLOPs); ``top`` keeps the costliest N."""
+        rows = list(self.layers())
+        if top is not None:
+            rows = sorted(rows, key=lambda s: -(s.forward_flops + s.backward_flops))[:top]
+        head = f"subgraph {self.index}: {len(self.layers())} layers, " \
+               f"{_count_compute(self.forward)} fw ops" + \
+               (f", {_count_compute(self.backward)} bw ops" if self.backward is not None else "") + \
+               f", {self.total_flops() / 1e9:.3f} GFLOP"
+        width = max([len(ROOT_LAYER_LABEL)] + [len(r.layer) for r in rows])
+        lines = [head, f"{'layer':<{width}}  {'fw ops':>6}  {'bw ops':>6}  {'fw GFLOP':>9}  {'bw GFLOP':>9}"]
+        for r in rows:
+            lines.append(f"{r.layer or ROOT_LAYER_LABEL:<{width}}  {r.forward_ops:>6}  {r.backward_ops:>6}"
+                         f"  {r.forward_flops / 1e9:>9.4f}  {r.backward_flops / 1e9:>9.4f}")
+        return "\n".join(lines)
+
+
+def _count_compute(gm: fx.GraphModule) -> int:
+    return sum(is_compute(n) for n in gm.graph.nodes)
+
+
+def op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if is_compute(node):
+            counts[op_name(node)] = counts.get(op_name(node), 0) + 1
+    return counts
+
+
+@dataclass
+class _SubgraphRecord:
+    """What the backend saw for one subgraph; mutable while compilation is under way."""
+    index: int
+    torch_graph: fx.GraphModule
+    training: bool
+    input_shapes: tuple
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    forward_layers: dict = field(default_factory=dict)
+    unmapped_backward_nodes: int = 0
+    compile_seconds: float = 0.0
+
+    def freeze(self) -> Captured:
+        return Captured(self.index, self.forward, self.backward, self.torch_graph,
+                        self.training, self.input_shapes, self.unmapped_backward_nodes)
+
+
+def _shape_of(value) -> tuple | str:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    return type(value).__name__
+
+
+_MODEL_STATE = re.compile(r"_(parameters|buffers)_")  # dynamo's names for lifted module state
+
+
+def _user_input_shapes(gm: fx.GraphModule, example_inputs: Sequence) -> tuple:
+    """Shapes of the subgraph's inputs that are not the model's own parameters or buffers."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(_shape_of(x) for name, x in zip(names, example_inputs)
+                 if not isinstance(x, torch.nn.Parameter) and not _MODEL_STATE.search(name))
+
+
+class CaptureSession:
+    """A torch.compile backend that records the ATen graphs of every subgraph it compiles.
+
+    ``transform`` (the pass pipeline) may return a rewritten graph to execute; the
+    record keeps the graph as captured, the transform keeps its own results.
+    """
+
+    def __init__(self, transform: GraphTransform | None = None):
+        self.transform = transform
+        self.records: list[_SubgraphRecord] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
+        record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
+                                 _user_input_shapes(gm, example_inputs))
+        self.records.append(record)
+
+        def compile_forward(fw: fx.GraphModule, _inputs):
+            started = time.perf_counter()
+            record.forward_layers = annotate_forward(fw)
+            record.forward = fw
+            runnable = self._transformed(fw, "fw", record.index)
+            record.compile_seconds += time.perf_counter() - started
+            return make_boxed_func(runnable.forward)
+
+        def compile_backward(bw: fx.GraphModule, _inputs):
+            started = time.perf_counter()
+            record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers)
+            record.backward = bw
+            runnable = self._transformed(bw, "bw", record.index)
+            record.compile_seconds += time.perf_counter() - started
+            return make_boxed_func(runnable.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
+                                     bw_compiler=compile_backward)
+
+    def _transformed(self, gm: fx.GraphModule, phase: str, index: int) -> fx.GraphModule:
+        if self.transform is None:
+            return gm
+        return self.transform(gm, phase, index)
+
+    def captured(self) -> tuple[Captured, ...]:
+        return tuple(r.freeze() for r in self.records if r.forward is not None)
+
+
+def compile_with(model: torch.nn.Module, session: CaptureSession) -> Callable:
+    """torch.compile with static shapes (one capture per input shape, as CUDA graphs need)."""
+    _raise_recompile_limit()
+    return torch.compile(model, backend=session, dynamic=False)
+
+
+def _raise_recompile_limit(at_least: int = 64) -> None:
+    # Every optimize() call is a distinct backend, and dynamo counts one cache entry per
+    # backend against a per-function limit (default 8) after which it silently runs eager.
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < at_least:
+        setattr(config, name, at_least)
+
+
+def graph_break_counts() -> dict[str, int]:
+    """Dynamo's graph-break reasons seen so far in this process (private counter, isolated here)."""
+    from torch._dynamo.utils import counters
+    return dict(counters["graph_break"])
+
+
+def new_graph_breaks(before: dict[str, int]) -> tuple[str, ...]:
+    after = graph_break_counts()
+    return tuple(_first_line(reason) for reason, n in after.items() if n > before.get(reason, 0))
+
+
+def _first_line(reason: str) -> str:
+    """Dynamo's headline, its one-line explanation, and where in the user's code it happened."""
+    lines = [ln.strip() for ln in reason.strip().splitlines() if ln.strip()]
+    if not lines:
+        return reason
+    text = lines[0]
+    detail = next((ln for ln in lines[1:] if ln.startswith("Explanation:")), "")
+    if detail:
+        text += " — " + detail[len("Explanation:"):].strip()
+    if "from user code:" in lines:
+        where = lines[lines.index("from user code:") + 1:][:1]
+        text += "" if not where else f" (at {where[0]})"
+    return text
+
+
+def describe_error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {_first_line(str(error))}"
+
+
+@contextlib.contextmanager
+def preserved_state(model: torch.nn.Module):
+    """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
+    grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index for p in model.parameters()
+                      if p.device.type == "cuda" and p.device.index is not None})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for p, saved in grads.items():
+                p.grad = saved
+
+
+def differentiable_scalar(output) -> torch.Tensor | None:
+    """A scalar whose backward reaches every output that requires grad (to trigger bw compile)."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        return None
+    return sum(t.float().sum() for t in leaves)
+
+
+def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
+    """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
+    with preserved_state(model):
+        if not training:
+            with torch.no_grad():
+                return compiled(*inputs)
+        output = compiled(*inputs)
+        scalar = differentiable_scalar(output)
+        if scalar is not None:
+            scalar.backward()
+        return output
+
+
+def capture(model: torch.nn.Module, example_inputs, training: bool = False):
+    """Capture ``model`` at ``example_inputs``: a ``Captured``, or a tuple of them after graph breaks.
+
+    The model's grads, buffers, RNG state and train/eval mode are left as they were.
+    Raises ``CaptureError`` when dynamo captured nothing.
+    """
+    from .validate import check_inputs, check_model
+    check_model(model)
+    inputs = check_inputs(example_inputs)
+    session = CaptureSession()
+    was_training = model.training
+    model.train(training)
+    breaks_before = graph_break_counts()
+    try:
+        run_once(compile_with(model, session), model, inputs, training)
+    finally:
+        model.train(was_training)
+    captured = session.captured()
+    if not captured:
+        reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
+        raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
+    return captured[0] if len(captured) == 1 else captured

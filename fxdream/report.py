@@ -1,0 +1,98 @@
+"""Immutable reports: what was captured, what each pass did, predicted and measured effects."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from .capture import Captured, _count_compute
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    """One captured dynamo subgraph."""
+    index: int
+    input_shapes: tuple
+    forward_ops: int
+    backward_ops: int | None
+    layers: int
+    gflops: float
+    unmapped_backward_nodes: int
+
+    @classmethod
+    def of(cls, captured: Captured) -> "GraphReport":
+        return cls(captured.index, captured.input_shapes, _count_compute(captured.forward),
+                   None if captured.backward is None else _count_compute(captured.backward),
+                   len(captured.layers()), captured.total_flops() / 1e9,
+                   captured.unmapped_backward_nodes)
+
+
+@dataclass(frozen=True)
+class PassReport:
+    """One pass on one graph: applied or why not, and its predicted (and measured) effect."""
+    name: str
+    graph_index: int
+    phase: str
+    applied: bool
+    reason: str
+    notes: tuple = ()
+    predicted_delta_us: float | None = None
+    predicted_delta_peak_bytes: int | None = None
+    measured_delta_us: float | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    model: str
+    training: bool
+    device: str
+    graphs: tuple[GraphReport, ...]
+    graph_breaks: tuple[str, ...] = ()
+    fallback_reason: str | None = None
+    passes: tuple[PassReport, ...] = ()
+    build_seconds: float = 0.0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def ran_eagerly(self) -> bool:
+        return self.fallback_reason is not None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    def to_markdown(self) -> str:
+        mode = "training" if self.training else "inference"
+        lines = [f"## fxdream report: {self.model} ({mode}, {self.device})", ""]
+        if self.fallback_reason:
+            lines += [f"**Runs eagerly**: {self.fallback_reason}", ""]
+        lines.append(f"Captured {len(self.graphs)} subgraph(s) in {self.build_seconds:.2f} s.")
+        if self.graph_breaks:
+            lines += ["", f"Graph breaks ({len(self.graph_breaks)}):"]
+            lines += [f"- {reason}" for reason in self.graph_breaks]
+        if self.graphs:
+            lines += ["", "| subgraph | input shapes | fw ops | bw ops | layers | GFLOP |",
+                      "|---|---|---|---|---|---|"]
+            for g in self.graphs:
+                shapes = ", ".join(str(s) for s in g.input_shapes[:3]) + (" …" if len(g.input_shapes) > 3 else "")
+                bw = "–" if g.backward_ops is None else str(g.backward_ops)
+                lines.append(f"| {g.index} | {shapes} | {g.forward_ops} | {bw} | {g.layers} | {g.gflops:.3f} |")
+        if self.passes:
+            lines += ["", "| pass | graph | applied | reason | predicted Δ µs | predicted Δ peak MB | measured Δ µs |",
+                      "|---|---|---|---|---|---|---|"]
+            for p in self.passes:
+                lines.append(f"| {p.name} | {p.graph_index}/{p.phase} | {'yes' if p.applied else 'no'} | {p.reason} "
+                             f"| {_fmt(p.predicted_delta_us)} | {_fmt_mb(p.predicted_delta_peak_bytes)} "
+                             f"| {_fmt(p.measured_delta_us)} |")
+        if self.notes:
+            lines += [""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:+.1f}"
+
+
+def _fmt_mb(value: int | None) -> str:
+    return "–" if value is None else f"{value / 2**20:+.2f}"

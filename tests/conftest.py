@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: no cache entries or counters left by another test."""
+    torch._dynamo.reset()
+    yield
+
+
+def assert_same_training_step(model, optimized, inputs, loss_fn=None, atol=1e-5, rtol=1e-4):
+    """Outputs and every parameter's gradient equal between eager ``model`` and ``optimized``."""
+    import copy
+    reference = copy.deepcopy(model)
+    for m in (reference, optimized):
+        m.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    expected = reference(*inputs)
+    torch.manual_seed(0)
+    actual = optimized(*inputs)
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    loss = loss_fn or (lambda out: sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out)))
+    loss(expected).backward()
+    loss(actual).backward()
+    checked = 0
+    for (name, p_ref), p_opt in zip(reference.named_parameters(), optimized.model.parameters()):
+        if p_ref.grad is None:
+            assert p_opt.grad is None, name
+            continue
+        torch.testing.assert_close(p_opt.grad, p_ref.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+        checked += 1
+    return checked

@@ -1,0 +1,130 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.annotate import LAYER, is_compute, op_name, qualified_name
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(Block())
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(self.body(x).flatten(1))
+
+
+def _compute_nodes(gm):
+    return [n for n in gm.graph.nodes if is_compute(n)]
+
+
+def test_qualified_names_from_dynamo_paths():
+    assert qualified_name("L['self'].layer1._modules['0'].conv1") == "layer1.0.conv1"
+    assert qualified_name("L['self'].features[3]") == "features.3"
+    assert qualified_name("L['fn'].seq.2.0") == "seq.2.0"
+    assert qualified_name("L['self']") == ""
+
+
+def test_inference_capture_has_forward_only_with_layers():
+    captured = fxdream.capture(Net(), (torch.randn(2, 3, 8, 8),))
+    assert isinstance(captured, fxdream.Captured)
+    assert captured.backward is None
+    layers = {n.meta[LAYER] for n in _compute_nodes(captured.forward)}
+    assert {"body.0.conv", "body.0.bn", "fc"} <= layers
+    conv = next(n for n in captured.forward.graph.nodes if op_name(n) == "aten.convolution")
+    assert conv.meta[LAYER] == "body.0.conv"
+    assert tuple(conv.meta["val"].shape) == (2, 4, 6, 6)
+
+
+def test_training_capture_maps_backward_nodes_to_forward_layers():
+    captured = fxdream.capture(Net(), (torch.randn(2, 3, 8, 8),), training=True)
+    assert captured.backward is not None
+    by_op = {}
+    for node in _compute_nodes(captured.backward):
+        by_op.setdefault(op_name(node), set()).add(node.meta[LAYER])
+    assert by_op["aten.convolution_backward"] == {"body.0.conv"}
+    assert by_op["aten.native_batch_norm_backward"] == {"body.0.bn"}
+    assert by_op["aten.mm"] == {"fc"}
+    # torch.relu is called inside Block.forward: its gradient belongs to that block
+    assert by_op["aten.threshold_backward"] == {"body.0"}
+    assert captured.unmapped_backward_nodes == 0
+
+
+def test_every_conv_linear_matmul_node_has_a_layer():
+    captured = fxdream.capture(Net(), (torch.randn(2, 3, 8, 8),), training=True)
+    heavy = ("aten.convolution", "aten.convolution_backward", "aten.addmm", "aten.mm", "aten.bmm")
+    for _, gm in captured.graphs():
+        for node in gm.graph.nodes:
+            if op_name(node) in heavy:
+                assert node.meta[LAYER], node.format_node()
+
+
+def test_summary_counts_flops_of_the_linear_layer():
+    captured = fxdream.capture(Net(), (torch.randn(2, 3, 8, 8),), training=True)
+    fc = next(s for s in captured.layers() if s.layer == "fc")
+    # forward addmm: 2 * batch * in * out = 2 * 2 * 144 * 5
+    assert fc.forward_flops == 2 * 2 * 144 * 5
+    # backward: grad input (2*2*5*144) + grad weight (2*5*2*144) matmuls
+    assert fc.backward_flops == 2 * (2 * 2 * 144 * 5)
+    conv = next(s for s in captured.layers() if s.layer == "body.0.conv")
+    # conv forward: 2 * N * Cout * Hout * Wout * Cin * k * k
+    assert conv.forward_flops == 2 * 2 * 4 * 6 * 6 * 3 * 3 * 3
+    text = captured.summary()
+    assert "body.0.conv" in text and "fc" in text and "GFLOP" in text
+
+
+def test_capture_leaves_the_model_untouched():
+    model = Net()
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 8, 8)
+    rng = torch.get_rng_state()
+    fxdream.capture(model, (x,), training=True)
+    assert not model.training
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class Printing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        print("between the layers")  # dynamo splits the graph here
+        return self.b(y)
+
+
+def test_graph_break_gives_one_captured_per_subgraph(capsys):
+    captured = fxdream.capture(Printing(), (torch.randn(2, 4),), training=True)
+    assert isinstance(captured, tuple) and len(captured) == 2
+    assert [c.index for c in captured] == [0, 1]
+    layers = [{n.meta[LAYER] for n in _compute_nodes(c.forward)} for c in captured]
+    assert "a" in layers[0] and "b" in layers[1]
+    assert all(c.backward is not None for c in captured)
+
+
+def test_capture_of_a_disabled_forward_raises_with_reason():
+    class Disabled(nn.Module):
+        @torch._dynamo.disable
+        def forward(self, x):
+            return x + 1
+
+    with pytest.raises(fxdream.CaptureError, match="nothing was captured from Disabled"):
+        fxdream.capture(Disabled(), (torch.randn(3),))

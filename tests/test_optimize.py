@@ -1,0 +1,153 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from conftest import assert_same_training_step
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.fc(y.mean((2, 3)))
+
+
+class ItemBreak(nn.Module):
+    """``.item()`` forces a host sync: dynamo breaks the graph there."""
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        scale = y.abs().max().item()
+        return self.b(y / (1.0 + scale))
+
+
+@torch.library.custom_op("fxdream_test::opaque", mutates_args=())
+def opaque(x: torch.Tensor) -> torch.Tensor:
+    """A custom op with no fake kernel: dynamo cannot trace through it."""
+    return x * 2
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return opaque(self.lin(x))
+
+
+def test_inference_output_equals_eager_and_report_is_filled():
+    model, x = Small(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+    report = optimized.report
+    assert not report.training and report.device == "cpu"
+    assert len(report.graphs) == 1 and report.graphs[0].backward_ops is None
+    assert report.graphs[0].input_shapes == ((2, 3, 8, 8),)
+    assert report.fallback_reason is None and report.graph_breaks == ()
+    assert '"graphs"' in report.to_json() and "| subgraph |" in report.to_markdown()
+    with pytest.raises(Exception):
+        report.training = True  # frozen
+
+
+def test_training_outputs_and_all_gradients_equal_eager():
+    model, x = Small(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), training=True)
+    assert optimized.report.graphs[0].backward_ops > 0
+    assert assert_same_training_step(model, optimized, (x,)) == len(list(model.parameters()))
+
+
+def test_optimize_does_not_step_the_model_while_capturing():
+    model, x = Small(), torch.randn(2, 3, 8, 8)
+    stats = model.bn.running_mean.clone()
+    fxdream.optimize(model, (x,), training=True)
+    assert torch.equal(model.bn.running_mean, stats)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_graph_break_is_correct_and_reported():
+    model, x = ItemBreak(), torch.randn(3, 4)
+    optimized = fxdream.optimize(model, (x,), training=True)
+    report = optimized.report
+    assert len(report.graphs) == 2
+    assert any("item" in reason.lower() for reason in report.graph_breaks), report.graph_breaks
+    assert "Graph breaks (1)" in report.to_markdown()
+    assert_same_training_step(model, optimized, (x,))
+
+
+def test_untraceable_model_runs_eagerly_with_the_reason():
+    model, x = Untraceable(), torch.randn(2, 4)
+    optimized = fxdream.optimize(model, (x,))
+    report = optimized.report
+    assert report.ran_eagerly
+    assert "no fake impl" in report.fallback_reason and "opaque" in report.fallback_reason
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_strict_raises_instead_of_falling_back():
+    with pytest.raises(fxdream.CaptureError, match="strict=True: capture of Untraceable failed"):
+        fxdream.optimize(Untraceable(), (torch.randn(2, 4),), strict=True)
+    with pytest.raises(fxdream.CaptureError, match="not captured whole: graph breaks"):
+        fxdream.optimize(ItemBreak(), (torch.randn(3, 4),), strict=True)
+
+
+def test_new_input_shape_recaptures_and_stays_correct():
+    model = Small()
+    optimized = fxdream.optimize(model, (torch.randn(2, 3, 8, 8),))
+    bigger = torch.randn(5, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(bigger), model(bigger))
+    assert [g.input_shapes for g in optimized.report.graphs] == [((2, 3, 8, 8),), ((5, 3, 16, 16),)]
+
+
+def test_many_optimized_copies_of_one_class_are_each_captured():
+    # every optimize() is its own dynamo backend; dynamo's default limit of 8 cache
+    # entries per function would otherwise make later ones run eagerly without a word
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(10):
+        optimized = fxdream.optimize(Small(), (x,))
+        assert len(optimized.report.graphs) == 1 and not optimized.report.ran_eagerly
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(passes=["no_such_pass"]), ValueError, "unknown pass 'no_such_pass'; valid passes:"),
+    (dict(passes=[42]), TypeError, "pass names or Pass objects"),
+    (dict(device="tpu"), ValueError, "device='tpu' is not a device; valid here: cpu"),
+    (dict(device="meta"), ValueError, "device='meta' is not supported; valid here: cpu"),
+    (dict(device="cuda"), ValueError, "CUDA is not available on this machine; valid here: cpu"),
+    (dict(training="yes"), TypeError, "training must be True or False"),
+])
+def test_bad_arguments_get_one_clear_line(kwargs, error, message):
+    if kwargs.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fxdream.optimize(Small(), (torch.randn(2, 3, 8, 8),), **kwargs)
+
+
+def test_bad_model_and_inputs_are_named():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+        fxdream.optimize(lambda x: x, (torch.randn(2),))
+    with pytest.raises(TypeError, match=r"example_inputs\[1\] is a str; expected a torch.Tensor"):
+        fxdream.optimize(Small(), (torch.randn(2, 3, 8, 8), "x"))
+    with pytest.raises(TypeError, match="example_inputs holds no torch.Tensor"):
+        fxdream.optimize(Small(), (1, 2))
+    with pytest.raises(TypeError, match="example_inputs must be a torch.Tensor or a tuple/list"):
+        fxdream.optimize(Small(), {"x": torch.randn(2)})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device to mismatch")
+def test_inputs_on_another_device_are_named():
+    with pytest.raises(ValueError, match=r"example_inputs\[0\] is on cuda"):
+        fxdream.optimize(Small(), (torch.randn(2, 3, 8, 8, device="cuda"),))
