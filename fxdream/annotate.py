@@ -29,7 +29,7 @@ VIEW_OPS = frozenset({
 })
 
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
-_MODULES_ITEM = re.compile(r"_modules\['([^']*)'\]")
+_MODULES_ITEM = re.compile(r"_(?:modules|parameters|buffers)\['([^']*)'\]")
 _INDEX_ITEM = re.compile(r"\[(\d+)\]")
 
 
@@ -41,11 +41,38 @@ def qualified_name(dynamo_path: str) -> str:
     return re.sub(r"\.+", ".", path).strip(".")
 
 
-def _innermost(stack) -> str | None:
+def _innermost(stack, prefix: str = "") -> str | None:
     if not stack:
         return None
     path, _type = list(stack.values())[-1]
-    return qualified_name(path)
+    return join_names(prefix, qualified_name(path))
+
+
+def join_names(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def frame_prefix(dynamo_graph: fx.GraphModule, example_inputs, state_names: Mapping[int, str]) -> str:
+    """Where the compiled frame's ``self`` sits in the model.
+
+    After a graph break dynamo compiles a submodule's forward as its own frame, and
+    its module paths are relative to that submodule. A lifted parameter tells where it is:
+    ``L['self']._modules['linear_q']._parameters['weight']`` is the model's
+    ``decoder.attn.linear_q.weight``, so the frame is ``decoder.attn``.
+    """
+    placeholders = [n for n in dynamo_graph.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(getattr(grapharg, "source", None), "name", None)
+        full = state_names.get(id(value))
+        if not source or full is None or not source.startswith("L['self']"):
+            continue
+        relative = qualified_name(source)
+        if full == relative:
+            return ""
+        if full.endswith("." + relative):
+            return full[: -len(relative) - 1]
+    return ""
 
 
 def op_name(node: fx.Node) -> str:
@@ -65,16 +92,19 @@ def is_compute(node: fx.Node) -> bool:
     return op_name(node) not in VIEW_OPS
 
 
-def annotate_forward(gm: fx.GraphModule) -> dict[int, str]:
-    """Set meta["layer"] and phase on a forward graph; return seq_nr → layer for the backward."""
+def annotate_forward(gm: fx.GraphModule, prefix: str = "") -> dict[int, str]:
+    """Set meta["layer"] and phase on a forward graph; return seq_nr → layer for the backward.
+
+    ``prefix`` is the qualified name of the module whose frame dynamo compiled.
+    """
     by_seq_nr: dict[int, str] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        layer = _innermost(node.meta.get("nn_module_stack"))
+        layer = _innermost(node.meta.get("nn_module_stack"), prefix)
         if layer is None and node.target is operator.getitem:
             layer = node.args[0].meta.get(LAYER) if isinstance(node.args[0], fx.Node) else None
-        node.meta[LAYER] = layer if layer is not None else ""
+        node.meta[LAYER] = layer if layer is not None else prefix
         node.meta[PHASE] = "fw"
         seq_nr = node.meta.get("seq_nr")
         if seq_nr is not None and layer is not None:
@@ -82,19 +112,19 @@ def annotate_forward(gm: fx.GraphModule) -> dict[int, str]:
     return by_seq_nr
 
 
-def annotate_backward(gm: fx.GraphModule, forward_layers: Mapping[int, str]) -> int:
-    """Set meta["layer"] on a backward graph; return how many nodes fell back to the model root."""
+def annotate_backward(gm: fx.GraphModule, forward_layers: Mapping[int, str], prefix: str = "") -> int:
+    """Set meta["layer"] on a backward graph; return how many compute nodes had no forward match."""
     unmapped = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        layer = _innermost(node.meta.get("fwd_nn_module_stack"))
+        layer = _innermost(node.meta.get("fwd_nn_module_stack"), prefix)
         if layer is None:
             layer = forward_layers.get(node.meta.get("seq_nr"))
         if layer is None and node.target is operator.getitem:
             layer = node.args[0].meta.get(LAYER)
         if layer is None:
-            layer = ""
+            layer = prefix
             unmapped += is_compute(node)
         node.meta[LAYER] = layer
         node.meta[PHASE] = "bw"

@@ -19,7 +19,7 @@ import torch.fx as fx
 from functorch.compile import aot_module_simplified, make_boxed_func
 
 from .annotate import (LAYER, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
-                       is_compute, node_flops, op_name)
+                       frame_prefix, is_compute, node_flops, op_name)
 
 GraphTransform = Callable[[fx.GraphModule, str, int], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index) → graph_module to run."""
@@ -145,18 +145,23 @@ class CaptureSession:
     record keeps the graph as captured, the transform keeps its own results.
     """
 
-    def __init__(self, transform: GraphTransform | None = None):
+    def __init__(self, model: torch.nn.Module, transform: GraphTransform | None = None):
         self.transform = transform
         self.records: list[_SubgraphRecord] = []
+        self.state_names: dict[int, str] = {}  # a shared tensor keeps its first name
+        for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
+                list(model.named_buffers(remove_duplicate=False)):
+            self.state_names.setdefault(id(tensor), name)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
                                  _user_input_shapes(gm, example_inputs))
         self.records.append(record)
+        prefix = frame_prefix(gm, example_inputs, self.state_names)
 
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
-            record.forward_layers = annotate_forward(fw)
+            record.forward_layers = annotate_forward(fw, prefix)
             record.forward = fw
             runnable = self._transformed(fw, "fw", record.index)
             record.compile_seconds += time.perf_counter() - started
@@ -164,7 +169,7 @@ class CaptureSession:
 
         def compile_backward(bw: fx.GraphModule, _inputs):
             started = time.perf_counter()
-            record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers)
+            record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
             record.backward = bw
             runnable = self._transformed(bw, "bw", record.index)
             record.compile_seconds += time.perf_counter() - started
@@ -276,7 +281,7 @@ def capture(model: torch.nn.Module, example_inputs, training: bool = False):
     from .validate import check_inputs, check_model
     check_model(model)
     inputs = check_inputs(example_inputs)
-    session = CaptureSession()
+    session = CaptureSession(model)
     was_training = model.training
     model.train(training)
     breaks_before = graph_break_counts()

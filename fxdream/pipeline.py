@@ -127,7 +127,7 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     started = time.perf_counter()
     model.train(training)
     pipeline = PassPipeline(selected, PassContext(device=target.type, training=training))
-    session = CaptureSession(transform=pipeline if selected else None)
+    session = CaptureSession(model, transform=pipeline if selected else None)
     runner = compile_with(model, session)
     module = OptimizedModule(model, runner, session, pipeline, training, target, strict)
     breaks_before = graph_break_counts()
