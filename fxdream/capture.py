@@ -21,8 +21,8 @@ from functorch.compile import aot_module_simplified, make_boxed_func
 from .annotate import (LAYER, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name)
 
-GraphTransform = Callable[[fx.GraphModule, str, int], fx.GraphModule]
-"""(graph_module, phase "fw"|"bw", subgraph index) → graph_module to run."""
+GraphTransform = Callable[[fx.GraphModule, str, int, dict], fx.GraphModule]
+"""(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor}) → graph_module to run."""
 
 
 class CaptureError(RuntimeError):
@@ -158,12 +158,13 @@ class CaptureSession:
                                  _user_input_shapes(gm, example_inputs))
         self.records.append(record)
         prefix = frame_prefix(gm, example_inputs, self.state_names)
+        state = [x if id(x) in self.state_names else None for x in example_inputs]
 
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
             record.forward_layers = annotate_forward(fw, prefix)
             record.forward = fw
-            runnable = self._transformed(fw, "fw", record.index)
+            runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state))
             record.compile_seconds += time.perf_counter() - started
             return make_boxed_func(runnable.forward)
 
@@ -171,20 +172,28 @@ class CaptureSession:
             started = time.perf_counter()
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
             record.backward = bw
-            runnable = self._transformed(bw, "bw", record.index)
+            runnable = self._transformed(bw, "bw", record.index, {})
             record.compile_seconds += time.perf_counter() - started
             return make_boxed_func(runnable.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
                                      bw_compiler=compile_backward)
 
-    def _transformed(self, gm: fx.GraphModule, phase: str, index: int) -> fx.GraphModule:
+    def _transformed(self, gm: fx.GraphModule, phase: str, index: int, state: dict) -> fx.GraphModule:
         if self.transform is None:
             return gm
-        return self.transform(gm, phase, index)
+        return self.transform(gm, phase, index, state)
 
     def captured(self) -> tuple[Captured, ...]:
         return tuple(r.freeze() for r in self.records if r.forward is not None)
+
+
+def _model_state_of(fw: fx.GraphModule, state: list) -> dict:
+    """Forward placeholder name → the model's parameter/buffer it receives (aot keeps the order)."""
+    placeholders = [n.name for n in fw.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(state):
+        return {}  # aot added or removed inputs: do not guess
+    return {name: t for name, t in zip(placeholders, state) if t is not None}
 
 
 def compile_with(model: torch.nn.Module, session: CaptureSession) -> Callable:

@@ -5,21 +5,35 @@ after the pass to a task graph and simulates both (see fxdream.sim).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+import torch
 import torch.fx as fx
 
 
 @dataclass(frozen=True)
 class PassContext:
-    """What a pass may look at to decide: where it runs, training or not, which graph."""
+    """What a pass may look at to decide: where it runs, training or not, which graph.
+
+    ``params`` maps forward placeholders to the model's live parameters and buffers.
+    In inference (``frozen``) a pass may treat them as constants (fold BatchNorm,
+    prepack weights), as inductor's freezing does: later in-place edits of the weights
+    are then not seen by the optimized module. ``predict_us(gm)`` simulates one graph
+    with the pipeline's cost model, so a pass can compare its candidate rewrites.
+    """
     device: str = "cpu"            # where the module runs: "cpu" | "cuda"
     training: bool = False
     phase: str = "fw"              # "fw" | "bw"
     sim_device: str | None = None  # DeviceSpec name to predict for (defaults to device)
     memory_budget: int | None = None
     cost_model: object | None = None
+    params: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    predict_us: Callable[[fx.GraphModule], float] | None = None
+
+    @property
+    def frozen(self) -> bool:
+        return not self.training and self.phase == "fw"
 
 
 @dataclass(frozen=True)

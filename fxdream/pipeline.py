@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import traceback
 from typing import Callable
@@ -24,8 +25,8 @@ class PassPipeline:
         self.base_context = base_context
         self.rows: list[PassReport] = []
 
-    def __call__(self, gm: fx.GraphModule, phase: str, index: int) -> fx.GraphModule:
-        ctx = PassContext(**{**self.base_context.__dict__, "phase": phase})
+    def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict) -> fx.GraphModule:
+        ctx = dataclasses.replace(self.base_context, phase=phase, params=params)
         for p in self.passes:
             gm = self._run_one(p, gm, ctx, index)
         return gm
