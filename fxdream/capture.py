@@ -296,6 +296,9 @@ def capture(model: torch.nn.Module, example_inputs, training: bool = False):
     breaks_before = graph_break_counts()
     try:
         run_once(compile_with(model, session), model, inputs, training)
+    except Exception as error:
+        run_once(model, model, inputs, training)  # the model's own error, if eager fails too
+        raise CaptureError(f"dynamo could not capture {type(model).__name__}: {describe_error(error)}") from error
     finally:
         model.train(was_training)
     captured = session.captured()

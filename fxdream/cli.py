@@ -1,4 +1,4 @@
-"""python -m fxdream demo | capture ... (more subcommands arrive with the simulator and passes)."""
+"""python -m fxdream demo | capture | simulate: see `python -m fxdream <command> --help`."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,26 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    """Predict one iteration of a zoo model on a device; write a Perfetto trace and a PNG."""
+    from fxdream.predict import simulate
+    from fxdream.sim.trace import plot_timeline, write_chrome_trace
+    model, inputs, _ = _build(args.model, args.batch, args.tiny, args.training)
+    print(f"simulating {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
+          f"on {args.device} with {args.cost} costs ...", flush=True)
+    prediction = simulate(model, inputs, device=args.device, training=args.training, cost=args.cost,
+                          optimizer=args.optimizer if args.training else None)
+    print(prediction.summary(top=args.top))
+    if args.trace:
+        write_chrome_trace(prediction.task_graph, prediction.timeline, args.trace)
+        print(f"trace: {args.trace} (open in https://ui.perfetto.dev)")
+    if args.plot:
+        plot_timeline(prediction.task_graph, prediction.timeline, args.plot,
+                      title=f"{args.model} bs{args.batch} on {args.device} (predicted)")
+        print(f"plot: {args.plot}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fxdream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,8 +97,26 @@ def main(argv=None) -> int:
     cap.add_argument("--top", type=int, default=None)
     cap.set_defaults(run=cmd_capture)
 
+    sim = sub.add_parser("simulate", help="predict an iteration of a zoo model on a device")
+    sim.add_argument("model")
+    sim.add_argument("--batch", type=int, default=1)
+    sim.add_argument("--tiny", action="store_true")
+    sim.add_argument("--training", action="store_true")
+    sim.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
+    sim.add_argument("--cost", default="auto", choices=("auto", "profiled", "analytic"))
+    sim.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+    sim.add_argument("--plot", help="write a PNG timeline here")
+    sim.add_argument("--top", type=int, default=10)
+    sim.set_defaults(run=cmd_simulate)
+
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, RuntimeError) as error:  # one line, not a dynamo traceback
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"fxdream {args.command}: error: {type(error).__name__}: {first}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

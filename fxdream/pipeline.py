@@ -13,6 +13,7 @@ import torch.fx as fx
 from .capture import (CaptureError, CaptureSession, compile_with, describe_error,
                       graph_break_counts, new_graph_breaks, run_once)
 from .pass_api import Pass, PassContext, resolve_passes
+from .predict import cost_model_for, graph_prediction, this_machine_device
 from .report import GraphReport, PassReport, Report
 from .validate import check_flag, check_inputs, check_model, resolve_device
 
@@ -25,8 +26,16 @@ class PassPipeline:
         self.base_context = base_context
         self.rows: list[PassReport] = []
 
+    def _predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
+        cost = self.base_context.cost_model
+        return None if cost is None else graph_prediction(gm, cost, phase)
+
     def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict) -> fx.GraphModule:
-        ctx = dataclasses.replace(self.base_context, phase=phase, params=params)
+        predict_us = None
+        if self.base_context.cost_model is not None:
+            def predict_us(candidate: fx.GraphModule) -> float:
+                return self._predict(candidate, phase)[0]
+        ctx = dataclasses.replace(self.base_context, phase=phase, params=params, predict_us=predict_us)
         for p in self.passes:
             gm = self._run_one(p, gm, ctx, index)
         return gm
@@ -46,7 +55,13 @@ class PassPipeline:
                       f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
             self.rows.append(PassReport(p.name, index, ctx.phase, False, reason))
             return gm
-        self.rows.append(PassReport(p.name, index, ctx.phase, result.modified, result.reason, result.notes))
+        delta_us = delta_peak = None
+        if result.modified and self.base_context.cost_model is not None:
+            (before_us, before_peak), (after_us, after_peak) = (self._predict(gm, ctx.phase),
+                                                                self._predict(result.graph_module, ctx.phase))
+            delta_us, delta_peak = after_us - before_us, after_peak - before_peak
+        self.rows.append(PassReport(p.name, index, ctx.phase, result.modified, result.reason, result.notes,
+                                    predicted_delta_us=delta_us, predicted_delta_peak_bytes=delta_peak))
         return result.graph_module if result.modified else gm
 
 
@@ -110,13 +125,16 @@ class OptimizedModule(torch.nn.Module):
 
 
 def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool = False,
-             device=None, strict: bool = False) -> OptimizedModule:
+             device=None, strict: bool = False, cost: str | None = "auto") -> OptimizedModule:
     """Capture ``model`` at ``example_inputs``, apply ``passes``, and return a module equal to eager.
 
     The module runs through the captured graphs; ``.report`` tells what was captured,
     where dynamo broke the graph, and what each pass did. When dynamo cannot trace the
     model it runs eagerly and the report says why; ``strict=True`` raises instead
     (also on graph breaks, where parts of the model would run eagerly).
+
+    ``cost`` is the cost model passes are judged with: "auto" (measured on this machine),
+    "profiled", "analytic", or None for no predictions.
     """
     check_model(model)
     inputs = check_inputs(example_inputs)
@@ -127,7 +145,9 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
 
     started = time.perf_counter()
     model.train(training)
-    pipeline = PassPipeline(selected, PassContext(device=target.type, training=training))
+    cost_model = cost_model_for(this_machine_device(target), cost) if selected and cost else None
+    pipeline = PassPipeline(selected, PassContext(device=target.type, training=training,
+                                                  cost_model=cost_model))
     session = CaptureSession(model, transform=pipeline if selected else None)
     runner = compile_with(model, session)
     module = OptimizedModule(model, runner, session, pipeline, training, target, strict)

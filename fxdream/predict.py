@@ -1,0 +1,113 @@
+"""fxdream.simulate(): capture → (passes) → lower → simulate, for this machine or any DeviceSpec."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .capture import Captured, capture
+from .sim.cost import Analytic, CostModel, Profiled
+from .sim.devices import DeviceSpec, get_device
+from .sim.lower import OPTIMIZERS, OptimizerModel, lower, lower_captured
+from .sim.simulate import Contention, Timeline, simulate as simulate_graph
+from .sim.taskgraph import TaskGraph
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A simulated iteration (predicted, never measured): timeline, task graph and device."""
+    device: DeviceSpec
+    training: bool
+    task_graph: TaskGraph
+    timeline: Timeline
+    static_bytes: int
+
+    @property
+    def time_ms(self) -> float:
+        return self.timeline.makespan_us / 1e3
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.timeline.peak_memory_bytes
+
+    def top_layers(self, n: int = 10) -> tuple[tuple[str, float], ...]:
+        ranked = sorted(self.timeline.per_layer_us.items(), key=lambda kv: -kv[1])
+        return tuple(ranked[:n])
+
+    def summary(self, top: int = 10) -> str:
+        mode = "training step" if self.training else "inference"
+        lines = [f"predicted {mode} on {self.device.name}: {self.time_ms:.3f} ms per iteration, "
+                 f"peak memory {self.peak_memory_bytes / 2**20:.1f} MiB "
+                 f"({len(self.task_graph)} tasks)"]
+        busy = ", ".join(f"{r} {self.timeline.utilization(r) * 100:.0f} %" for r in sorted(self.timeline.busy_us))
+        lines.append(f"busy: {busy}")
+        lines.append(f"top layers ({'GPU' if self.device.kind == 'cuda' else 'CPU'} time):")
+        total = sum(self.timeline.per_layer_us.values()) or 1.0
+        for layer, us in self.top_layers(top):
+            lines.append(f"  {layer or '(model)':<40} {us / 1e3:9.3f} ms  {100 * us / total:5.1f} %")
+        return "\n".join(lines)
+
+
+def cost_model_for(device: str | DeviceSpec, cost: str = "auto") -> CostModel:
+    """``profiled`` measures on this machine (needs the device here); ``analytic`` works for any."""
+    spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    if cost == "auto":
+        cost = "profiled" if spec.kind == here and (spec.kind == "cpu" or _is_this_gpu(spec)) else "analytic"
+    if cost == "analytic":
+        return Analytic(spec)
+    if cost == "profiled":
+        if spec.kind != here:
+            raise ValueError(f"cost='profiled' measures on this machine, which has no {spec.name}; "
+                             "use cost='analytic' (valid: 'profiled', 'analytic', 'auto')")
+        return Profiled(spec, "cuda" if spec.kind == "cuda" else "cpu")
+    raise ValueError(f"cost={cost!r} is not a cost model; valid: 'profiled', 'analytic', 'auto'")
+
+
+def _is_this_gpu(spec: DeviceSpec) -> bool:
+    name = torch.cuda.get_device_name().lower()
+    return spec.name.lower() in name
+
+
+def this_machine_device(device: torch.device | str = "cpu") -> str:
+    """The DeviceSpec name for where a module runs: "cpu", or the table's name of this GPU."""
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(torch.device(device)).lower()
+    from .sim.devices import DEVICES
+    for key in DEVICES:
+        if key != "cpu" and key in name:
+            return key
+    raise ValueError(f"no DeviceSpec for this GPU ({name}); valid: {', '.join(DEVICES)}")
+
+
+def graph_prediction(gm, cost: CostModel, phase: str = "fw", contention: bool = True) -> tuple[float, int]:
+    """(predicted µs, predicted peak bytes) of one graph on its own."""
+    lowered = lower([(f"g.{phase}", gm)], cost)
+    timeline = simulate_graph(lowered.graph, Contention() if contention else None,
+                              initial_memory_bytes=lowered.static_bytes)
+    return timeline.makespan_us, timeline.peak_memory_bytes
+
+
+def predict(captured: Captured | tuple, cost: CostModel, training: bool,
+            optimizer: OptimizerModel | None = None, graphs: dict | None = None,
+            contention: bool = True) -> Prediction:
+    """Lower and simulate already-captured graphs (``graphs`` replaces some by (index, phase))."""
+    lowered = lower_captured(captured, cost, optimizer if training else None, graphs)
+    timeline = simulate_graph(lowered.graph, Contention() if contention else None,
+                              initial_memory_bytes=lowered.static_bytes)
+    return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes)
+
+
+def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = "cpu",
+             training: bool = False, cost: str = "auto", optimizer: str | None = "sgd",
+             contention: bool = True) -> Prediction:
+    """Predict one iteration of ``model`` on ``device`` (a DeviceSpec name such as "h100").
+
+    Training includes backward and the optimizer step (``optimizer``: "sgd", "adam" or None).
+    """
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
+    captured = capture(model, example_inputs, training=training)
+    model_cost = cost_model_for(device, cost)
+    return predict(captured, model_cost, training, OPTIMIZERS.get(optimizer), contention=contention)

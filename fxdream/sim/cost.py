@@ -1,0 +1,235 @@
+"""Cost models: how long one FX node takes to dispatch on the host and to run as a kernel.
+
+``Analytic(DeviceSpec)`` is a roofline: max(FLOPs / peak, bytes / bandwidth), floored at
+the device's smallest kernel, plus a fixed dispatch/launch cost per op. It predicts for
+any GPU from its datasheet. ``Profiled`` measures each op on this machine at its exact
+shapes (blocks of calls, median of rounds) and caches the result by op + shapes + dtype
++ device, so a replacement op a pass inserts is measured, not guessed. Profiles are JSON.
+"""
+from __future__ import annotations
+
+import json
+import operator
+import statistics
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..annotate import VIEW_OPS, node_flops, op_name
+from .devices import DeviceSpec
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.float64: "float64"}
+
+
+class CostModel(Protocol):
+    device: DeviceSpec
+
+    def kernel_us(self, node: fx.Node) -> float:
+        """Device time of the node's kernel (0 for views and metadata ops)."""
+
+    def dispatch_us(self, node: fx.Node) -> float:
+        """Host time to dispatch (and on a GPU, launch) the node."""
+
+
+def is_view(node: fx.Node) -> bool:
+    return node.target is operator.getitem or op_name(node) in VIEW_OPS
+
+
+def tensor_bytes(value) -> int:
+    leaves, _ = tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _arg_values(node: fx.Node):
+    return tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes a kernel reads and writes: its tensor inputs plus its outputs."""
+    return tensor_bytes(_arg_values(node)) + tensor_bytes(node.meta.get("val"))
+
+
+def node_dtype(node: fx.Node) -> str:
+    leaves, _ = tree_flatten(node.meta.get("val"))
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return DTYPE_NAMES.get(t.dtype, "float32")
+    return "float32"
+
+
+class Analytic:
+    """Roofline costs from a DeviceSpec; ``dtype_rates`` overrides the rate per dtype (what-ifs)."""
+
+    def __init__(self, device: DeviceSpec):
+        self.device = device
+
+    def kernel_us(self, node: fx.Node) -> float:
+        if is_view(node):
+            return 0.0
+        peak = self.device.peak_flops.get(node_dtype(node)) or self.device.peak_flops["float32"]
+        flops = node_flops(node)
+        seconds = max(flops / peak, node_bytes(node) / self.device.mem_bandwidth)
+        return max(seconds * 1e6, self.device.kernel_min_us)
+
+    def dispatch_us(self, node: fx.Node) -> float:
+        launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us
+        return self.device.dispatch_overhead_us + launch
+
+    def utilization(self, node: fx.Node) -> float:
+        """Share of the GPU one kernel can fill: output elements over resident threads (≈2048 per SM)."""
+        if self.device.kind == "cpu" or not self.device.num_sms:
+            return 1.0
+        leaves, _ = tree_flatten(node.meta.get("val"))
+        elements = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
+        return min(1.0, max(0.05, elements / (self.device.num_sms * 2048)))
+
+
+def profile_key(node: fx.Node, device: str) -> str:
+    """op + tensor shapes/dtypes/strides + other arguments + device: one measurement each."""
+    def describe(a):
+        if isinstance(a, torch.Tensor):
+            return f"T{tuple(a.shape)}:{str(a.dtype).replace('torch.', '')}:{tuple(a.stride())}"
+        return repr(a)
+    args, kwargs = _arg_values(node)
+    parts = [describe(a) for a in tree_flatten(args)[0]]
+    parts += [f"{k}={describe(v)}" for k, v in sorted(kwargs.items())]
+    return f"{op_name(node)}|{device}|{','.join(parts)}"
+
+
+def _materialize(value, device: torch.device):
+    """A real tensor like a fake one: random floats, zeros for integers (always valid indices)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, FakeTensor):
+        return value  # a real constant (a folded or prepacked weight): time it as it is
+    shape, stride = tuple(value.shape), tuple(value.stride())
+    storage = sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) + 1
+    if value.is_floating_point():
+        flat = torch.randn(storage, dtype=value.dtype, device=device)
+    else:
+        flat = torch.zeros(storage, dtype=value.dtype, device=device)
+    return torch.as_strided(flat, shape, stride) if value.numel() else torch.empty(shape, dtype=value.dtype, device=device)
+
+
+class Profiled:
+    """Costs measured on this machine: each distinct op+shapes is timed once and cached.
+
+    ``kernel_us`` is the measured time of one call of the op (on CPU this includes the
+    ATen dispatch); ``dispatch_us`` is the Python cost of one generated-code call, measured
+    once per process. ``save``/``load`` keep the measurements as JSON.
+    """
+
+    def __init__(self, device: DeviceSpec, torch_device: str | torch.device = "cpu",
+                 measurements: dict | None = None, rounds: int = 5, target_block_us: float = 2000.0):
+        self.device = device
+        self.torch_device = torch.device(torch_device)
+        self.measurements: dict[str, float] = dict(measurements or {})
+        self.rounds = rounds
+        self.target_block_us = target_block_us
+        self._fallback = Analytic(device)
+        self._call_overhead_us: float | None = None
+
+    def kernel_us(self, node: fx.Node) -> float:
+        if is_view(node):
+            return 0.0
+        key = profile_key(node, self.torch_device.type)
+        if key not in self.measurements:
+            self.measurements[key] = self._measure(node)
+        return self.measurements[key]
+
+    def dispatch_us(self, node: fx.Node) -> float:
+        if self._call_overhead_us is None:
+            self._call_overhead_us = measure_call_overhead_us()
+        launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us
+        return self._call_overhead_us + (self.view_us() if is_view(node) else 0.0) + launch
+
+    def view_us(self) -> float:
+        key = f"__view__|{self.torch_device.type}"
+        if key not in self.measurements:
+            x = torch.empty(8, 8, device=self.torch_device)
+            self.measurements[key] = _time_calls(lambda: torch.ops.aten.view.default(x, [64]), self.rounds)
+        return self.measurements[key]
+
+    def utilization(self, node: fx.Node) -> float:
+        return self._fallback.utilization(node)
+
+    def _measure(self, node: fx.Node) -> float:
+        if not callable(node.target) or isinstance(node.target, str):
+            return 0.0
+        args, kwargs = tree_map(lambda v: _materialize(v, self.torch_device), _arg_values(node))
+        try:
+            return _time_calls(lambda: node.target(*args, **kwargs), self.rounds, self.target_block_us,
+                               cuda=self.torch_device.type == "cuda")
+        except Exception:  # an op that cannot run on synthetic inputs: fall back to the roofline
+            return self._fallback.kernel_us(node)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"device": self.device.name, "torch": torch.__version__,
+                                          "measurements_us": self.measurements}, indent=1, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: str | Path, device: DeviceSpec, torch_device="cpu") -> "Profiled":
+        data = json.loads(Path(path).read_text())
+        if data.get("device") != device.name:
+            raise ValueError(f"profile {path} was measured on {data.get('device')!r}, not {device.name!r}")
+        return cls(device, torch_device, data["measurements_us"])
+
+
+def _time_calls(fn, rounds: int = 5, target_block_us: float = 2000.0, cuda: bool = False) -> float:
+    """Median µs per call over ``rounds`` blocks sized to take about ``target_block_us``."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    started = time.perf_counter()
+    fn()
+    sync()
+    once_us = max((time.perf_counter() - started) * 1e6, 0.05)
+    calls = max(1, min(1000, int(target_block_us / once_us)))
+    samples = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - started) * 1e6 / calls)
+    return statistics.median(samples)
+
+
+_CALL_OVERHEAD_US: list[float] = []
+
+
+def measure_call_overhead_us() -> float:
+    """Python cost per op of generated FX code beyond the op itself (boxing, frame, locals)."""
+    if not _CALL_OVERHEAD_US:
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        y = x
+        for _ in range(100):
+            y = graph.call_function(torch.ops.aten.alias.default, (y,))
+        graph.output(y)
+        gm = fx.GraphModule(torch.nn.Module(), graph)
+        t = torch.empty(1)
+        through_graph = _time_calls(lambda: gm(t), rounds=7)
+        direct = _time_calls(lambda: _alias_chain(t), rounds=7)
+        _CALL_OVERHEAD_US.append(max(0.0, (through_graph - direct) / 100))
+    return _CALL_OVERHEAD_US[0]
+
+
+def _alias_chain(t):
+    alias = torch.ops.aten.alias.default
+    for _ in range(100):
+        t = alias(t)
+    return t
+
+
+def total_us(cost: CostModel, gm: fx.GraphModule) -> float:
+    """Sum of dispatch + kernel over a graph: a serial lower bound check, not a simulation."""
+    return sum(cost.dispatch_us(n) + cost.kernel_us(n) for n in gm.graph.nodes
+               if n.op == "call_function")
+

@@ -1,0 +1,239 @@
+"""Lower captured FX graphs to a Daydream task graph.
+
+Per compute node: one host task (dispatch, plus the launch on a GPU) on ``cpu:0`` and,
+on a GPU, one kernel on the node's stream (``node.meta["stream"]``, default 0) with a
+LAUNCH edge. On a CPU device the kernel runs on the launching thread, so host and kernel
+are one task. Views cost only dispatch. Data dependencies across streams become EVENT
+edges; ops that read a device value on the host (``.item()``, nonzero) add a SYNC task.
+Memory: a kernel allocates its outputs when it starts; a buffer is freed when the last
+task using it (through any view) ends, unless it leaves the iteration (an output, a
+gradient). Training adds the optimizer step as its own tasks.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from ..annotate import LAYER, op_name
+from .cost import CostModel, is_view, tensor_bytes
+from .taskgraph import DepKind, Task, TaskGraph, TaskKind
+
+STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on
+CUDA_GRAPH_REGION = "fxdream.cuda_graph_region"  # node.meta key: id of a captured region
+HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal",
+                           "aten.is_nonzero", "aten.masked_select", "aten.unique"})
+
+
+@dataclass(frozen=True)
+class OptimizerModel:
+    """The optimizer step as kernels: bytes moved per gradient byte and kernels per parameter.
+
+    SGD with momentum reads p, g, buf and writes p, buf (5x); Adam reads p, g, m, v and
+    writes p, m, v (7x). ``fused=True`` is one kernel for all parameters.
+    """
+    name: str = "sgd"
+    bytes_per_grad_byte: float = 5.0
+    kernels_per_param: int = 2
+    fused: bool = False
+
+
+SGD = OptimizerModel("sgd", 5.0, 2)
+ADAM = OptimizerModel("adam", 7.0, 5)
+OPTIMIZERS = {"sgd": SGD, "adam": ADAM}
+
+
+@dataclass(frozen=True)
+class Lowered:
+    graph: TaskGraph
+    static_bytes: int  # parameters and inputs alive before the iteration starts
+
+
+def _is_multi_output(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _aliases_input(node: fx.Node) -> bool:
+    """In-place and out= ops return an input: no new memory."""
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and any(r.alias_info is not None for r in schema.returns))
+
+
+class _Buffers:
+    """Tracks which allocation each value lives in, across fw and bw graphs, for liveness."""
+
+    def __init__(self):
+        self.scope = ""                           # subgraph label prefix: "g0" for g0.fw and g0.bw
+        self.root: dict[str, tuple] = {}          # scoped value name → buffer id
+        self.size: dict[tuple, int] = {}
+        self.last_use: dict[tuple, tuple[int, str]] = {}  # buffer → (graph index, task name)
+        self.output_graph: dict[tuple, int] = {}
+
+    def key(self, node: fx.Node) -> str:
+        return f"{self.scope}/{node.name}"
+
+    def known(self, node: fx.Node) -> bool:
+        return self.key(node) in self.root
+
+    def define(self, node: fx.Node) -> list[tuple]:
+        """Record the buffers ``node`` allocates (returns them) or aliases."""
+        key = self.key(node)
+        if node.op == "placeholder":
+            self.root.setdefault(key, ("input", key))
+            return []
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            base = self.root.get(self.key(node.args[0]))
+            multi = base is not None and base[0] == "multi"
+            self.root[key] = ("buf", base[1], node.args[1]) if multi else base
+            return []
+        if is_view(node) or _aliases_input(node):
+            first = next((a for a in node.all_input_nodes), None)
+            self.root[key] = self.root.get(self.key(first)) if first is not None else ("input", key)
+            return []
+        value = node.meta.get("val")
+        if isinstance(value, (tuple, list)):
+            created = [("buf", key, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+            for buffer, v in zip(created, [v for v in value if isinstance(v, torch.Tensor)]):
+                self.size[buffer] = tensor_bytes(v)
+            self.root[key] = ("multi", key)
+        else:
+            created = [("buf", key)]
+            self.size[("buf", key)] = tensor_bytes(value)
+            self.root[key] = ("buf", key)
+        return created
+
+    def use(self, node: fx.Node, task: str, graph_index: int) -> None:
+        for arg in node.all_input_nodes:
+            for buffer in self._buffers_of(arg):
+                self.last_use[buffer] = (graph_index, task)
+
+    def output(self, node: fx.Node, graph_index: int) -> None:
+        for arg in node.all_input_nodes:
+            for buffer in self._buffers_of(arg):
+                self.output_graph[buffer] = graph_index
+
+    def _buffers_of(self, arg: fx.Node) -> list[tuple]:
+        root = self.root.get(self.key(arg))
+        if root is None or root[0] == "input":
+            return []
+        if root[0] == "multi":
+            return [b for b in self.size if b[:2] == ("buf", root[1])]
+        return [root]
+
+    def frees(self) -> dict[str, int]:
+        """Task name → bytes freed when it ends (buffers that do not leave the iteration)."""
+        freed: dict[str, int] = {}
+        for buffer, size in self.size.items():
+            used = self.last_use.get(buffer)
+            out = self.output_graph.get(buffer)
+            if used is None or (out is not None and out >= used[0]):
+                continue  # never read, or leaves as an output / saved tensor not read later
+            freed[used[1]] = freed.get(used[1], 0) + size
+        return freed
+
+
+def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
+          optimizer: OptimizerModel | None = None) -> Lowered:
+    """``graphs`` are (label, GraphModule) in execution order, e.g. [("g0.fw", fw), ("g0.bw", bw)]."""
+    on_gpu = cost.device.kind != "cpu"
+    tg = TaskGraph()
+    buffers = _Buffers()
+    kernel_of: dict[str, str] = {}   # value name → kernel task that produced it (GPU)
+    allocs: dict[str, int] = {}
+    static = 0
+    for graph_index, (label, gm) in enumerate(graphs):
+        buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                if phase == "fw":
+                    static += tensor_bytes(node.meta.get("val"))
+                buffers.define(node)
+                continue
+            if node.op == "output":
+                buffers.output(node, graph_index)
+                continue
+            if node.op != "call_function":
+                continue
+            name = f"{label}:{node.name}"
+            common = dict(layer=node.meta.get(LAYER, ""), op=op_name(node), fx_node=node.name, phase=phase)
+            dispatch, kernel = cost.dispatch_us(node), cost.kernel_us(node)
+            if not on_gpu:
+                tg.append(Task(name, TaskKind.CPU, dispatch + kernel, "cpu:0", **common))
+                work = name
+            else:
+                tg.append(Task(name, TaskKind.CPU, dispatch, "cpu:0", **common))
+                work = name
+                if not is_view(node):
+                    stream = int(node.meta.get(STREAM, 0))
+                    work = tg.append(Task(f"{name}:k", TaskKind.GPU, kernel, f"stream:{stream}",
+                                          utilization=cost.utilization(node), **common),
+                                     deps=[(name, DepKind.LAUNCH)])
+                    for arg in node.all_input_nodes:
+                        producer = kernel_of.get(buffers.key(arg))
+                        if producer and tg.task(producer).resource != f"stream:{stream}":
+                            tg.add_dep(producer, work, DepKind.EVENT)
+                    if op_name(node) in HOST_SYNC_OPS:
+                        tg.append(Task(f"{name}:sync", TaskKind.SYNC, 0.0, "cpu:0", **common),
+                                  deps=[(work, DepKind.SYNC)])
+            if work != name:  # a kernel: consumers on other streams wait for it
+                kernel_of[buffers.key(node)] = work
+            elif node.all_input_nodes:  # a view: its producer is its base's
+                kernel_of[buffers.key(node)] = kernel_of.get(buffers.key(node.all_input_nodes[0]))
+            created = buffers.define(node)
+            allocs[work] = allocs.get(work, 0) + sum(buffers.size[b] for b in created)
+            buffers.use(node, work, graph_index)
+    if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
+        _lower_optimizer(tg, graphs[-1][1], cost, optimizer, on_gpu)
+    return Lowered(_with_memory(tg, allocs, buffers.frees()), static)
+
+
+def _with_memory(tg: TaskGraph, allocs: dict[str, int], frees: dict[str, int]) -> TaskGraph:
+    changed = TaskGraph()
+    for task in tg.tasks:
+        a, f = allocs.get(task.name, 0), frees.get(task.name, 0)
+        changed.add_task(task.replace(mem_alloc=a, mem_free=f) if (a or f) else task)
+    for dep in tg.deps:
+        changed.add_dep(dep.src, dep.dst, dep.kind)
+    return changed
+
+
+def _lower_optimizer(tg: TaskGraph, bw: fx.GraphModule, cost: CostModel, optimizer: OptimizerModel,
+                     on_gpu: bool) -> None:
+    """One update per gradient the backward returns, bandwidth-bound, after the backward."""
+    output = next(n for n in bw.graph.nodes if n.op == "output")
+    grads = [a.meta.get("val") for a in tree_flatten(output.args)[0] if isinstance(a, fx.Node)]
+    grads = [g for g in grads if isinstance(g, torch.Tensor) and g.is_floating_point()]
+    if not grads:
+        return
+    device = cost.device
+    launch = device.dispatch_overhead_us + (device.launch_overhead_us if on_gpu else 0.0)
+    groups = [grads] if optimizer.fused else [[g] for g in grads]
+    for i, group in enumerate(groups):
+        moved = optimizer.bytes_per_grad_byte * sum(tensor_bytes(g) for g in group)
+        kernels = 1 if optimizer.fused else optimizer.kernels_per_param
+        kernel_us = max(moved / device.mem_bandwidth * 1e6, kernels * device.kernel_min_us)
+        common = dict(layer="", op=f"optimizer.{optimizer.name}", phase="optim")
+        name = f"optim:{i}"
+        if not on_gpu:
+            tg.append(Task(name, TaskKind.CPU, kernels * launch + kernel_us, "cpu:0", **common))
+        else:
+            tg.append(Task(name, TaskKind.CPU, kernels * launch, "cpu:0", **common))
+            tg.append(Task(f"{name}:k", TaskKind.GPU, kernel_us, "stream:0", **common),
+                      deps=[(name, DepKind.LAUNCH)])
+
+
+def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None = None,
+                   graphs: dict | None = None) -> Lowered:
+    """Lower a Captured (or a tuple of them), optionally with rewritten graphs by (index, phase)."""
+    items = captured if isinstance(captured, tuple) else (captured,)
+    pairs = []
+    for c in items:
+        for phase, gm in c.graphs():
+            pairs.append((f"g{c.index}.{phase}", (graphs or {}).get((c.index, phase), gm)))
+    # all forwards run before all backwards (backward visits subgraphs in reverse)
+    ordered = [p for p in pairs if p[0].endswith("fw")] + [p for p in reversed(pairs) if p[0].endswith("bw")]
+    return lower(ordered, cost, optimizer)

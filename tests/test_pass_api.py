@@ -1,0 +1,129 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.annotate import op_name
+from fxdream.pass_api import PassContext, PassResult, available_passes, resolve_passes
+
+
+class ScaledLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x) * 1.0)
+
+
+class FoldMulByOne:
+    """x * 1.0 → x: the smallest useful rewrite."""
+    name = "test_fold_mul_by_one"
+
+    def applies_to(self, ctx):
+        return None
+
+    def __call__(self, gm, ctx):
+        folded = 0
+        for node in list(gm.graph.nodes):
+            if op_name(node) == "aten.mul" and node.args[1] == 1.0:
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+                folded += 1
+        return PassResult(gm, folded > 0, f"folded {folded} x*1" if folded else "no x*1 found")
+
+
+class Raises:
+    name = "test_raises"
+
+    def applies_to(self, ctx):
+        return None
+
+    def __call__(self, gm, ctx):
+        raise RuntimeError("boom")
+
+
+class BreaksTheGraph:
+    name = "test_breaks_graph"
+
+    def applies_to(self, ctx):
+        return None
+
+    def __call__(self, gm, ctx):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        ghost = torch.fx.Graph().placeholder("ghost")  # a node from another graph
+        output.args = ((ghost,),)
+        return PassResult(gm, True, "rewired the output")
+
+
+class OnlyInTraining:
+    name = "test_only_in_training"
+
+    def applies_to(self, ctx):
+        return None if ctx.training else "inference: nothing to do"
+
+    def __call__(self, gm, ctx):
+        return PassResult(gm, False, "looked, changed nothing")
+
+
+def _run(passes, training=False, cost="analytic"):
+    model, x = ScaledLinear(), torch.randn(4, 8)
+    optimized = fxdream.optimize(model, (x,), passes=passes, training=training, cost=cost)
+    return model, x, optimized
+
+
+def test_a_pass_rewrites_and_its_delta_is_predicted_from_simulation():
+    model, x, optimized = _run([FoldMulByOne()])
+    (row,) = optimized.report.passes
+    assert row.applied and row.reason == "folded 1 x*1" and row.phase == "fw"
+    # one op fewer: its dispatch and kernel time disappear from the simulated graph
+    assert row.predicted_delta_us < 0
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_pass_that_raises_is_skipped_and_reported():
+    model, x, optimized = _run([Raises(), FoldMulByOne()])
+    raised, folded = optimized.report.passes
+    assert not raised.applied
+    assert "skipped: the pass raised RuntimeError: boom" in raised.reason and "test_pass_api.py" in raised.reason
+    assert folded.applied  # the next pass still runs on the unchanged graph
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_pass_that_breaks_the_graph_is_skipped():
+    model, x, optimized = _run([BreaksTheGraph()])
+    (row,) = optimized.report.passes
+    assert not row.applied and row.reason.startswith("skipped: the pass raised")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_applies_to_reason_is_reported_per_graph():
+    _, _, optimized = _run([OnlyInTraining()])
+    assert [(r.applied, r.reason) for r in optimized.report.passes] == [(False, "inference: nothing to do")]
+    _, _, trained = _run([OnlyInTraining()], training=True)
+    assert [(r.phase, r.reason) for r in trained.report.passes] == [
+        ("fw", "looked, changed nothing"), ("bw", "looked, changed nothing")]
+
+
+def test_registered_pass_is_found_by_name():
+    fxdream.register_pass(FoldMulByOne)
+    assert "test_fold_mul_by_one" in available_passes()
+    (resolved,) = resolve_passes(["test_fold_mul_by_one"])
+    assert resolved.name == "test_fold_mul_by_one"
+    with pytest.raises(TypeError, match="is not a pass"):
+        fxdream.register_pass(object())
+
+
+def test_no_cost_model_means_no_prediction():
+    _, _, optimized = _run([FoldMulByOne()], cost=None)
+    (row,) = optimized.report.passes
+    assert row.applied and row.predicted_delta_us is None
+
+
+def test_pass_context_is_frozen_in_inference_forward_only():
+    assert PassContext(training=False, phase="fw").frozen
+    assert not PassContext(training=True, phase="fw").frozen
+    assert not PassContext(training=False, phase="bw").frozen

@@ -1,0 +1,52 @@
+"""Device table and CPU calibration."""
+import time
+
+import pytest
+
+from fxdream.sim import DEVICES, DeviceSpec, calibrate_cpu, get_device
+
+
+def test_get_device_case_insensitive_and_datasheet_values():
+    h = get_device("H100")
+    assert h is get_device("h100") and h.kind == "cuda"
+    assert h.peak_flops["float32"] == 67e12                     # non-tensor-core FP32
+    assert h.flops("bfloat16") == pytest.approx(989.4e12)       # dense, not sparsity
+    assert get_device("v100").flops("float16") == 125e12
+    assert get_device("v100").flops("bfloat16") == 15.7e12      # no bf16 on Volta: fp32
+    assert get_device("a100").flops("tf32") == 156e12
+    assert get_device("h200").mem_bandwidth == 4.8e12
+    assert get_device("a100").num_sms == 108
+    for name in ("v100", "a100", "h100", "h200"):
+        d = DEVICES[name]
+        assert d.launch_overhead_us > 0 and d.kernel_min_us > 0 and d.memory_bytes > 0
+
+
+def test_get_device_error_lists_valid_names():
+    with pytest.raises(ValueError) as e:
+        get_device("tpu-v4")
+    for name in ("cpu", "v100", "a100", "h100", "h200"):
+        assert name in str(e.value)
+
+
+def test_kernel_time_is_a_roofline():
+    a = get_device("a100")
+    # 312e12 FLOP at 312 TFLOP/s (fp16) = 1 s = 1e6 µs; bytes negligible
+    assert a.kernel_time_us(312e12, 1.0, "float16") == pytest.approx(1e6)
+    # 2039e9 bytes at 2039 GB/s = 1 s, compute negligible
+    assert a.kernel_time_us(1.0, 2039e9) == pytest.approx(1e6)
+    assert a.kernel_time_us(0, 0) == a.kernel_min_us            # never below the floor
+
+
+def test_device_spec_validates_kind():
+    with pytest.raises(ValueError):
+        DeviceSpec("x", "tpu", {"float32": 1.0}, 1.0, 0, 0, 0, None, 0)
+
+
+def test_calibrate_cpu_is_fast_and_cached():
+    t0 = time.perf_counter()
+    c = calibrate_cpu(seconds=0.3, refresh=True)
+    assert time.perf_counter() - t0 < 2.0
+    assert c.kind == "cpu" and c.num_sms is None
+    assert c.peak_flops["float32"] > 1e8                        # > 0.1 GFLOP/s on anything
+    assert c.mem_bandwidth > 1e8 and c.dispatch_overhead_us > 0
+    assert get_device("CPU") is c and calibrate_cpu() is c      # cached per process

@@ -1,0 +1,139 @@
+"""Lowering FX graphs to task graphs, with expected makespans and memory worked out by hand."""
+import pytest
+import torch
+import torch.fx as fx
+
+from fxdream.sim.cost import is_view
+from fxdream.sim.devices import DeviceSpec
+from fxdream.sim.lower import STREAM, OptimizerModel, lower
+from fxdream.sim.simulate import Contention, simulate
+from fxdream.sim.taskgraph import DepKind, TaskKind
+
+aten = torch.ops.aten
+GPU = DeviceSpec("toy-gpu", "cuda", {"float32": 1e12}, 1e9, launch_overhead_us=0.0,
+                 dispatch_overhead_us=1.0, kernel_min_us=0.0, num_sms=1, memory_bytes=2**30)
+CPU = DeviceSpec("toy-cpu", "cpu", {"float32": 1e9}, 1e9, launch_overhead_us=0.0,
+                 dispatch_overhead_us=1.0, kernel_min_us=0.0, num_sms=None, memory_bytes=2**30)
+
+
+class FixedCost:
+    """Every op: 1 µs dispatch; every kernel 10 µs; views only dispatch."""
+    def __init__(self, device):
+        self.device = device
+
+    def dispatch_us(self, node):
+        return 1.0
+
+    def kernel_us(self, node):
+        return 0.0 if is_view(node) else 10.0
+
+    def utilization(self, node):
+        return 1.0
+
+
+class _Recording(fx.Interpreter):
+    """Runs the graph on real tensors and keeps each value as meta["val"] (shapes for the cost model)."""
+    def run_node(self, node):
+        node.meta["val"] = result = super().run_node(node)
+        return result
+
+
+def _graph(build, *shapes):
+    graph = fx.Graph()
+    inputs = [graph.placeholder(f"x{i}") for i in range(len(shapes))]
+    graph.output(build(graph, *inputs))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    _Recording(gm).run(*[torch.randn(s) for s in shapes])
+    return gm
+
+
+def _call(graph, target, args, name):
+    return graph.create_node("call_function", target, args, name=name)
+
+
+def _relu_view_add(graph, x):
+    r = _call(graph, aten.relu.default, (x,), "relu")
+    v = _call(graph, aten.view.default, (r, [4]), "view")
+    return _call(graph, aten.add.Tensor, (v, x), "add")
+
+
+def test_gpu_lowering_launch_then_kernel_per_op_and_views_cost_dispatch_only():
+    lowered = lower([("g.fw", _graph(_relu_view_add, (4,)))], FixedCost(GPU))
+    kinds = [(t.name, t.kind, t.resource) for t in lowered.graph.tasks]
+    assert kinds == [("g.fw:relu", TaskKind.CPU, "cpu:0"), ("g.fw:relu:k", TaskKind.GPU, "stream:0"),
+                     ("g.fw:view", TaskKind.CPU, "cpu:0"),
+                     ("g.fw:add", TaskKind.CPU, "cpu:0"), ("g.fw:add:k", TaskKind.GPU, "stream:0")]
+    assert lowered.graph.dep_kind("g.fw:relu", "g.fw:relu:k") is DepKind.LAUNCH
+    timeline = simulate(lowered.graph)
+    # cpu: relu [0,1] view [1,2] add [2,3]; stream 0: relu [1,11], add [11,21]
+    assert timeline.makespan_us == pytest.approx(21.0)
+
+
+def test_cpu_lowering_runs_kernels_on_the_launching_thread():
+    lowered = lower([("g.fw", _graph(_relu_view_add, (4,)))], FixedCost(CPU))
+    assert [t.resource for t in lowered.graph.tasks] == ["cpu:0"] * 3
+    # relu 1+10, view 1, add 1+10, one after the other
+    assert simulate(lowered.graph).makespan_us == pytest.approx(23.0)
+
+
+def test_memory_outputs_allocated_at_start_freed_after_last_use_through_views():
+    lowered = lower([("g.fw", _graph(_relu_view_add, (4,)))], FixedCost(GPU))
+    assert lowered.static_bytes == 16            # x: 4 floats
+    relu, add = lowered.graph.task("g.fw:relu:k"), lowered.graph.task("g.fw:add:k")
+    assert (relu.mem_alloc, relu.mem_free) == (16, 0)
+    # relu's buffer is last read (through the view) by add; add's own output leaves the graph
+    assert (add.mem_alloc, add.mem_free) == (16, 16)
+    timeline = simulate(lowered.graph, initial_memory_bytes=lowered.static_bytes)
+    assert timeline.peak_memory_bytes == 16 + 16 + 16
+
+
+def _two_branches(graph, x):
+    a = _call(graph, aten.relu.default, (x,), "relu")
+    b = _call(graph, aten.neg.default, (x,), "neg")
+    return _call(graph, aten.add.Tensor, (a, b), "add")
+
+
+def _two_stream_graph():
+    gm = _graph(_two_branches, (4,))
+    next(n for n in gm.graph.nodes if n.name == "neg").meta[STREAM] = 1
+    return gm
+
+
+def test_cross_stream_consumer_waits_on_an_event():
+    lowered = lower([("g.fw", _two_stream_graph())], FixedCost(GPU))
+    assert lowered.graph.task("g.fw:neg:k").resource == "stream:1"
+    assert lowered.graph.dep_kind("g.fw:neg:k", "g.fw:add:k") is DepKind.EVENT
+    # launches [0,1] [1,2] [2,3]; relu [1,11] on s0, neg [2,12] on s1; add waits for neg: [12,22]
+    assert simulate(lowered.graph).makespan_us == pytest.approx(22.0)
+
+
+def test_contention_slows_overlapping_kernels():
+    lowered = lower([("g.fw", _two_stream_graph())], FixedCost(GPU))
+    # relu alone [1,2] does 1 µs of work; from 2 both share the device at rate 1/2:
+    # relu's 9 µs left end at 2 + 18 = 20; neg then has 10 - 9 = 1 µs left → 21; add [21,31]
+    assert simulate(lowered.graph, Contention()).makespan_us == pytest.approx(31.0)
+
+
+def test_host_sync_op_makes_the_cpu_wait_for_the_kernel():
+    def build(graph, x):
+        s = _call(graph, aten.sum.default, (x,), "sum")
+        item = _call(graph, aten._local_scalar_dense.default, (s,), "_local_scalar_dense")
+        return _call(graph, aten.relu.default, (x,), "relu"), item
+    lowered = lower([("g.fw", _graph(build, (4,)))], FixedCost(GPU))
+    sync = lowered.graph.task("g.fw:_local_scalar_dense:sync")
+    assert sync.kind is TaskKind.SYNC
+    # sum: launch [0,1] kernel [1,11]; item launch [1,2], kernel [11,21], sync until 21;
+    # relu launch [21,22] kernel [22,32]
+    assert simulate(lowered.graph).makespan_us == pytest.approx(32.0)
+
+
+def test_optimizer_step_follows_the_backward_as_its_own_tasks():
+    def build(graph, x):
+        return _call(graph, aten.neg.default, (x,), "neg"), None
+    bw = _graph(build, (1000,))  # one "gradient" of 4000 bytes
+    sgd = OptimizerModel("sgd", bytes_per_grad_byte=5.0, kernels_per_param=2)
+    lowered = lower([("g.bw", bw)], FixedCost(GPU), optimizer=sgd)
+    step = lowered.graph.task("optim:0:k")
+    assert step.phase == "optim"
+    # 5 x 4000 bytes at 1e9 B/s = 20 µs
+    assert step.duration_us == pytest.approx(20.0)
