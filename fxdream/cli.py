@@ -76,6 +76,26 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_ab(args) -> int:
+    """Per-pass A/B: measured and predicted, side by side, one row per batch size."""
+    from fxdream.ab import ab, plot_ab
+    batches = [int(b) for b in args.batch.split(",") if b]
+    result = ab(args.model, args.passes, batch_sizes=batches, training=args.training, device=args.device,
+                tiny=args.tiny, rounds=args.rounds, block=args.block)
+    print(result.to_markdown())
+    for row in result.rows:
+        for reason in row.pass_reasons:
+            print(f"  bs{row.batch} {reason}")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json())
+        print(f"json: {args.json}")
+    if args.plot:
+        plot_ab(result, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fxdream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +129,19 @@ def main(argv=None) -> int:
     sim.add_argument("--plot", help="write a PNG timeline here")
     sim.add_argument("--top", type=int, default=10)
     sim.set_defaults(run=cmd_simulate)
+
+    abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
+    abp.add_argument("model")
+    abp.add_argument("--pass", dest="passes", required=True, help="pass name(s), comma-separated")
+    abp.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8,32")
+    abp.add_argument("--training", action="store_true")
+    abp.add_argument("--device", default="cpu", help="cpu or cuda (runs there; predicts for it)")
+    abp.add_argument("--tiny", action="store_true")
+    abp.add_argument("--rounds", type=int, default=5)
+    abp.add_argument("--block", type=int, default=10)
+    abp.add_argument("--json", help="write the rows as JSON here")
+    abp.add_argument("--plot", help="write a PNG of measured vs predicted Δ here")
+    abp.set_defaults(run=cmd_ab)
 
     args = parser.parse_args(argv)
     try:

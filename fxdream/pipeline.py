@@ -25,6 +25,7 @@ class PassPipeline:
         self.passes = passes
         self.base_context = base_context
         self.rows: list[PassReport] = []
+        self.rewritten: dict[tuple[int, str], fx.GraphModule] = {}  # (subgraph, phase) → graph run
 
     def _predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
         cost = self.base_context.cost_model
@@ -38,6 +39,7 @@ class PassPipeline:
         ctx = dataclasses.replace(self.base_context, phase=phase, params=params, predict_us=predict_us)
         for p in self.passes:
             gm = self._run_one(p, gm, ctx, index)
+        self.rewritten[(index, phase)] = gm
         return gm
 
     def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
@@ -122,6 +124,11 @@ class OptimizedModule(torch.nn.Module):
     def captured(self):
         """The ``Captured`` graphs (as captured, before passes) of every subgraph so far."""
         return self._session.captured()
+
+    @property
+    def rewritten_graphs(self) -> dict:
+        """(subgraph index, phase) → the graph the passes produced (absent: ran as captured)."""
+        return dict(self._pipeline.rewritten)
 
 
 def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool = False,

@@ -1,0 +1,178 @@
+"""A/B runs: a pass's measured effect beside its predicted one, from one process, interleaved.
+
+Baseline is the model run through its captured graphs with no pass; it is what the
+prediction's "before" simulates, so measured and predicted deltas compare like with like.
+Eager is timed in the same rounds for context. Training rows time forward + backward
+(no optimizer step, and the prediction leaves it out too).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import platform
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .measure import Measurement, time_interleaved
+from .pass_api import resolve_passes
+from .pipeline import optimize
+from .predict import cost_model_for, predict, this_machine_device
+
+
+@dataclass(frozen=True)
+class ABRow:
+    model: str
+    batch: int
+    training: bool
+    passes: tuple[str, ...]
+    eager: Measurement
+    baseline: Measurement
+    optimized: Measurement
+    predicted_baseline_ms: float
+    predicted_optimized_ms: float
+    max_abs_diff: float
+    pass_reasons: tuple[str, ...]
+
+    @property
+    def measured_delta_pct(self) -> float:
+        return 100.0 * (self.optimized.median_ms / self.baseline.median_ms - 1.0)
+
+    @property
+    def predicted_delta_pct(self) -> float:
+        return 100.0 * (self.predicted_optimized_ms / self.predicted_baseline_ms - 1.0)
+
+    @property
+    def error_pct(self) -> float:
+        """Predicted optimized time vs measured optimized time."""
+        return 100.0 * (self.predicted_optimized_ms / self.optimized.median_ms - 1.0)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(measured_delta_pct=self.measured_delta_pct, predicted_delta_pct=self.predicted_delta_pct,
+                    error_pct=self.error_pct)
+        return data
+
+
+@dataclass(frozen=True)
+class ABResult:
+    device: str
+    torch_version: str
+    date: str
+    rows: tuple[ABRow, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"device": self.device, "torch": self.torch_version, "date": self.date,
+                           "host": platform.node(), "rows": [r.to_dict() for r in self.rows]}, indent=1)
+
+    def to_markdown(self) -> str:
+        lines = [f"A/B on {self.device} (torch {self.torch_version}, {self.date}); times are measured "
+                 "medians except the *predicted* columns",
+                 "", "| model | batch | mode | passes | eager ms | baseline ms | optimized ms | predicted "
+                 "baseline ms | predicted optimized ms | measured Δ | predicted Δ | error | max abs diff |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            lines.append(
+                f"| {r.model} | {r.batch} | {'train' if r.training else 'infer'} | {'+'.join(r.passes)} "
+                f"| {r.eager.median_ms:.2f} | {r.baseline.median_ms:.2f} ±{r.baseline.spread_pct / 2:.0f}% "
+                f"| {r.optimized.median_ms:.2f} ±{r.optimized.spread_pct / 2:.0f}% | {r.predicted_baseline_ms:.2f} "
+                f"| {r.predicted_optimized_ms:.2f} | {r.measured_delta_pct:+.1f} % | {r.predicted_delta_pct:+.1f} % "
+                f"| {r.error_pct:+.1f} % | {r.max_abs_diff:.1e} |")
+        return "\n".join(lines)
+
+
+def _step(module, inputs, loss_fn, training):
+    if not training:
+        with torch.no_grad():
+            return lambda: module(*inputs)
+
+    def train_step():
+        for p in module.parameters():
+            p.grad = None
+        loss_fn(module(*inputs)).backward()
+    return train_step
+
+
+def _max_abs_diff(model, optimized, inputs, loss_fn, training) -> float:
+    """Outputs (and in training, every parameter's gradient) of optimized vs eager."""
+    reference = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.set_grad_enabled(training):
+        expected = reference(*inputs)
+    torch.manual_seed(0)
+    actual = optimized(*inputs) if training else _no_grad(optimized, inputs)
+    diffs = [(a.float() - e.float()).abs().max().item() for a, e in
+             zip(torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected))
+             if isinstance(a, torch.Tensor)]
+    if training:
+        for m in (reference, optimized):
+            m.zero_grad(set_to_none=True)
+        loss_fn(expected).backward()
+        loss_fn(actual).backward()
+        diffs += [(p.grad - q.grad).abs().max().item() for p, q in
+                  zip(optimized.model.parameters(), reference.parameters()) if p.grad is not None]
+        optimized.zero_grad(set_to_none=True)
+    return max(diffs, default=0.0)
+
+
+def _no_grad(module, inputs):
+    with torch.no_grad():
+        return module(*inputs)
+
+
+def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, device: str = "cpu",
+       tiny: bool = False, rounds: int = 5, block: int = 10, progress: bool = True,
+       dtype: torch.dtype = torch.float32) -> ABResult:
+    """For each batch: eager, baseline (no pass) and optimized timed side by side, plus predictions.
+
+    ``model`` is a zoo name or ``build(batch_size) -> (model, example_inputs, loss_fn)``.
+    """
+    from . import models
+    if isinstance(model, str):
+        model_name = model
+        build = lambda batch: models.build(model_name, batch, tiny=tiny, device=device, dtype=dtype)  # noqa: E731
+    else:
+        build, model_name = model, getattr(model, "__name__", "model")
+    selected = resolve_passes(passes)
+    names = tuple(p.name for p in selected)
+    spec = this_machine_device(device)
+    cost = cost_model_for(spec, "auto")
+    rows = []
+    for batch in batch_sizes:
+        model, inputs, loss_fn = build(batch)
+        model.train(training)
+        baseline = optimize(model, inputs, training=training, device=device)
+        optimized = optimize(model, inputs, passes=selected, training=training, device=device)
+        before = predict(baseline.captured, cost, training)
+        after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs)
+        measured = time_interleaved(
+            {"eager": _step(model, inputs, loss_fn, training), "baseline": _step(baseline, inputs, loss_fn, training),
+             "optimized": _step(optimized, inputs, loss_fn, training)},
+            rounds=rounds, block=block, progress=progress, desc=f"{model_name} bs{batch}")
+        reasons = tuple(f"{r.graph_index}/{r.phase}: {'applied' if r.applied else 'not applied'}: {r.reason}"
+                        for r in optimized.report.passes)
+        rows.append(ABRow(model_name, batch, training, names, measured["eager"], measured["baseline"],
+                          measured["optimized"], before.time_ms, after.time_ms,
+                          _max_abs_diff(model, optimized, inputs, loss_fn, training), reasons))
+    return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
+
+
+def plot_ab(result: ABResult, path: str) -> None:
+    """Measured vs predicted Δ% per row, as grouped bars."""
+    from .sim.trace import _figure_api
+    Figure, Canvas = _figure_api()
+    labels = [f"{r.model}\nbs{r.batch} {'train' if r.training else 'infer'}" for r in result.rows]
+    xs = range(len(result.rows))
+    fig = Figure(figsize=(max(4, 1.4 * len(labels)), 3.5))
+    Canvas(fig)
+    ax = fig.subplots()
+    ax.bar([x - 0.2 for x in xs], [r.measured_delta_pct for r in result.rows], 0.4, label="measured Δ %")
+    ax.bar([x + 0.2 for x in xs], [r.predicted_delta_pct for r in result.rows], 0.4, label="predicted Δ %")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("time change vs baseline (%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,68 @@
+import json
+
+import torch
+import torch.nn as nn
+
+from fxdream.ab import ab, plot_ab
+from fxdream.annotate import op_name
+from fxdream.pass_api import PassResult
+
+
+class DoubleNeg(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.neg(torch.neg(self.lin(x))).relu()
+
+
+class RemoveDoubleNeg:
+    name = "test_remove_double_neg"
+
+    def applies_to(self, ctx):
+        return None if ctx.phase == "fw" else "forward only"
+
+    def __call__(self, gm, ctx):
+        removed = 0
+        for node in list(gm.graph.nodes):
+            inner = node.args[0] if node.args else None
+            if op_name(node) == "aten.neg" and getattr(inner, "target", None) is node.target and len(inner.users) == 1:
+                node.replace_all_uses_with(inner.args[0])
+                gm.graph.erase_node(node)
+                gm.graph.erase_node(inner)
+                removed += 1
+        return PassResult(gm, removed > 0, f"removed {removed} double negation(s)")
+
+
+def build(batch):
+    torch.manual_seed(0)
+    model = DoubleNeg()
+    x = torch.randn(batch, 16)
+    return model, (x,), lambda out: out.sum()
+
+
+def test_ab_rows_have_measured_and_predicted_columns_for_each_batch(tmp_path):
+    result = ab(build, [RemoveDoubleNeg()], batch_sizes=(1, 4), rounds=1, block=2, progress=False)
+    assert [r.batch for r in result.rows] == [1, 4]
+    for row in result.rows:
+        assert row.passes == ("test_remove_double_neg",)
+        assert row.max_abs_diff == 0.0
+        assert row.baseline.median_ms > 0 and row.optimized.median_ms > 0
+        # two ops fewer in the simulated graph: the predicted optimized time is lower
+        assert row.predicted_optimized_ms < row.predicted_baseline_ms
+        assert row.predicted_delta_pct < 0
+        assert any("removed 1 double negation" in reason for reason in row.pass_reasons)
+    table = result.to_markdown()
+    assert "predicted baseline ms" in table and "| DoubleNeg |" not in table
+    data = json.loads(result.to_json())
+    assert len(data["rows"]) == 2 and "error_pct" in data["rows"][0]
+    plot_ab(result, tmp_path / "ab.png")
+    assert (tmp_path / "ab.png").stat().st_size > 0
+
+
+def test_ab_training_checks_gradients_too():
+    (row,) = ab(build, [RemoveDoubleNeg()], batch_sizes=(2,), training=True, rounds=1, block=1,
+                progress=False).rows
+    assert row.training and row.max_abs_diff == 0.0
+    assert any(reason.startswith("0/bw: not applied: forward only") for reason in row.pass_reasons)
