@@ -52,6 +52,9 @@ class Captured:
     training: bool
     input_shapes: tuple
     unmapped_backward_nodes: int = 0
+    # the real tensors the forward graph received at capture (parameters, buffers, inputs):
+    # what in-context profiling runs the graphs on
+    example_inputs: tuple = field(default=(), repr=False, compare=False)
 
     def graphs(self) -> tuple[tuple[str, fx.GraphModule], ...]:
         pairs = [("fw", self.forward)]
@@ -116,10 +119,12 @@ class _SubgraphRecord:
     forward_layers: dict = field(default_factory=dict)
     unmapped_backward_nodes: int = 0
     compile_seconds: float = 0.0
+    example_inputs: tuple = ()
 
     def freeze(self) -> Captured:
         return Captured(self.index, self.forward, self.backward, self.torch_graph,
-                        self.training, self.input_shapes, self.unmapped_backward_nodes)
+                        self.training, self.input_shapes, self.unmapped_backward_nodes,
+                        self.example_inputs)
 
 
 def _shape_of(value) -> tuple | str:
@@ -156,6 +161,7 @@ class CaptureSession:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
                                  _user_input_shapes(gm, example_inputs))
+        record.example_inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in example_inputs)
         self.records.append(record)
         prefix = frame_prefix(gm, example_inputs, self.state_names)
         state = [x if id(x) in self.state_names else None for x in example_inputs]

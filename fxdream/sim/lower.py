@@ -147,6 +147,9 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
     static = 0
     for graph_index, (label, gm) in enumerate(graphs):
         buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
+        call_us = cost.graph_call_us() if hasattr(cost, "graph_call_us") else 0.0
+        if call_us:
+            tg.append(Task(f"{label}:call", TaskKind.CPU, call_us, "cpu:0", op="graph_call", phase=phase))
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 if phase == "fw":

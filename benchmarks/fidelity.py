@@ -1,0 +1,146 @@
+"""Simulation fidelity on this CPU: predicted (profiled costs) vs measured time per iteration.
+
+For each zoo model × batch × {inference, training step (forward + backward)}: the
+model run through its captured graphs with no pass is timed (median of rounds of blocks),
+and the same graphs are lowered and simulated with per-op costs measured on this machine.
+A full-size configuration whose single step takes longer than --max-step-s is replaced by
+its tiny configuration (marked in the table). Writes JSON, a markdown table and a PNG.
+
+    python benchmarks/fidelity.py --out benchmarks/results/fidelity_cpu_<date>
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import fxdream
+from fxdream import models
+from fxdream.measure import time_interleaved
+from fxdream.predict import cost_model_for, predict
+
+
+def _step(module, inputs, loss_fn, training):
+    """Inference: forward under no_grad. Training: forward + backward of the captured graphs
+    (the output's gradient is given, so no eager loss runs outside what is simulated)."""
+    if not training:
+        def infer():
+            with torch.no_grad():
+                module(*inputs)
+        return infer
+    output_grad = torch.ones_like(module(*inputs))
+    module.zero_grad(set_to_none=True)
+
+    def train():
+        for p in module.parameters():
+            p.grad = None
+        module(*inputs).backward(output_grad)
+    return train
+
+
+def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: int, cost) -> dict:
+    tiny = False
+    model, inputs, loss_fn = models.build(name, batch)
+    model.train(training)
+    optimized = fxdream.optimize(model, inputs, training=training)
+    step = _step(optimized, inputs, loss_fn, training)
+    started = time.perf_counter()
+    step()
+    if time.perf_counter() - started > max_step_s:
+        tiny = True
+        model, inputs, loss_fn = models.build(name, batch, tiny=True)
+        model.train(training)
+        optimized = fxdream.optimize(model, inputs, training=training)
+        step = _step(optimized, inputs, loss_fn, training)
+        started = time.perf_counter()
+        step()
+    once_s = time.perf_counter() - started
+    block = max(1, min(20, int(0.25 / max(once_s, 1e-6))))
+    measured = time_interleaved({"run": step}, rounds=rounds, block=block, warmup=2, progress=False)["run"]
+    prediction = predict(optimized.captured, cost, training)
+    graphs = len(optimized.report.graphs)
+    return dict(model=name, batch=batch, training=training, tiny=tiny, subgraphs=graphs,
+                graph_breaks=len(optimized.report.graph_breaks),
+                measured_ms=measured.median_ms, spread_pct=measured.spread_pct,
+                predicted_ms=prediction.time_ms, error_pct=100 * (prediction.time_ms / measured.median_ms - 1))
+
+
+def to_markdown(rows: list[dict]) -> str:
+    lines = ["| model | batch | mode | config | subgraphs | measured ms | predicted ms | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['batch']} | {'train' if r['training'] else 'infer'} "
+                     f"| {'tiny' if r['tiny'] else 'full'} | {r['subgraphs']} | {r['measured_ms']:.3f} "
+                     f"| {r['predicted_ms']:.3f} | {r['error_pct']:+.1f} % |")
+    errors = [abs(r["error_pct"]) for r in rows]
+    if errors:
+        lines.append(f"\nmean |error| {statistics.mean(errors):.1f} %, max {max(errors):.1f} % over {len(rows)} rows")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    from fxdream.sim.trace import _figure_api
+    Figure, Canvas = _figure_api()
+    fig = Figure(figsize=(5, 5))
+    Canvas(fig)
+    ax = fig.subplots()
+    for training, marker in ((False, "o"), (True, "^")):
+        pts = [(r["measured_ms"], r["predicted_ms"]) for r in rows if r["training"] == training]
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker, label="training step" if training else "inference")
+    lo = min(min(r["measured_ms"], r["predicted_ms"]) for r in rows)
+    hi = max(max(r["measured_ms"], r["predicted_ms"]) for r in rows)
+    ax.plot([lo, hi], [lo, hi], color="gray", linewidth=1, label="y = x")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured ms")
+    ax.set_ylabel("predicted ms (profiled)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(models.NAMES))
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--modes", default="infer,train")
+    parser.add_argument("--max-step-s", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=f"benchmarks/results/fidelity_cpu_{datetime.date.today().isoformat()}")
+    args = parser.parse_args(argv)
+    cost = cost_model_for("cpu", "profiled")
+    rows = []
+    cases = [(m, int(b), mode == "train") for m in args.models.split(",") for b in args.batches.split(",")
+             for mode in args.modes.split(",")]
+    for i, (name, batch, training) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {name} bs{batch} {'train' if training else 'infer'} ...", end=" ", flush=True)
+        try:
+            row = one_row(name, batch, training, args.max_step_s, args.rounds, cost)
+        except Exception as error:  # e.g. BatchNorm in training at batch 1: report, go on
+            print(f"skipped ({type(error).__name__}: {str(error).splitlines()[0][:100]})")
+            continue
+        rows.append(row)
+        print(f"measured {row['measured_ms']:.2f} ms, predicted {row['predicted_ms']:.2f} ms, "
+              f"error {row['error_pct']:+.1f} %{' (tiny)' if row['tiny'] else ''}")
+    table = to_markdown(rows)
+    print(table)
+    meta = dict(device="cpu", threads=torch.get_num_threads(), torch=torch.__version__,
+                date=datetime.date.today().isoformat())
+    with open(args.out + ".json", "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(table + "\n")
+    if rows:
+        plot(rows, args.out + ".png")
+    print(f"wrote {args.out}.json/.md/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

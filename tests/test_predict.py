@@ -1,0 +1,74 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.predict import cost_model_for, predict, simulate
+from fxdream.sim.cost import Analytic, Profiled, is_view, profile_key
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_simulate_on_this_cpu_and_on_a_gpu_spec():
+    model, x = Small(), torch.randn(2, 3, 8, 8)
+    here = simulate(model, (x,), device="cpu", training=True)
+    assert here.time_ms > 0 and here.peak_memory_bytes >= here.static_bytes > 0
+    assert {t.phase for t in here.task_graph.tasks} >= {"fw", "bw", "optim"}
+    assert "conv" in dict(here.top_layers(10))
+    h100 = simulate(model, (x,), device="h100", training=False)
+    assert isinstance(h100, fxdream.predict.Prediction)
+    assert any(t.resource == "stream:0" for t in h100.task_graph.tasks)
+    assert "predicted inference on h100" in h100.summary()
+
+
+def test_profiled_costs_are_measured_in_context_for_every_compute_node():
+    model, x = Small(), torch.randn(2, 3, 8, 8)
+    captured = fxdream.capture(model, (x,), training=True)
+    cost = cost_model_for("cpu", "profiled")
+    assert isinstance(cost, Profiled)
+    predict(captured, cost, training=True)
+    for _, gm in captured.graphs():
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and not is_view(node):
+                assert profile_key(node, "cpu") in cost.measurements, node.format_node()
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    cost = cost_model_for("cpu", "profiled")
+    model, x = Small(), torch.randn(2, 3, 8, 8)
+    predict(fxdream.capture(model, (x,)), cost, training=False)
+    cost.save(tmp_path / "profile.json")
+    loaded = Profiled.load(tmp_path / "profile.json", cost.device)
+    assert loaded.measurements == cost.measurements
+    assert (tmp_path / "profile.json").read_text().startswith("{")  # JSON, never pickle
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(device="tpu9"), "unknown device 'tpu9'; valid names: cpu, v100, a100, h100, h200"),
+    (dict(device="h100", cost="profiled"), "cost='profiled' measures on this machine"),
+    (dict(cost="guess"), "cost='guess' is not a cost model; valid: 'profiled', 'analytic', 'auto'"),
+    (dict(training=True, optimizer="lamb"), "optimizer='lamb' is not known; valid: sgd, adam or None"),
+])
+def test_simulate_bad_arguments(kwargs, message):
+    if kwargs.get("device") == "h100" and torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        simulate(Small(), (torch.randn(2, 3, 8, 8),), **kwargs)
+
+
+def test_analytic_gpu_costs_are_roofline():
+    captured = fxdream.capture(Small(), (torch.randn(2, 3, 8, 8),))
+    cost = cost_model_for("h100", "analytic")
+    assert isinstance(cost, Analytic)
+    conv = next(n for n in captured.forward.graph.nodes if "convolution" in str(n.target))
+    assert cost.kernel_us(conv) >= cost.device.kernel_min_us
+    assert cost.dispatch_us(conv) == cost.device.dispatch_overhead_us + cost.device.launch_overhead_us
