@@ -19,7 +19,7 @@ import torch.fx as fx
 from functorch.compile import aot_module_simplified, make_boxed_func
 
 from .annotate import (LAYER, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
-                       frame_prefix, is_compute, node_flops, op_name)
+                       frame_prefix, is_compute, node_flops, op_name, qualified_name)
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor}) → graph_module to run."""
@@ -150,21 +150,23 @@ class CaptureSession:
     record keeps the graph as captured, the transform keeps its own results.
     """
 
-    def __init__(self, model: torch.nn.Module, transform: GraphTransform | None = None):
+    def __init__(self, model: torch.nn.Module | None, transform: GraphTransform | None = None):
         self.transform = transform
         self.records: list[_SubgraphRecord] = []
         self.state_names: dict[int, str] = {}  # a shared tensor keeps its first name
-        for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
-                list(model.named_buffers(remove_duplicate=False)):
-            self.state_names.setdefault(id(tensor), name)
+        if model is not None:
+            for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
+                    list(model.named_buffers(remove_duplicate=False)):
+                self.state_names.setdefault(id(tensor), name)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
                                  _user_input_shapes(gm, example_inputs))
         record.example_inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in example_inputs)
         self.records.append(record)
-        prefix = frame_prefix(gm, example_inputs, self.state_names)
-        state = [x if id(x) in self.state_names else None for x in example_inputs]
+        names = self.state_names or _state_names_from_sources(gm, example_inputs)
+        prefix = frame_prefix(gm, example_inputs, names)
+        state = [x if id(x) in names else None for x in example_inputs]
 
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
@@ -192,6 +194,16 @@ class CaptureSession:
 
     def captured(self) -> tuple[Captured, ...]:
         return tuple(r.freeze() for r in self.records if r.forward is not None)
+
+
+def _state_names_from_sources(gm: fx.GraphModule, example_inputs: Sequence) -> dict[int, str]:
+    """Without the root model (a plain torch.compile backend), name state by dynamo's sources."""
+    names = {}
+    for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        if isinstance(value, torch.Tensor) and _MODEL_STATE.search(node.name):
+            source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+            names[id(value)] = qualified_name(source) if source else node.name
+    return names
 
 
 def _model_state_of(fw: fx.GraphModule, state: list) -> dict:

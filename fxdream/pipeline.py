@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import dataclasses
 import time
 import traceback
@@ -18,12 +19,17 @@ from .report import GraphReport, PassReport, Report
 from .validate import check_flag, check_inputs, check_model, resolve_device
 
 
+log = logging.getLogger("fxdream")
+
+
 class PassPipeline:
     """Runs passes in order on each captured graph; a pass that fails is skipped and reported."""
 
-    def __init__(self, passes: tuple[Pass, ...], base_context: PassContext):
+    def __init__(self, passes: tuple[Pass, ...], base_context: PassContext,
+                 on_row: Callable[[PassReport], None] | None = None):
         self.passes = passes
         self.base_context = base_context
+        self.on_row = on_row
         self.rows: list[PassReport] = []
         self.rewritten: dict[tuple[int, str], fx.GraphModule] = {}  # (subgraph, phase) → graph run
 
@@ -45,7 +51,7 @@ class PassPipeline:
     def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
         not_applicable = p.applies_to(ctx)
         if not_applicable is not None:
-            self.rows.append(PassReport(p.name, index, ctx.phase, False, not_applicable))
+            self._add(PassReport(p.name, index, ctx.phase, False, not_applicable))
             return gm
         try:
             result = p(copy_graph_module(gm), ctx)
@@ -55,16 +61,22 @@ class PassPipeline:
             where = traceback.extract_tb(error.__traceback__)[-1]
             reason = (f"skipped: the pass raised {type(error).__name__}: {error} "
                       f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
-            self.rows.append(PassReport(p.name, index, ctx.phase, False, reason))
+            self._add(PassReport(p.name, index, ctx.phase, False, reason))
             return gm
         delta_us = delta_peak = None
         if result.modified and self.base_context.cost_model is not None:
             (before_us, before_peak), (after_us, after_peak) = (self._predict(gm, ctx.phase),
                                                                 self._predict(result.graph_module, ctx.phase))
             delta_us, delta_peak = after_us - before_us, after_peak - before_peak
-        self.rows.append(PassReport(p.name, index, ctx.phase, result.modified, result.reason, result.notes,
-                                    predicted_delta_us=delta_us, predicted_delta_peak_bytes=delta_peak))
+        self._add(PassReport(p.name, index, ctx.phase, result.modified, result.reason, result.notes,
+                             predicted_delta_us=delta_us, predicted_delta_peak_bytes=delta_peak))
         return result.graph_module if result.modified else gm
+
+    def _add(self, row: PassReport) -> None:
+        self.rows.append(row)
+        log.info("pass %s on %d/%s: %s", row.name, row.graph_index, row.phase, row.reason)
+        if self.on_row is not None:
+            self.on_row(row)
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1,0 +1,38 @@
+"""``torch.compile(model, backend="fxdream", options={...})``.
+
+Registered through the ``torch_dynamo_backends`` entry point (setup.cfg), so the name
+works once fxdream is installed. Options: ``passes`` (names, a comma-separated string or
+"auto"), ``device`` ("cpu" | "cuda"), ``cost`` ("auto" | "profiled" | "analytic" | None),
+``on_report`` (a callable receiving each PassReport row as it is made). For the full report and
+the eager fallback, use ``fxdream.optimize``, which builds on the same backend.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .capture import CaptureSession
+from .pass_api import PassContext, resolve_passes
+
+OPTIONS = ("passes", "device", "cost", "on_report")
+
+
+def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict | None = None) -> Callable:
+    """A dynamo backend: aot_autograd into ATen graphs, then fxdream's passes."""
+    from .pipeline import PassPipeline
+    from .predict import cost_model_for, this_machine_device
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown fxdream option(s) {unknown}; valid options: {', '.join(OPTIONS)}")
+    passes = resolve_passes(options.get("passes", ()))
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    device = torch.device(options.get("device") or (tensors[0].device if tensors else "cpu"))
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    cost = options.get("cost", "auto")
+    cost_model = cost_model_for(this_machine_device(device), cost) if passes and cost else None
+    pipeline = PassPipeline(passes, PassContext(device=device.type, training=training, cost_model=cost_model),
+                            on_row=options.get("on_report"))
+    return CaptureSession(None, transform=pipeline if passes else None)(gm, example_inputs)

@@ -1,0 +1,56 @@
+import pytest
+import torch
+import torch.nn as nn
+
+from fxdream.annotate import op_name
+from fxdream.pass_api import PassResult, register_pass
+
+
+class MulByOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * 1.0
+
+
+@register_pass
+class FoldMulByOneForBackend:
+    name = "test_backend_fold_mul_by_one"
+
+    def applies_to(self, ctx):
+        return None if ctx.phase == "fw" else "forward only"
+
+    def __call__(self, gm, ctx):
+        nodes = [n for n in gm.graph.nodes if op_name(n) == "aten.mul" and n.args[1] == 1.0]
+        for node in nodes:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        return PassResult(gm, bool(nodes), f"folded {len(nodes)}")
+
+
+def test_fxdream_is_a_registered_torch_compile_backend():
+    assert "fxdream" in torch._dynamo.list_backends(exclude_tags=())
+    model, x = MulByOne(), torch.randn(2, 4)
+    compiled = torch.compile(model, backend="fxdream")
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_backend_options_choose_passes_and_report_rows():
+    model, x = MulByOne(), torch.randn(2, 4)
+    rows = []
+    compiled = torch.compile(model, backend="fxdream", options={
+        "passes": ["test_backend_fold_mul_by_one"], "cost": "analytic", "on_report": rows.append})
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, model(x))
+    assert [(r.phase, r.applied, r.reason) for r in rows] == [("fw", True, "folded 1"),
+                                                             ("bw", False, "forward only")]
+    assert rows[0].predicted_delta_us < 0
+
+
+def test_unknown_backend_option_is_named():
+    compiled = torch.compile(MulByOne(), backend="fxdream", options={"pases": ["x"]})
+    with pytest.raises(Exception, match=r"unknown fxdream option\(s\) \['pases'\]; valid options: passes"):
+        compiled(torch.randn(2, 4))
