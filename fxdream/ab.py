@@ -7,7 +7,6 @@ Eager is timed in the same rounds for context. Training rows time forward + back
 """
 from __future__ import annotations
 
-import copy
 import datetime
 import json
 import platform
@@ -17,6 +16,7 @@ from typing import Callable
 import torch
 
 from .measure import Measurement, time_interleaved
+from .numerics import max_abs_diff
 from .pass_api import resolve_passes
 from .pipeline import optimize
 from .predict import cost_model_for, predict, this_machine_device
@@ -95,33 +95,6 @@ def _step(module, inputs, loss_fn, training):
     return train_step
 
 
-def _max_abs_diff(model, optimized, inputs, loss_fn, training) -> float:
-    """Outputs (and in training, every parameter's gradient) of optimized vs eager."""
-    reference = copy.deepcopy(model)
-    torch.manual_seed(0)
-    with torch.set_grad_enabled(training):
-        expected = reference(*inputs)
-    torch.manual_seed(0)
-    actual = optimized(*inputs) if training else _no_grad(optimized, inputs)
-    diffs = [(a.float() - e.float()).abs().max().item() for a, e in
-             zip(torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected))
-             if isinstance(a, torch.Tensor)]
-    if training:
-        for m in (reference, optimized):
-            m.zero_grad(set_to_none=True)
-        loss_fn(expected).backward()
-        loss_fn(actual).backward()
-        diffs += [(p.grad - q.grad).abs().max().item() for p, q in
-                  zip(optimized.model.parameters(), reference.parameters()) if p.grad is not None]
-        optimized.zero_grad(set_to_none=True)
-    return max(diffs, default=0.0)
-
-
-def _no_grad(module, inputs):
-    with torch.no_grad():
-        return module(*inputs)
-
-
 def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, device: str = "cpu",
        tiny: bool = False, rounds: int = 5, block: int = 10, progress: bool = True,
        dtype: torch.dtype = torch.float32) -> ABResult:
@@ -155,7 +128,7 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
                         for r in optimized.report.passes)
         rows.append(ABRow(model_name, batch, training, names, measured["eager"], measured["baseline"],
                           measured["optimized"], before.time_ms, after.time_ms,
-                          _max_abs_diff(model, optimized, inputs, loss_fn, training), reasons))
+                          max_abs_diff(model, optimized, inputs, training, loss_fn), reasons))
     return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
 
 

@@ -21,7 +21,7 @@ OPTIONS = ("passes", "device", "cost", "on_report")
 
 def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict | None = None) -> Callable:
     """A dynamo backend: aot_autograd into ATen graphs, then fxdream's passes."""
-    from .pipeline import PassPipeline
+    from .pass_pipeline import PassPipeline
     from .predict import cost_model_for, this_machine_device
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
@@ -34,5 +34,5 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
     cost = options.get("cost", "auto")
     cost_model = cost_model_for(this_machine_device(device), cost) if passes and cost else None
     pipeline = PassPipeline(passes, PassContext(device=device.type, training=training, cost_model=cost_model),
-                            on_row=options.get("on_report"))
+                            auto=options.get("passes") == "auto", on_row=options.get("on_report"))
     return CaptureSession(None, transform=pipeline if passes else None)(gm, example_inputs)

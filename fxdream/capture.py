@@ -21,8 +21,9 @@ from functorch.compile import aot_module_simplified, make_boxed_func
 from .annotate import (LAYER, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
 
-GraphTransform = Callable[[fx.GraphModule, str, int, dict], fx.GraphModule]
-"""(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor}) → graph_module to run."""
+GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
+"""(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
+real forward inputs or None) → graph_module to run."""
 
 
 class CaptureError(RuntimeError):
@@ -172,7 +173,8 @@ class CaptureSession:
             started = time.perf_counter()
             record.forward_layers = annotate_forward(fw, prefix)
             record.forward = fw
-            runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state))
+            runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
+                                         record.example_inputs)
             record.compile_seconds += time.perf_counter() - started
             return make_boxed_func(runnable.forward)
 
@@ -180,17 +182,17 @@ class CaptureSession:
             started = time.perf_counter()
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
             record.backward = bw
-            runnable = self._transformed(bw, "bw", record.index, {})
+            runnable = self._transformed(bw, "bw", record.index, {}, None)
             record.compile_seconds += time.perf_counter() - started
             return make_boxed_func(runnable.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
                                      bw_compiler=compile_backward)
 
-    def _transformed(self, gm: fx.GraphModule, phase: str, index: int, state: dict) -> fx.GraphModule:
+    def _transformed(self, gm: fx.GraphModule, phase: str, index: int, state: dict, inputs) -> fx.GraphModule:
         if self.transform is None:
             return gm
-        return self.transform(gm, phase, index, state)
+        return self.transform(gm, phase, index, state, inputs)
 
     def captured(self) -> tuple[Captured, ...]:
         return tuple(r.freeze() for r in self.records if r.forward is not None)
@@ -256,6 +258,9 @@ def _first_line(reason: str) -> str:
 
 
 def describe_error(error: BaseException) -> str:
+    inner = getattr(error, "inner_exception", None)  # BackendCompilerFailed: the backend's own error
+    if inner is not None:
+        return f"{type(error).__name__} in fxdream's backend: {type(inner).__name__}: {_first_line(str(inner))}"
     return f"{type(error).__name__}: {_first_line(str(error))}"
 
 

@@ -21,6 +21,8 @@ class PassContext:
     prepack weights), as inductor's freezing does: later in-place edits of the weights
     are then not seen by the optimized module. ``predict_us(gm)`` simulates one graph
     with the pipeline's cost model, so a pass can compare its candidate rewrites.
+    ``forced`` is True when the user named the pass, False under ``passes="auto"``: a
+    pass that is not forced should decline when its rewrite is not predicted to help.
     """
     device: str = "cpu"            # where the module runs: "cpu" | "cuda"
     training: bool = False
@@ -30,6 +32,7 @@ class PassContext:
     cost_model: object | None = None
     params: Mapping[str, torch.Tensor] = field(default_factory=dict)
     predict_us: Callable[[fx.GraphModule], float] | None = None
+    forced: bool = True            # named explicitly: apply even without a predicted gain
 
     @property
     def frozen(self) -> bool:
@@ -76,6 +79,8 @@ def resolve_passes(passes) -> tuple[Pass, ...]:
     """Names or Pass objects → Pass objects; an unknown name is a ValueError listing the valid ones."""
     if passes is None:
         return ()
+    if passes == "auto":
+        return tuple(_REGISTRY[name] for name in available_passes())
     if isinstance(passes, str):
         passes = [p for p in passes.split(",") if p]
     if not isinstance(passes, Sequence):

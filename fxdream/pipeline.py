@@ -1,88 +1,20 @@
 """optimize(): capture → passes → executable module, as an explicit list of steps."""
 from __future__ import annotations
 
-import copy
-import logging
-import dataclasses
 import time
-import traceback
 from typing import Callable
 
 import torch
-import torch.fx as fx
 
-from .capture import (CaptureError, CaptureSession, compile_with, describe_error,
-                      graph_break_counts, new_graph_breaks, run_once)
-from .pass_api import Pass, PassContext, resolve_passes
-from .predict import cost_model_for, graph_prediction, this_machine_device
+from .capture import (CaptureError, CaptureSession, compile_with, describe_error, differentiable_scalar,
+                      graph_break_counts, new_graph_breaks, preserved_state, run_once)
+from .measure import time_interleaved
+from .numerics import max_abs_diff
+from .pass_api import PassContext, available_passes, resolve_passes
+from .pass_pipeline import PassPipeline, copy_graph_module  # noqa: F401  (copy_graph_module: public)
+from .predict import cost_model_for, predict, this_machine_device
 from .report import GraphReport, PassReport, Report
 from .validate import check_flag, check_inputs, check_model, resolve_device
-
-
-log = logging.getLogger("fxdream")
-
-
-class PassPipeline:
-    """Runs passes in order on each captured graph; a pass that fails is skipped and reported."""
-
-    def __init__(self, passes: tuple[Pass, ...], base_context: PassContext,
-                 on_row: Callable[[PassReport], None] | None = None):
-        self.passes = passes
-        self.base_context = base_context
-        self.on_row = on_row
-        self.rows: list[PassReport] = []
-        self.rewritten: dict[tuple[int, str], fx.GraphModule] = {}  # (subgraph, phase) → graph run
-
-    def _predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
-        cost = self.base_context.cost_model
-        return None if cost is None else graph_prediction(gm, cost, phase)
-
-    def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict) -> fx.GraphModule:
-        predict_us = None
-        if self.base_context.cost_model is not None:
-            def predict_us(candidate: fx.GraphModule) -> float:
-                return self._predict(candidate, phase)[0]
-        ctx = dataclasses.replace(self.base_context, phase=phase, params=params, predict_us=predict_us)
-        for p in self.passes:
-            gm = self._run_one(p, gm, ctx, index)
-        self.rewritten[(index, phase)] = gm
-        return gm
-
-    def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
-        not_applicable = p.applies_to(ctx)
-        if not_applicable is not None:
-            self._add(PassReport(p.name, index, ctx.phase, False, not_applicable))
-            return gm
-        try:
-            result = p(copy_graph_module(gm), ctx)
-            result.graph_module.graph.lint()
-            result.graph_module.recompile()
-        except Exception as error:  # a broken pass must never break the model
-            where = traceback.extract_tb(error.__traceback__)[-1]
-            reason = (f"skipped: the pass raised {type(error).__name__}: {error} "
-                      f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
-            self._add(PassReport(p.name, index, ctx.phase, False, reason))
-            return gm
-        delta_us = delta_peak = None
-        if result.modified and self.base_context.cost_model is not None:
-            (before_us, before_peak), (after_us, after_peak) = (self._predict(gm, ctx.phase),
-                                                                self._predict(result.graph_module, ctx.phase))
-            delta_us, delta_peak = after_us - before_us, after_peak - before_peak
-        self._add(PassReport(p.name, index, ctx.phase, result.modified, result.reason, result.notes,
-                             predicted_delta_us=delta_us, predicted_delta_peak_bytes=delta_peak))
-        return result.graph_module if result.modified else gm
-
-    def _add(self, row: PassReport) -> None:
-        self.rows.append(row)
-        log.info("pass %s on %d/%s: %s", row.name, row.graph_index, row.phase, row.reason)
-        if self.on_row is not None:
-            self.on_row(row)
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose graph a pass may rewrite freely (attributes are shared, not cloned)."""
-    graph = copy.deepcopy(gm.graph)
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 class OptimizedModule(torch.nn.Module):
@@ -102,6 +34,7 @@ class OptimizedModule(torch.nn.Module):
         self._graph_breaks: tuple[str, ...] = ()
         self._fallback_reason: str | None = None
         self._build_seconds = 0.0
+        self._extras: dict = {}  # whole-model predictions, verification, measurements
 
     def forward(self, *args, **kwargs):
         if self._fallback_reason is not None:
@@ -130,7 +63,7 @@ class OptimizedModule(torch.nn.Module):
         return Report(model=type(self.model).__name__, training=not self._inference,
                       device=str(self._device), graphs=tuple(GraphReport.of(c) for c in captured),
                       graph_breaks=self._graph_breaks, fallback_reason=self._fallback_reason,
-                      passes=tuple(self._pipeline.rows), build_seconds=self._build_seconds)
+                      passes=tuple(self._pipeline.rows), build_seconds=self._build_seconds, **self._extras)
 
     @property
     def captured(self):
@@ -144,7 +77,8 @@ class OptimizedModule(torch.nn.Module):
 
 
 def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool = False,
-             device=None, strict: bool = False, cost: str | None = "auto") -> OptimizedModule:
+             device=None, strict: bool = False, cost: str | None = "auto",
+             memory_budget: int | None = None, verify: bool = False, measure: bool = False) -> OptimizedModule:
     """Capture ``model`` at ``example_inputs``, apply ``passes``, and return a module equal to eager.
 
     The module runs through the captured graphs; ``.report`` tells what was captured,
@@ -152,21 +86,40 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     model it runs eagerly and the report says why; ``strict=True`` raises instead
     (also on graph breaks, where parts of the model would run eagerly).
 
-    ``cost`` is the cost model passes are judged with: "auto" (measured on this machine),
-    "profiled", "analytic", or None for no predictions.
+    ``passes``: names or Pass objects, applied in order and forced; or "auto": every
+    registered pass is considered, every subset simulated, and the best predicted one
+    under ``memory_budget`` (bytes of predicted peak) applied. ``cost`` is the cost model
+    passes are judged with: "auto" (measured on this machine), "profiled", "analytic",
+    or None for no predictions. ``verify`` runs the module once against eager and
+    reports the max error; ``measure`` times it against the passes-free capture.
     """
     check_model(model)
     inputs = check_inputs(example_inputs)
     training = check_flag("training", training)
-    strict = check_flag("strict", strict)
-    selected = resolve_passes(passes)
+    strict, verify, measure = (check_flag(n, v) for n, v in (("strict", strict), ("verify", verify),
+                                                              ("measure", measure)))
+    auto = isinstance(passes, str) and passes == "auto"
+    selected = resolve_passes(available_passes() if auto else passes)
     target = resolve_device(device, model, inputs)
 
     started = time.perf_counter()
+    module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
+    module._build_seconds = time.perf_counter() - started
+    if module._fallback_reason is None and module._pipeline.base_context.cost_model is not None:
+        module._extras.update(_whole_model_prediction(module, training))
+    if verify:
+        module._extras["verified_max_abs_diff"] = max_abs_diff(model, module, inputs, training)
+    if measure:
+        module._extras.update(_measure_against_capture(model, module, inputs, training, target))
+    return module
+
+
+def _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget) -> OptimizedModule:
+    """Capture (one throw-away step) with the pass pipeline as the graph transform."""
     model.train(training)
     cost_model = cost_model_for(this_machine_device(target), cost) if selected and cost else None
     pipeline = PassPipeline(selected, PassContext(device=target.type, training=training,
-                                                  cost_model=cost_model))
+                                                  cost_model=cost_model, memory_budget=memory_budget), auto=auto)
     session = CaptureSession(model, transform=pipeline if selected else None)
     runner = compile_with(model, session)
     module = OptimizedModule(model, runner, session, pipeline, training, target, strict)
@@ -186,5 +139,27 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     if strict and (module._fallback_reason or module._graph_breaks):
         raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
                            + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
-    module._build_seconds = time.perf_counter() - started
     return module
+
+
+def _whole_model_prediction(module: OptimizedModule, training: bool) -> dict:
+    """Predicted iteration time with and without the passes, and where the time goes."""
+    cost = module._pipeline.base_context.cost_model
+    before = predict(module.captured, cost, training)
+    after = predict(module.captured, cost, training, graphs=module.rewritten_graphs)
+    return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,
+                predicted_peak_delta_bytes=after.peak_memory_bytes - before.peak_memory_bytes,
+                top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)))
+
+
+def _measure_against_capture(model, module, inputs, training, target) -> dict:
+    """Time the optimized module against the same capture without passes, interleaved."""
+    baseline = _build(model, inputs, (), False, training, target, False, None, None)
+
+    def step(m):
+        if not training:
+            return lambda: m(*inputs)
+        return lambda: differentiable_scalar(m(*inputs)).backward()
+    with preserved_state(model):
+        times = time_interleaved({"baseline": step(baseline), "optimized": step(module)}, desc="measure")
+    return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms)

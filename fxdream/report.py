@@ -51,6 +51,13 @@ class Report:
     passes: tuple[PassReport, ...] = ()
     build_seconds: float = 0.0
     notes: tuple[str, ...] = field(default=())
+    predicted_baseline_ms: float | None = None    # predicted: the capture without passes
+    predicted_optimized_ms: float | None = None   # predicted: with the passes applied
+    predicted_peak_delta_bytes: int | None = None
+    top_layers: tuple = ()                        # predicted (layer, ms) with the passes, costliest first
+    verified_max_abs_diff: float | None = None    # verify=True: vs eager, outputs (and grads)
+    measured_baseline_ms: float | None = None     # measure=True: median ms per call, interleaved
+    measured_optimized_ms: float | None = None
 
     @property
     def ran_eagerly(self) -> bool:
@@ -85,9 +92,26 @@ class Report:
                 lines.append(f"| {p.name} | {p.graph_index}/{p.phase} | {'yes' if p.applied else 'no'} | {p.reason} "
                              f"| {_fmt(p.predicted_delta_us)} | {_fmt_mb(p.predicted_delta_peak_bytes)} "
                              f"| {_fmt(p.measured_delta_us)} |")
+        if self.predicted_baseline_ms is not None:
+            lines += ["", f"Predicted: {self.predicted_baseline_ms:.3f} ms without passes → "
+                      f"{self.predicted_optimized_ms:.3f} ms with them "
+                      f"({_pct(self.predicted_optimized_ms, self.predicted_baseline_ms)}), "
+                      f"peak memory {_fmt_mb(self.predicted_peak_delta_bytes)} MB."]
+        if self.measured_baseline_ms is not None:
+            lines.append(f"Measured: {self.measured_baseline_ms:.3f} ms → {self.measured_optimized_ms:.3f} ms "
+                         f"({_pct(self.measured_optimized_ms, self.measured_baseline_ms)}).")
+        if self.verified_max_abs_diff is not None:
+            lines.append(f"Verified against eager: max abs diff {self.verified_max_abs_diff:.2e}.")
+        if self.top_layers:
+            lines += ["", "| layer (predicted) | ms |", "|---|---|"]
+            lines += [f"| {layer or '(model)'} | {ms:.3f} |" for layer, ms in self.top_layers]
         if self.notes:
             lines += [""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _pct(new: float, old: float) -> str:
+    return f"{100 * (new / old - 1):+.1f} %" if old else "–"
 
 
 def _fmt(value: float | None) -> str:

@@ -40,6 +40,12 @@ class CostModel(Protocol):
         """Host time to enter one compiled graph (dynamo guards, aot wrappers, boxing)."""
 
 
+def real_tensors():
+    """Measurements need real tensors, also when called while aot_autograd's fake mode is on."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # private; isolated here
+    return unset_fake_temporarily()
+
+
 def is_view(node: fx.Node) -> bool:
     return node.target is operator.getitem or op_name(node) in VIEW_OPS
 
@@ -148,26 +154,30 @@ class Profiled:
             return 0.0
         key = profile_key(node, self.torch_device.type)
         if key not in self.measurements:
-            self.measurements[key] = self._measure(node)
+            with real_tensors():
+                self.measurements[key] = self._measure(node)
         return self.measurements[key]
 
     def dispatch_us(self, node: fx.Node) -> float:
         if self._call_overhead_us is None:
-            self._call_overhead_us = measure_call_overhead_us()
+            with real_tensors():
+                self._call_overhead_us = measure_call_overhead_us()
         launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us
         return self._call_overhead_us + (self.view_us() if is_view(node) else 0.0) + launch
 
     def graph_call_us(self) -> float:
         key = f"__graph_call__|{self.torch_device.type}"
         if key not in self.measurements:
-            self.measurements[key] = measure_graph_call_us(self.torch_device)
+            with real_tensors():
+                self.measurements[key] = measure_graph_call_us(self.torch_device)
         return self.measurements[key]
 
     def view_us(self) -> float:
         key = f"__view__|{self.torch_device.type}"
         if key not in self.measurements:
-            x = torch.empty(8, 8, device=self.torch_device)
-            self.measurements[key] = _time_calls(lambda: torch.ops.aten.view.default(x, [64]), self.rounds)
+            with real_tensors():
+                x = torch.empty(8, 8, device=self.torch_device)
+                self.measurements[key] = _time_calls(lambda: torch.ops.aten.view.default(x, [64]), self.rounds)
         return self.measurements[key]
 
     def utilization(self, node: fx.Node) -> float:
@@ -187,24 +197,34 @@ class Profiled:
         """Time every node where it really runs: the captured graphs on their real inputs.
 
         An op timed alone in a loop runs with hot caches and a warm allocator; inside the
-        model it does not (10-15 % slower for ResNet convs on this CPU). So each node is
-        timed inside an FX Interpreter run of its graph (median over runs and over nodes
-        with the same key); ops a pass adds later are still micro-benchmarked.
+        model it does not. So each node is timed inside an FX Interpreter run of its graph
+        (median over runs and over nodes with the same key); ops a pass adds later are
+        still micro-benchmarked.
         """
-        samples: dict[str, list[float]] = {}
         for part in (captured if isinstance(captured, tuple) else (captured,)):
             if id(part) in self._profiled or not part.example_inputs:
                 continue
             self._profiled.add(id(part))
-            inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
-                      for x in part.example_inputs]
-            fw_values = _time_graph(part.forward, inputs, self.torch_device, samples, rounds, warmup)
+            fw_values = self.profile_graph(part.forward, part.example_inputs, rounds, warmup)
             if part.backward is not None and fw_values is not None:
-                bw_inputs = [fw_values.get(n.name, _ones_like(n.meta.get("val"), self.torch_device))
-                             for n in part.backward.graph.nodes if n.op == "placeholder"]
-                _time_graph(part.backward, bw_inputs, self.torch_device, samples, rounds, warmup)
+                self.profile_graph(part.backward, self.backward_inputs(part.backward, fw_values), rounds, warmup)
+
+    def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 2) -> dict | None:
+        """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run)."""
+        with real_tensors():  # the graph may update buffers in place: not the model's
+            inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
+                      for x in inputs]
+        samples: dict[str, list[float]] = {}
+        with real_tensors():
+            values = _time_graph(gm, inputs, self.torch_device, samples, rounds, warmup)
         for key, times in samples.items():
             self.measurements[key] = statistics.median(times)
+        return values
+
+    def backward_inputs(self, bw: fx.GraphModule, fw_values: dict) -> list:
+        """Saved tensors from the forward's outputs (same names), ones for the incoming gradients."""
+        return [fw_values.get(n.name, _ones_like(n.meta.get("val"), self.torch_device))
+                for n in bw.graph.nodes if n.op == "placeholder"]
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"device": self.device.name, "torch": torch.__version__,

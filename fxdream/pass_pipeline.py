@@ -1,0 +1,156 @@
+"""Running passes on one captured graph: in order, or choosing the best subset ("auto").
+
+Every pass runs on a copy, then ``graph.lint()``; a pass that raises or breaks the graph is
+skipped and reported, never fatal. Its predicted effect is derived, never hand-written:
+simulate(lower(after)) - simulate(lower(before)) with the pipeline's cost model. With a
+Profiled cost model the graph is first timed in context, on its real inputs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import traceback
+from typing import Callable
+
+import torch.fx as fx
+
+from .pass_api import Pass, PassContext, PassResult
+from .predict import graph_prediction
+from .report import PassReport
+from .sim.cost import Profiled
+
+log = logging.getLogger("fxdream")
+MAX_EXHAUSTIVE = 5  # up to 2**5 subsets are simulated; beyond that, greedy
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose graph a pass may rewrite freely (attributes are shared, not cloned)."""
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+
+
+class PassPipeline:
+    """The transform a CaptureSession applies to each forward/backward graph."""
+
+    def __init__(self, passes: tuple[Pass, ...], base_context: PassContext, auto: bool = False,
+                 on_row: Callable[[PassReport], None] | None = None):
+        self.passes = passes
+        self.base_context = base_context
+        self.auto = auto
+        self.on_row = on_row
+        self.rows: list[PassReport] = []
+        self.rewritten: dict[tuple[int, str], fx.GraphModule] = {}  # (subgraph, phase) → graph run
+        self._forward_values: dict[int, dict] = {}
+        self._predictions: dict[int, tuple[fx.GraphModule, tuple[float, int]]] = {}
+
+    # --- predictions -------------------------------------------------------------------------
+    def predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
+        """(µs, peak bytes) of one graph, memoized per graph object."""
+        cost = self.base_context.cost_model
+        if cost is None:
+            return None
+        cached = self._predictions.get(id(gm))
+        if cached is None or cached[0] is not gm:
+            cached = (gm, graph_prediction(gm, cost, phase))
+            self._predictions[id(gm)] = cached
+        return cached[1]
+
+    def _profile(self, gm: fx.GraphModule, phase: str, index: int, inputs) -> None:
+        cost = self.base_context.cost_model
+        if not isinstance(cost, Profiled):
+            return
+        if phase == "fw" and inputs:
+            values = cost.profile_graph(gm, inputs)
+            if values is not None and self.base_context.training:
+                self._forward_values[index] = values  # the backward's saved tensors
+        elif phase == "bw" and index in self._forward_values:
+            cost.profile_graph(gm, cost.backward_inputs(gm, self._forward_values.pop(index)))
+
+    # --- the transform -----------------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict, inputs=None) -> fx.GraphModule:
+        self._profile(gm, phase, index, inputs)
+        predict_us = None
+        if self.base_context.cost_model is not None:
+            def predict_us(candidate: fx.GraphModule) -> float:
+                return self.predict(candidate, phase)[0]
+        ctx = dataclasses.replace(self.base_context, phase=phase, params=params, predict_us=predict_us,
+                                  forced=not self.auto)
+        if self.auto and ctx.cost_model is not None:
+            gm = self._best_subset(gm, ctx, index)
+        else:
+            for p in self.passes:
+                gm, row = self._run_one(p, gm, ctx, index)
+                self._add(row)
+        self.rewritten[(index, phase)] = gm
+        return gm
+
+    def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> tuple[fx.GraphModule, PassReport]:
+        not_applicable = p.applies_to(ctx)
+        if not_applicable is not None:
+            return gm, PassReport(p.name, index, ctx.phase, False, not_applicable)
+        try:
+            result: PassResult = p(copy_graph_module(gm), ctx)
+            result.graph_module.graph.lint()
+            result.graph_module.recompile()
+        except Exception as error:  # a broken pass must never break the model
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            reason = (f"skipped: the pass raised {type(error).__name__}: {error} "
+                      f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
+            return gm, PassReport(p.name, index, ctx.phase, False, reason)
+        delta_us = delta_peak = None
+        if result.modified and ctx.cost_model is not None:
+            (before_us, before_peak), (after_us, after_peak) = (self.predict(gm, ctx.phase),
+                                                                self.predict(result.graph_module, ctx.phase))
+            delta_us, delta_peak = after_us - before_us, after_peak - before_peak
+        row = PassReport(p.name, index, ctx.phase, result.modified, result.reason, result.notes,
+                         predicted_delta_us=delta_us, predicted_delta_peak_bytes=delta_peak)
+        return (result.graph_module if result.modified else gm), row
+
+    def _best_subset(self, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
+        """Simulate every subset of the applicable passes (greedy beyond MAX_EXHAUSTIVE); keep the best.
+
+        A subset whose predicted peak memory exceeds ``ctx.memory_budget`` is not a candidate.
+        """
+        applicable, rows = [], []
+        for p in self.passes:
+            reason = p.applies_to(ctx)
+            if reason is None:
+                applicable.append(p)
+            else:
+                rows.append(PassReport(p.name, index, ctx.phase, False, reason))
+        candidates = {(): (gm, [])}
+        if len(applicable) <= MAX_EXHAUSTIVE:
+            for size in range(1, len(applicable) + 1):
+                for subset in itertools.combinations(applicable, size):
+                    base_gm, base_rows = candidates[subset[:-1]]
+                    new_gm, row = self._run_one(subset[-1], base_gm, ctx, index)
+                    candidates[subset] = (new_gm, base_rows + [row])
+        else:
+            chosen: tuple = ()
+            for p in applicable:
+                trial_gm, row = self._run_one(p, candidates[chosen][0], ctx, index)
+                candidates[chosen + (p,)] = (trial_gm, candidates[chosen][1] + [row])
+                if self.predict(trial_gm, ctx.phase)[0] < self.predict(candidates[chosen][0], ctx.phase)[0]:
+                    chosen = chosen + (p,)
+        scored = []
+        for subset, (candidate, subset_rows) in candidates.items():
+            us, peak = self.predict(candidate, ctx.phase)
+            within = ctx.memory_budget is None or peak <= ctx.memory_budget
+            scored.append((not within, us, len(subset), subset, candidate, subset_rows))
+        scored.sort(key=lambda item: item[:3])
+        _, best_us, _, best, best_gm, best_rows = scored[0]
+        names = lambda subset: "+".join(p.name for p in subset) or "none"  # noqa: E731
+        summary = "; ".join(f"{names(s[3])} {s[1] / 1e3:.3f} ms" + (" (over budget)" if s[0] else "")
+                            for s in scored)
+        for row in rows + best_rows:
+            self._add(row)
+        self._add(PassReport("auto", index, ctx.phase, bool(best), f"chose {names(best)}: predicted "
+                             f"{best_us / 1e3:.3f} ms of {len(scored)} subsets", notes=(f"predicted: {summary}",)))
+        return best_gm
+
+    def _add(self, row: PassReport) -> None:
+        self.rows.append(row)
+        log.info("pass %s on %d/%s: %s", row.name, row.graph_index, row.phase, row.reason)
+        if self.on_row is not None:
+            self.on_row(row)

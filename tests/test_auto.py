@@ -1,0 +1,120 @@
+"""passes="auto": every subset simulated, the best predicted one applied (under a memory budget)."""
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.annotate import op_name
+from fxdream.capture import CaptureSession, compile_with, run_once
+from fxdream.pass_api import PassContext, PassResult
+from fxdream.pass_pipeline import PassPipeline
+from fxdream.predict import cost_model_for
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x) * 1.0)
+
+
+class FoldMulByOne:
+    name = "fold"
+
+    def applies_to(self, ctx):
+        return None
+
+    def __call__(self, gm, ctx):
+        nodes = [n for n in gm.graph.nodes if op_name(n) == "aten.mul" and n.args[1] == 1.0]
+        for n in nodes:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+        return PassResult(gm, bool(nodes), f"folded {len(nodes)}")
+
+
+class AddCopies:
+    """Makes the graph slower and hungrier: k extra clones kept alive to the output."""
+    def __init__(self, name, copies):
+        self.name, self.copies = name, copies
+
+    def applies_to(self, ctx):
+        return None
+
+    def __call__(self, gm, ctx):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        value = output.args[0][0]
+        with gm.graph.inserting_before(output):
+            clones = [gm.graph.call_function(torch.ops.aten.clone.default, (value,)) for _ in range(self.copies)]
+            total = clones[0]
+            for c in clones[1:]:
+                total = gm.graph.call_function(torch.ops.aten.add.Tensor, (total, c))
+            for n in clones + [total]:
+                n.meta["val"] = value.meta["val"]
+            zero = gm.graph.call_function(torch.ops.aten.mul.Tensor, (total, 0.0))
+            zero.meta["val"] = value.meta["val"]
+            result = gm.graph.call_function(torch.ops.aten.add.Tensor, (value, zero))
+            result.meta["val"] = value.meta["val"]
+        output.args = ((result,),)
+        return PassResult(gm, True, f"added {self.copies} copies")
+
+
+def _auto(passes, memory_budget=None):
+    model, x = Net(), torch.randn(32, 64)
+    model.eval()
+    pipeline = PassPipeline(tuple(passes), PassContext(cost_model=cost_model_for("cpu", "analytic"),
+                                                        memory_budget=memory_budget), auto=True)
+    session = CaptureSession(model, transform=pipeline)
+    out = run_once(compile_with(model, session), model, (x,), False)
+    torch.testing.assert_close(out, model(x))
+    return pipeline
+
+
+def test_auto_keeps_the_helpful_pass_and_drops_the_harmful_one():
+    pipeline = _auto([FoldMulByOne(), AddCopies("copies", 3)])
+    auto = pipeline.rows[-1]
+    assert auto.name == "auto" and auto.reason.startswith("chose fold: predicted")
+    assert "of 4 subsets" in auto.reason
+    assert [r.name for r in pipeline.rows[:-1]] == ["fold"]
+    assert "copies" in auto.notes[0] and "fold+copies" in auto.notes[0]
+
+
+def test_auto_respects_the_memory_budget():
+    unbounded = _auto([AddCopies("copies", 2)])
+    assert unbounded.rows[-1].reason.startswith("chose none")
+    # a budget below the unrewritten graph's peak: every subset is over it, the fastest is kept
+    tight = _auto([AddCopies("copies", 2)], memory_budget=1)
+    assert tight.rows[-1].reason.startswith("chose none")
+    assert "(over budget)" in tight.rows[-1].notes[0]
+
+
+def test_auto_is_not_forced_and_named_passes_are():
+    seen = []
+
+    class Spy:
+        name = "spy"
+
+        def applies_to(self, ctx):
+            seen.append(ctx.forced)
+            return "just looking"
+
+        def __call__(self, gm, ctx):
+            raise AssertionError("not applicable")
+
+    _auto([Spy()])
+    model, x = Net(), torch.randn(4, 64)
+    fxdream.optimize(model, (x,), passes=[Spy()], cost=None)
+    assert seen == [False, True]
+
+
+def test_optimize_verify_and_measure_fill_the_report():
+    model, x = Net(), torch.randn(8, 64)
+    model.eval()
+    optimized = fxdream.optimize(model, (x,), passes=[FoldMulByOne()], cost="analytic", verify=True, measure=True)
+    report = optimized.report
+    assert report.verified_max_abs_diff == 0.0
+    assert report.predicted_optimized_ms < report.predicted_baseline_ms
+    assert report.measured_baseline_ms > 0 and report.measured_optimized_ms > 0
+    assert report.top_layers and report.top_layers[0][0] == "lin"
+    text = report.to_markdown()
+    assert "Predicted:" in text and "Measured:" in text and "Verified against eager" in text
