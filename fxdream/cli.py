@@ -96,6 +96,41 @@ def cmd_ab(args) -> int:
     return 0
 
 
+def cmd_explain(args) -> int:
+    """Where the time goes, what each pass would do and why, before/after trace and PNG."""
+    import fxdream
+    from fxdream.plan import plan
+    from fxdream.sim.trace import plot_comparison, write_chrome_trace
+    model, inputs, _ = _build(args.model, args.batch, args.tiny, args.training)
+    print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
+          f"on {args.device} ...", flush=True)
+    captured = fxdream.capture(model, inputs, training=args.training)
+    model.train(args.training)
+    result = plan(model, captured, device=args.device, training=args.training,
+                  passes=args.passes.split(",") if args.passes != "auto" else "auto")
+    print(result.before.summary(top=args.top))
+    print()
+    print(result.summary())
+    if args.passes == "aux_stream_backward" or "aux_stream_backward" in args.passes.split(","):
+        _print_crossover(captured, args)
+    stem = args.out or f"fxdream_{args.model}_bs{args.batch}_{args.device}"
+    write_chrome_trace(result.after.task_graph, result.after.timeline, stem + ".trace.json")
+    plot_comparison((result.before.task_graph, result.before.timeline), (result.after.task_graph, result.after.timeline),
+                    stem + ".png", labels=("without passes (predicted)", "with passes (predicted)"),
+                    title=f"{args.model} bs{args.batch} on {args.device}")
+    print(f"\ntrace: {stem}.trace.json (Perfetto), timeline: {stem}.png")
+    return 0
+
+
+def _print_crossover(captured, args) -> None:
+    try:
+        from fxdream.explain import crossover
+    except ImportError:
+        return
+    expression, bound, text = crossover(captured, device=args.device)
+    print(f"\naux_stream_backward crossover (predicted): {text}\n  gain(b) = {expression}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fxdream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +177,17 @@ def main(argv=None) -> int:
     abp.add_argument("--json", help="write the rows as JSON here")
     abp.add_argument("--plot", help="write a PNG of measured vs predicted Δ here")
     abp.set_defaults(run=cmd_ab)
+
+    exp = sub.add_parser("explain", help="predicted breakdown and what each pass would do, before vs after")
+    exp.add_argument("model")
+    exp.add_argument("--batch", type=int, default=1)
+    exp.add_argument("--tiny", action="store_true")
+    exp.add_argument("--training", action="store_true")
+    exp.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
+    exp.add_argument("--pass", dest="passes", default="auto", help='"auto" or pass name(s), comma-separated')
+    exp.add_argument("--out", help="file stem for the .trace.json and .png")
+    exp.add_argument("--top", type=int, default=10)
+    exp.set_defaults(run=cmd_explain)
 
     args = parser.parse_args(argv)
     try:

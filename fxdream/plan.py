@@ -1,0 +1,64 @@
+"""What the passes would do for a device, without running anything there: a dry pipeline.
+
+``plan`` runs the pass pipeline over already-captured graphs with a context that says
+"this runs on ``device``" (a GPU spec works on a CPU machine: rewrites are lowered and
+simulated, never executed) and returns the rows and the predicted before/after.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .capture import Captured, _model_state_of
+from .pass_api import PassContext, available_passes, resolve_passes
+from .pass_pipeline import PassPipeline
+from .predict import Prediction, cost_model_for, predict
+from .report import PassReport
+from .sim.cost import Profiled
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    training: bool
+    rows: tuple[PassReport, ...]
+    before: Prediction
+    after: Prediction
+
+    @property
+    def predicted_delta_pct(self) -> float:
+        return 100.0 * (self.after.time_ms / self.before.time_ms - 1.0)
+
+    def summary(self) -> str:
+        lines = [f"predicted on {self.device}: {self.before.time_ms:.3f} ms without passes, "
+                 f"{self.after.time_ms:.3f} ms with them ({self.predicted_delta_pct:+.1f} %), peak memory "
+                 f"{self.before.peak_memory_bytes / 2**20:.1f} → {self.after.peak_memory_bytes / 2**20:.1f} MiB"]
+        for row in self.rows:
+            delta = "" if row.predicted_delta_us is None else f" (predicted {row.predicted_delta_us / 1e3:+.3f} ms)"
+            lines.append(f"  {row.name} [{row.graph_index}/{row.phase}] "
+                         f"{'applies' if row.applied else 'does not apply'}: {row.reason}{delta}")
+            lines += [f"      {note}" for note in row.notes[:8]]
+        return "\n".join(lines)
+
+
+def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu", training: bool = False,
+         passes="auto", cost: str = "auto", memory_budget: int | None = None) -> Plan:
+    """Run ``passes`` ("auto" or names) over ``captured`` for ``device`` and simulate before/after."""
+    cost_model = cost_model_for(device, cost)
+    if isinstance(cost_model, Profiled):
+        cost_model.profile_in_context(captured)
+    selected = resolve_passes(available_passes() if passes == "auto" else passes)
+    context = PassContext(device=cost_model.device.kind, training=training, sim_device=cost_model.device.name,
+                          cost_model=cost_model, memory_budget=memory_budget)
+    pipeline = PassPipeline(selected, context, auto=passes == "auto")
+    state_ids = {id(t) for t in list(model.parameters()) + list(model.buffers())}
+    parts = captured if isinstance(captured, tuple) else (captured,)
+    for part in parts:
+        state = [x if id(x) in state_ids else None for x in part.example_inputs]
+        for phase, gm in part.graphs():
+            params = _model_state_of(gm, state) if phase == "fw" else {}
+            pipeline(gm, phase, part.index, params, None)
+    before = predict(captured, cost_model, training)
+    after = predict(captured, cost_model, training, graphs=pipeline.rewritten)
+    return Plan(cost_model.device.name, training, tuple(pipeline.rows), before, after)
