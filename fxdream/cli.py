@@ -76,9 +76,20 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def _load_plugins(paths) -> None:
+    """Run user pass files (each registers its passes with @fxdream.register_pass)."""
+    import importlib.util
+    for path in paths or ():
+        spec = importlib.util.spec_from_file_location(f"fxdream_plugin_{abs(hash(path))}", path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"--load {path!r}: not a Python file")
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
 def cmd_ab(args) -> int:
     """Per-pass A/B: measured and predicted, side by side, one row per batch size."""
     from fxdream.ab import ab, plot_ab
+    _load_plugins(args.load)
     batches = [int(b) for b in args.batch.split(",") if b]
     result = ab(args.model, args.passes, batch_sizes=batches, training=args.training, device=args.device,
                 tiny=args.tiny, rounds=args.rounds, block=args.block)
@@ -101,6 +112,7 @@ def cmd_explain(args) -> int:
     import fxdream
     from fxdream.plan import plan
     from fxdream.sim.trace import plot_comparison, write_chrome_trace
+    _load_plugins(args.load)
     model, inputs, _ = _build(args.model, args.batch, args.tiny, args.training)
     print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} ...", flush=True)
@@ -176,6 +188,7 @@ def main(argv=None) -> int:
     abp.add_argument("--block", type=int, default=10)
     abp.add_argument("--json", help="write the rows as JSON here")
     abp.add_argument("--plot", help="write a PNG of measured vs predicted Δ here")
+    abp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")
     abp.set_defaults(run=cmd_ab)
 
     exp = sub.add_parser("explain", help="predicted breakdown and what each pass would do, before vs after")
@@ -187,6 +200,7 @@ def main(argv=None) -> int:
     exp.add_argument("--pass", dest="passes", default="auto", help='"auto" or pass name(s), comma-separated')
     exp.add_argument("--out", help="file stem for the .trace.json and .png")
     exp.add_argument("--top", type=int, default=10)
+    exp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")
     exp.set_defaults(run=cmd_explain)
 
     args = parser.parse_args(argv)

@@ -41,7 +41,7 @@ class PassPipeline:
         self.on_row = on_row
         self.rows: list[PassReport] = []
         self.rewritten: dict[tuple[int, str], fx.GraphModule] = {}  # (subgraph, phase) → graph run
-        self._forward_values: dict[int, dict] = {}
+        self._inputs: dict[tuple[int, str], object] = {}  # real inputs per graph, for profiling
         self._predictions: dict[int, tuple[fx.GraphModule, tuple[float, int]]] = {}
 
     # --- predictions -------------------------------------------------------------------------
@@ -57,15 +57,25 @@ class PassPipeline:
         return cached[1]
 
     def _profile(self, gm: fx.GraphModule, phase: str, index: int, inputs) -> None:
+        """Time the graph's nodes on their real inputs (kept to time rewritten candidates too)."""
         cost = self.base_context.cost_model
         if not isinstance(cost, Profiled):
             return
         if phase == "fw" and inputs:
+            self._inputs[(index, "fw")] = inputs
             values = cost.profile_graph(gm, inputs)
             if values is not None and self.base_context.training:
-                self._forward_values[index] = values  # the backward's saved tensors
-        elif phase == "bw" and index in self._forward_values:
-            cost.profile_graph(gm, cost.backward_inputs(gm, self._forward_values.pop(index)))
+                self._inputs[(index, "bw")] = values  # the backward's saved tensors, by name
+        elif phase == "bw" and (index, "bw") in self._inputs:
+            self._inputs[(index, "bw")] = cost.backward_inputs(gm, self._inputs[(index, "bw")])
+            cost.profile_graph(gm, self._inputs[(index, "bw")])
+
+    def _profile_candidate(self, gm: fx.GraphModule, phase: str, index: int) -> None:
+        """A rewrite's new ops are timed in context too, so before and after compare alike."""
+        cost = self.base_context.cost_model
+        inputs = self._inputs.get((index, phase))
+        if isinstance(cost, Profiled) and inputs is not None and not cost.measured_in_context(gm):
+            cost.profile_graph(gm, inputs, rounds=3, warmup=1)
 
     # --- the transform -----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict, inputs=None) -> fx.GraphModule:
@@ -83,6 +93,9 @@ class PassPipeline:
                 gm, row = self._run_one(p, gm, ctx, index)
                 self._add(row)
         self.rewritten[(index, phase)] = gm
+        if phase == "bw" or not self.base_context.training:  # done with this subgraph: let its tensors go
+            self._inputs.pop((index, "fw"), None)
+            self._inputs.pop((index, "bw"), None)
         return gm
 
     def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> tuple[fx.GraphModule, PassReport]:
@@ -100,6 +113,7 @@ class PassPipeline:
             return gm, PassReport(p.name, index, ctx.phase, False, reason)
         delta_us = delta_peak = None
         if result.modified and ctx.cost_model is not None:
+            self._profile_candidate(result.graph_module, ctx.phase, index)
             (before_us, before_peak), (after_us, after_peak) = (self.predict(gm, ctx.phase),
                                                                 self.predict(result.graph_module, ctx.phase))
             delta_us, delta_peak = after_us - before_us, after_peak - before_peak

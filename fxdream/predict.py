@@ -94,7 +94,7 @@ def predict(captured: Captured | tuple, cost: CostModel, training: bool,
             contention: bool = True) -> Prediction:
     """Lower and simulate already-captured graphs (``graphs`` replaces some by (index, phase))."""
     if isinstance(cost, Profiled):
-        cost.profile_in_context(captured)
+        cost.profile_in_context(captured, graphs=graphs)
     lowered = lower_captured(captured, cost, optimizer if training else None, graphs)
     timeline = simulate_graph(lowered.graph, Contention() if contention else None,
                               initial_memory_bytes=lowered.static_bytes)

@@ -148,6 +148,7 @@ class Profiled:
         self._fallback = Analytic(device)
         self._call_overhead_us: float | None = None
         self._profiled: set[int] = set()
+        self.in_context: set[str] = set()  # keys measured inside a real graph run
 
     def kernel_us(self, node: fx.Node) -> float:
         if is_view(node):
@@ -193,21 +194,31 @@ class Profiled:
         except Exception:  # an op that cannot run on synthetic inputs: fall back to the roofline
             return self._fallback.kernel_us(node)
 
-    def profile_in_context(self, captured, rounds: int = 5, warmup: int = 2) -> None:
+    def profile_in_context(self, captured, rounds: int = 5, warmup: int = 2, graphs: dict | None = None) -> None:
         """Time every node where it really runs: the captured graphs on their real inputs.
 
         An op timed alone in a loop runs with hot caches and a warm allocator; inside the
         model it does not. So each node is timed inside an FX Interpreter run of its graph
         (median over runs and over nodes with the same key); ops a pass adds later are
-        still micro-benchmarked.
+        still micro-benchmarked unless their rewritten graph is given in ``graphs``
+        ((subgraph index, phase) → GraphModule), which is then timed in context as well.
         """
         for part in (captured if isinstance(captured, tuple) else (captured,)):
-            if id(part) in self._profiled or not part.example_inputs:
+            if not part.example_inputs:
+                continue
+            rewritten = [(graphs or {}).get((part.index, phase)) for phase in ("fw", "bw")]
+            todo = [gm for gm in rewritten if gm is not None and not self.measured_in_context(gm)]
+            if id(part) in self._profiled and not todo:
                 continue
             self._profiled.add(id(part))
             fw_values = self.profile_graph(part.forward, part.example_inputs, rounds, warmup)
+            if rewritten[0] is not None and rewritten[0] in todo:
+                self.profile_graph(rewritten[0], part.example_inputs, rounds, warmup)
             if part.backward is not None and fw_values is not None:
-                self.profile_graph(part.backward, self.backward_inputs(part.backward, fw_values), rounds, warmup)
+                bw_inputs = self.backward_inputs(part.backward, fw_values)
+                for gm in (part.backward, rewritten[1]):
+                    if gm is not None:
+                        self.profile_graph(gm, bw_inputs, rounds, warmup)
 
     def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 2) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run)."""
@@ -219,7 +230,14 @@ class Profiled:
             values = _time_graph(gm, inputs, self.torch_device, samples, rounds, warmup)
         for key, times in samples.items():
             self.measurements[key] = statistics.median(times)
+        self.in_context.update(samples)
         return values
+
+    def measured_in_context(self, gm: fx.GraphModule) -> bool:
+        """Whether every compute node of ``gm`` has an in-context measurement."""
+        device = self.torch_device.type
+        return all(profile_key(n, device) in self.in_context for n in gm.graph.nodes
+                   if n.op == "call_function" and not is_view(n))
 
     def backward_inputs(self, bw: fx.GraphModule, fw_values: dict) -> list:
         """Saved tensors from the forward's outputs (same names), ones for the incoming gradients."""
