@@ -51,13 +51,13 @@ class Prediction:
 def cost_model_for(device: str | DeviceSpec, cost: str = "auto") -> CostModel:
     """``profiled`` measures on this machine (needs the device here); ``analytic`` works for any."""
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
-    here = "cuda" if torch.cuda.is_available() else "cpu"
+    runnable_here = spec.kind == "cpu" or (torch.cuda.is_available() and _is_this_gpu(spec))
     if cost == "auto":
-        cost = "profiled" if spec.kind == here and (spec.kind == "cpu" or _is_this_gpu(spec)) else "analytic"
+        cost = "profiled" if runnable_here else "analytic"
     if cost == "analytic":
         return Analytic(spec)
     if cost == "profiled":
-        if spec.kind != here:
+        if not runnable_here:
             raise ValueError(f"cost='profiled' measures on this machine, which has no {spec.name}; "
                              "use cost='analytic' (valid: 'profiled', 'analytic', 'auto')")
         return Profiled(spec, "cuda" if spec.kind == "cuda" else "cpu")
