@@ -48,7 +48,7 @@ def cmd_demo(args) -> int:
         results = time_interleaved({"eager": lambda: model(*inputs), "fxdream": lambda: optimized(*inputs)},
                                    rounds=args.rounds, block=args.block, desc="eager vs fxdream")
     base = results["eager"].median_ms
-    print(f"| runner | median ms/call | spread | vs eager |\n|---|---|---|---|")
+    print("| runner | median ms/call | spread | vs eager |\n|---|---|---|---|")
     for name, m in results.items():
         print(f"| {name} | {m.median_ms:.2f} | ±{m.spread_pct / 2:.1f} % | {base / m.median_ms:.2f}x |")
     print(f"\n(measured: median of {args.rounds} rounds x {args.block} calls, interleaved; "

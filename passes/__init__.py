@@ -1,0 +1,2 @@
+"""Built-in passes: importing this package registers each of them (one pass per file)."""
+from . import fuse_conv_bias_act  # noqa: F401

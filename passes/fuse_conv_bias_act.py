@@ -1,0 +1,413 @@
+"""fuse_conv_bias_act: conv (+bias) (+BN folded) (+residual add) + ReLU as one fused kernel.
+
+The Flux seed (FluxML/Flux.jl#558) and cuDNN's ``cudnnConvolutionBiasActivationForward``:
+match, at ATen level, ``convolution(+bias) → [add residual] → relu`` and, in inference
+with frozen weights, ``convolution → batch_norm → [add] → [relu]`` with the batch norm
+folded into the conv's weight and bias (w' = w·γ/√(σ²+ε), b' = β + (b − μ)·γ/√(σ²+ε)).
+
+Fusion is not always faster (oneDNN in NCHW 0.91–1.06x, cuDNN's fused call 17x slower
+on some 7x7 channels_last convs, pytorch#68506), so the pass builds every variant the
+device allows (CPU inference: NCHW, channels_last, channels_last + weights prepacked
+once) and keeps the fastest by ``ctx.predict_us`` (the pipeline's measured cost model);
+every variant's predicted time goes in the notes. When none is predicted faster than the
+graph as it is, the pass declines (also when named explicitly: that fusion can be slower is
+the point). Without a cost model it takes channels_last + prepacked on CPU and NCHW on
+CUDA and says so. Training graphs get the trainable
+ops (``fxdream::conv_bias_relu``, ``fxdream::conv_bias_add_relu``) in NCHW: the forward
+returns exactly the values the already-built backward graph expects.
+"""
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_map
+
+from fxdream import ops
+from fxdream.annotate import LAYER
+from fxdream.pass_api import PassContext, PassResult, register_pass
+from fxdream.pass_pipeline import copy_graph_module
+
+aten = torch.ops.aten
+CONV, RELU, ADD = aten.convolution.default, aten.relu.default, aten.add.Tensor
+BN = aten._native_batch_norm_legit_no_training.default
+CLONE = aten.clone.default
+CL, NCHW = torch.channels_last, torch.contiguous_format
+TRAINABLE = (torch.ops.fxdream.conv_bias_relu.default, torch.ops.fxdream.conv_bias_add_relu.default)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    channels_last: bool = False
+    prepack: bool = False
+
+
+NCHW_FUSED = Variant("nchw")
+CHANNELS_LAST = Variant("channels_last", channels_last=True)
+PREPACKED = Variant("channels_last+prepacked", channels_last=True, prepack=True)
+
+
+@dataclass
+class Site:
+    """One match; ``last`` is the node whose value the fused op replaces."""
+    conv: fx.Node
+    parts: list = field(default_factory=list)
+    bn: fx.Node | None = None
+    bn_out: fx.Node | None = None
+    add: fx.Node | None = None
+    other_index: int = 1
+    relu: fx.Node | None = None
+
+    @property
+    def last(self) -> fx.Node:
+        return self.relu or self.add or self.bn_out or self.conv
+
+    @property
+    def kind(self) -> str:
+        return "+".join(self.parts)
+
+    @property
+    def layer(self) -> str:
+        return self.conv.meta.get(LAYER) or self.conv.name
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _users(node: fx.Node) -> str:
+    return ", ".join(u.name for u in node.users)
+
+
+def _real_tensors():
+    """Real math while aot_autograd's fake mode is on (private torch API, isolated here)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
+
+
+def _conv_problem(conv: fx.Node, ctx: PassContext) -> str | None:
+    """Why this convolution cannot be fused, or None."""
+    if len(conv.args) != 9 or conv.kwargs:
+        return "unexpected convolution signature"
+    x, w = _val(conv.args[0]), _val(conv.args[1])
+    if conv.args[6]:
+        return "transposed convolution"
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(w, torch.Tensor):
+        return "not a 2-d convolution"
+    if x.device.type == "cuda":
+        return None if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {x.dtype}"
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return None
+    return f"{x.device.type} {x.dtype}: no fused kernel"
+
+
+def _sole_user(node: fx.Node, target) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 and users[0].op == "call_function" and users[0].target is target else None
+
+
+def _foldable_bn(conv: fx.Node, ctx: PassContext, notes: list) -> fx.Node | None:
+    bn = _sole_user(conv, BN)
+    if bn is None or bn.args[0] is not conv:
+        if any(u.op == "call_function" and u.target is BN for u in conv.users):
+            notes.append(f"{conv.meta.get(LAYER, conv.name)}: batch norm not folded: the conv output is "
+                         f"also used by {_users(conv)}")
+        return None
+    tensors = [conv.args[1], conv.args[2], *bn.args[1:5]]
+    if any(t is not None and (t.op != "placeholder" or t.name not in ctx.params) for t in tensors):
+        notes.append(f"{conv.meta.get(LAYER, conv.name)}: batch norm not folded: its weights are not "
+                     "known constants")
+        return None
+    outs = list(bn.users)
+    if not all(u.target is operator.getitem for u in outs) or [u.args[1] for u in outs] != [0]:
+        notes.append(f"{conv.meta.get(LAYER, conv.name)}: batch norm not folded: its statistics are used")
+        return None
+    return bn
+
+
+def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]]:
+    """Walk from every convolution through [bn] → [add] → [relu]; notes say what was left."""
+    sites, notes, unfused, claimed = [], [], 0, set()
+    for conv in graph.nodes:
+        if conv.op != "call_function" or conv.target is not CONV:
+            continue
+        problem = _conv_problem(conv, ctx)
+        if problem is not None:
+            notes.append(f"{conv.meta.get(LAYER, conv.name)}: skipped: {problem}")
+            continue
+        site = Site(conv, ["conv"] + (["bias"] if conv.args[2] is not None else []))
+        cur = conv
+        if ctx.frozen and (bn := _foldable_bn(conv, ctx, notes)) is not None:
+            site.bn, site.bn_out, cur = bn, next(iter(bn.users)), next(iter(bn.users))
+            site.parts.append("bn")
+        add = _sole_user(cur, ADD)
+        if (add is not None and add not in claimed and not add.kwargs and len(add.args) == 2
+                and add.args[0] is not add.args[1]):
+            index = 1 if add.args[0] is cur else 0
+            other, relu = _val(add.args[index]), _sole_user(add, RELU)
+            if (isinstance(add.args[index], fx.Node) and isinstance(other, torch.Tensor)
+                    and other.shape == _val(cur).shape and other.dtype == _val(cur).dtype and relu is not None):
+                site.add, site.other_index, site.relu, cur = add, index, relu, relu
+                site.parts += ["add", "relu"]
+            elif any(u.target is RELU for u in add.users):
+                notes.append(f"{site.layer}: add+relu not fused: the sum is also used by {_users(add)}")
+        if site.relu is None:
+            site.relu = _sole_user(cur, RELU)
+            if site.relu is not None:
+                site.parts.append("relu")
+            elif any(u.op == "call_function" and u.target is RELU for u in cur.users):
+                notes.append(f"{site.layer}: relu not fused: {cur.name} is also used by {_users(cur)}")
+        if ctx.frozen or site.relu is not None:
+            sites.append(site)
+            claimed.update((site.add, site.relu))
+        else:
+            unfused += 1
+    if unfused:
+        notes.append(f"{unfused} conv(s) not followed by relu or add+relu (e.g. conv → batch norm in "
+                     "training): left as they are")
+    return sites, notes
+
+
+def fold_batch_norm(weight, bias, gamma, beta, mean, var, eps: float):
+    """(w', b') with the batch norm folded in; the per-channel terms in float64."""
+    scale = torch.rsqrt(var.double() + eps)
+    if gamma is not None:
+        scale = scale * gamma.double()
+    folded_w = weight * scale.to(weight.dtype).reshape(-1, *([1] * (weight.dim() - 1)))
+    b0 = bias.double() if bias is not None else torch.zeros_like(mean, dtype=torch.float64)
+    folded_b = (b0 - mean.double()) * scale
+    if beta is not None:
+        folded_b = folded_b + beta.double()
+    return folded_w, folded_b.to(weight.dtype)
+
+
+class _Builder:
+    """Builds one variant's graph from a copy: rewrite sites, then re-derive fake values."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, variant: Variant, folded: dict | None = None):
+        self.gm, self.ctx, self.variant = copy_graph_module(gm), ctx, variant
+        self.folded = {} if folded is None else folded  # conv name → (w', b'), shared by the variants
+        self.graph = self.gm.graph
+        self.original = {n.name: _val(n) for n in self.graph.nodes}
+        self.fake_mode = next(v.fake_mode for v in self.original.values() if isinstance(v, FakeTensor))
+        self.stand_ins: dict[str, torch.Tensor] = {}   # get_attr target → fake tensor (for packed weights)
+
+    def build(self, sites: list[Site]) -> fx.GraphModule:
+        for site in sites:
+            self._rewrite(site)
+        if self.ctx.frozen:
+            self._propagate()
+        self.graph.lint()
+        self.gm.recompile()
+        return self.gm
+
+    # --- one site ---------------------------------------------------------------------------
+    def _rewrite(self, site: Site) -> None:
+        conv = site.conv
+        x, w, b = conv.args[:3]
+        stride, padding, dilation, groups = conv.args[3], conv.args[4], conv.args[5], conv.args[8]
+        other = site.add.args[site.other_index] if site.add is not None else None
+        with self.graph.inserting_before(site.last):
+            if not self.ctx.frozen:
+                target = TRAINABLE[1] if other is not None else TRAINABLE[0]
+                args = (x, w, b) + ((other,) if other is not None else ()) + (stride, padding, dilation, groups)
+            else:
+                w, b = self._frozen_weights(site, x, w, b, stride, padding, dilation, groups)
+                packed = w.op == "get_attr" and getattr(self.gm, w.target).is_mkldnn
+                target = ops.conv_fused_inference_prepacked if packed else ops.conv_fused_inference
+                args = (x, w, b, other, stride, padding, dilation, groups, "relu" if site.relu else "none")
+            fused = self.graph.call_function(target, args)
+        fused.meta.update(conv.meta)
+        if not self.ctx.frozen:  # frozen graphs re-derive every value in _propagate
+            fused.meta["val"] = self._fake_run(fused)
+        self.original[fused.name] = self.original.get(site.last.name)  # the layout to give back
+        site.last.replace_all_uses_with(fused)
+        for node in (site.relu, site.add, site.bn_out, site.bn, conv):
+            if node is not None:
+                self.graph.erase_node(node)
+
+    def _frozen_weights(self, site, x, w, b, stride, padding, dilation, groups):
+        """Folded / channels_last / prepacked weights as constants, where the weights are known."""
+        params = self.ctx.params
+        weight = params.get(w.name) if w.op == "placeholder" else None
+        bias = params.get(b.name) if b is not None and b.op == "placeholder" else None
+        if weight is None or (b is not None and bias is None):
+            return w, b  # not constants: use them as they come, in whatever layout
+        with _real_tensors(), torch.no_grad():
+            weight, bias = weight.detach(), None if bias is None else bias.detach()
+            if site.bn is not None:
+                if site.conv.name not in self.folded:
+                    stats = (None if a is None else params[a.name].detach() for a in site.bn.args[1:5])
+                    self.folded[site.conv.name] = fold_batch_norm(weight, bias, *stats, site.bn.args[6])
+                weight, bias = self.folded[site.conv.name]
+            elif not self.variant.channels_last:
+                return w, b  # nothing to change: the live placeholders
+            fmt = CL if self.variant.channels_last else NCHW
+            if self.variant.prepack and ops.can_prepack(_val(x), weight):
+                value = ops.prepack_conv_weight(weight, stride, padding, dilation, groups, _val(x).shape)
+            else:
+                value = weight.contiguous(memory_format=fmt)
+            stand_in = self._fake_like(weight, fmt)
+        w_node = self._constant(site, "weight", value, stand_in)
+        b_node = None if bias is None else self._constant(site, "bias", bias, None)
+        return w_node, b_node
+
+    def _constant(self, site: Site, what: str, tensor: torch.Tensor, stand_in) -> fx.Node:
+        name = f"_fxdream_{site.conv.name}_{what}"
+        while hasattr(self.gm, name):
+            name += "_"
+        self.gm.register_buffer(name, tensor, persistent=False)
+        node = self.graph.get_attr(name)
+        node.meta.update({"val": tensor, LAYER: site.conv.meta.get(LAYER, "")})
+        if stand_in is not None:
+            self.stand_ins[name] = stand_in
+        return node
+
+    # --- fake values and layouts -------------------------------------------------------------
+    def _fake_of(self, node: fx.Node):
+        if node.op == "get_attr":
+            if node.target not in self.stand_ins:
+                value = _val(node)
+                if value is None:
+                    value = getattr(self.gm, node.target)
+                self.stand_ins[node.target] = value if isinstance(value, FakeTensor) else self._fake_like(value)
+            return self.stand_ins[node.target]
+        return _val(node)
+
+    def _fake_like(self, t: torch.Tensor, fmt=None) -> torch.Tensor:
+        """A fake tensor with ``t``'s shape and strides, or ``fmt`` (no symbols added to the shape env)."""
+        with self.fake_mode:
+            if fmt is not None:
+                return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device).contiguous(memory_format=fmt)
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
+
+    def _fake_run(self, node: fx.Node):
+        args, kwargs = tree_map(lambda a: self._fake_of(a) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+        with self.fake_mode:
+            return node.target(*args, **kwargs)
+
+    def _propagate(self) -> None:
+        """Re-derive every value's fake tensor in order (strides change with channels_last);
+        convert conv inputs to channels_last once, and back to the original layout before any
+        view (views depend on strides) and at the outputs."""
+        converted: dict[tuple[str, object], fx.Node] = {}
+        for node in list(self.graph.nodes):
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            if node.op == "output":
+                node.args = tree_map(lambda a: self._restore(a, node, converted) if isinstance(a, fx.Node) else a,
+                                     node.args)
+                continue
+            if self.variant.channels_last and node.target in ops.INFERENCE_OPS:
+                node.args = (self._convert(node.args[0], CL, node, converted),) + tuple(node.args[1:])
+            elif _returns_alias(node):
+                node.args = tree_map(lambda a: self._restore(a, node, converted) if isinstance(a, fx.Node) else a,
+                                     node.args)
+            if node.op == "call_function":
+                node.meta["val"] = self._fake_run(node)
+
+    def _restore(self, arg: fx.Node, user: fx.Node, converted) -> fx.Node:
+        before, now = self.original.get(arg.name), _val(arg)
+        if not isinstance(before, torch.Tensor) or not isinstance(now, torch.Tensor) or before.dim() != 4:
+            return arg
+        fmt = NCHW if before.is_contiguous() else CL if before.is_contiguous(memory_format=CL) else None
+        if fmt is None:
+            if now.stride() != before.stride():
+                raise ValueError(f"cannot restore the layout of {arg.name} (strides {before.stride()})")
+            return arg
+        return self._convert(arg, fmt, user, converted)
+
+    def _convert(self, arg: fx.Node, fmt, user: fx.Node, converted) -> fx.Node:
+        value = _val(arg)
+        if not isinstance(value, torch.Tensor) or value.dim() != 4 or value.is_contiguous(memory_format=fmt):
+            return arg
+        key = (arg.name, fmt)
+        if key not in converted:
+            with self.graph.inserting_before(user):
+                node = self.graph.call_function(CLONE, (arg,), {"memory_format": fmt})
+            node.meta.update({LAYER: user.meta.get(LAYER, arg.meta.get(LAYER, "")), "val": None})
+            node.meta["val"] = self._fake_run(node)
+            converted[key] = node
+        return converted[key]
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """A view (its result depends on the input's strides), e.g. the view before a classifier."""
+    schema = getattr(node.target, "_schema", None)
+    return node.target is not operator.getitem and bool(
+        schema and any(r.alias_info is not None for r in schema.returns))
+
+
+def _variants(ctx: PassContext, device: str) -> tuple[Variant, ...]:
+    if not ctx.frozen:
+        return (NCHW_FUSED,)
+    return (NCHW_FUSED, CHANNELS_LAST, PREPACKED) if device == "cpu" else (NCHW_FUSED, CHANNELS_LAST)
+
+
+def _default(ctx: PassContext, device: str) -> Variant:
+    return PREPACKED if ctx.frozen and device == "cpu" else NCHW_FUSED
+
+
+def _summary(sites: list[Site]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in Counter(s.kind for s in sites).items())
+
+
+@register_pass
+class FuseConvBiasAct:
+    name = "fuse_conv_bias_act"
+
+    def applies_to(self, ctx: PassContext) -> str | None:
+        if ctx.phase != "fw":
+            return "rewrites forward graphs; the backward is unchanged"
+        if ctx.device not in ("cpu", "cuda"):
+            return f"no fused conv kernels for device {ctx.device!r}"
+        return None
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        sites, notes = find_sites(gm.graph, ctx)
+        if not sites:
+            return PassResult(gm, False, "no conv+bias+relu, conv+add+relu or conv+bn pattern to fuse", tuple(notes))
+        device = _val(sites[0].conv.args[0]).device.type
+        candidates, failed, folded = {}, [], {}
+        # without a cost model there is nothing to compare: build the default variant only
+        for variant in _variants(ctx, device) if ctx.predict_us is not None else (_default(ctx, device),):
+            try:
+                candidates[variant] = self._build(gm, ctx, variant, folded)
+            except Exception as error:  # a variant that cannot be built is reported, not fatal
+                failed.append(f"variant {variant.name} not built: {type(error).__name__}: {error}")
+        if not candidates:
+            return PassResult(gm, False, "no fused variant could be built", tuple(notes + failed))
+        site_notes = [f"{s.layer}: {s.kind}" for s in sites]
+        if ctx.predict_us is None:
+            chosen = next(iter(candidates))
+            how = f"{chosen.name}: no cost model was given, so chosen by default"
+        else:
+            base, times = ctx.predict_us(gm), {}
+            for variant, candidate in candidates.items():
+                try:
+                    times[variant] = ctx.predict_us(candidate)
+                except Exception as error:  # cannot be costed: not a candidate
+                    failed.append(f"variant {variant.name} not predicted: {type(error).__name__}: {error}")
+            if not times:
+                return PassResult(gm, False, "no fused variant could be costed", tuple(notes + failed))
+            chosen = min(times, key=times.get)
+            listing = ", ".join([f"unfused {base / 1e3:.3f} ms"]
+                                + [f"{v.name} {t / 1e3:.3f} ms" for v, t in times.items()])
+            if times[chosen] >= base:
+                return PassResult(gm, False, f"not applied: every fused variant is predicted slower than unfused "
+                                  f"({listing})", tuple([f"predicted: {listing} → unfused"] + notes + failed))
+            notes.insert(0, f"predicted: {listing} → {chosen.name}")
+            how = f"{chosen.name} (predicted {base / times[chosen]:.2f}x)"
+        return PassResult(candidates[chosen], True, f"fused {_summary(sites)}; {how}",
+                          tuple(notes + failed + site_notes))
+
+    @staticmethod
+    def _build(gm: fx.GraphModule, ctx: PassContext, variant: Variant, folded: dict | None = None) -> fx.GraphModule:
+        builder = _Builder(gm, ctx, variant, folded)
+        sites, _ = find_sites(builder.graph, ctx)
+        return builder.build(sites)
