@@ -8,6 +8,15 @@ edges; ops that read a device value on the host (``.item()``, nonzero) add a SYN
 Memory: a kernel allocates its outputs when it starts; a buffer is freed when the last
 task using it (through any view) ends, unless it leaves the iteration (an output, a
 gradient). Training adds the optimizer step as its own tasks.
+
+CUDA graphs: nodes with ``meta[CUDA_GRAPH_REGION]`` (or a runner module the cuda_graphs
+pass put in the graph, inlined first) form a captured region. On a GPU a region lowers to
+one host task that launches the whole graph (``DepKind.GRAPH_LAUNCH`` edges to each of
+its kernels), preceded by one copy of the inputs that are not at fixed addresses into the
+graph's static buffers, and its kernels on the stream: no per-kernel dispatch or launch,
+and views cost nothing. The graph's private memory pool (static inputs plus the peak of
+its own buffers) is held for good, so it counts as static memory. On a CPU device regions
+are ignored (there are no CUDA graphs).
 """
 from __future__ import annotations
 
@@ -21,10 +30,16 @@ from torch.utils._pytree import tree_flatten
 
 from ..annotate import LAYER, op_name
 from .cost import CostModel, is_view, tensor_bytes
+from .graph_regions import (CUDA_GRAPH_REGION, GraphRegion, aliases_input, cuda_graph_regions,  # noqa: F401
+                            inline_cuda_graph_runners)
 from .taskgraph import DepKind, Task, TaskGraph, TaskKind
 
 STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on
-CUDA_GRAPH_REGION = "fxdream.cuda_graph_region"  # node.meta key: id of a captured region
+# Host cost of one graph launch beyond the CUDA launch itself: the runner's Python (shape key,
+# pointer check, replay call) as framework dispatches, and the driver's per-node work.
+# Estimates; the GPU benchmark measures the runner's overhead on a tiny graph.
+GRAPH_RUNNER_DISPATCHES = 3
+GRAPH_LAUNCH_PER_KERNEL_US = 0.01
 HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal",
                            "aten.is_nonzero", "aten.masked_select", "aten.unique"})
 
@@ -57,12 +72,6 @@ def _is_multi_output(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
 
 
-def _aliases_input(node: fx.Node) -> bool:
-    """In-place and out= ops return an input: no new memory."""
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and any(r.alias_info is not None for r in schema.returns))
-
-
 class _Buffers:
     """Tracks which allocation each value lives in, across fw and bw graphs, for liveness."""
 
@@ -72,6 +81,7 @@ class _Buffers:
         self.size: dict[tuple, int] = {}
         self.last_use: dict[tuple, tuple[int, str]] = {}  # buffer → (graph index, task name)
         self.output_graph: dict[tuple, int] = {}
+        self.pooled: set[tuple] = set()           # in a CUDA graph's pool: never freed
 
     def key(self, node: fx.Node) -> str:
         return f"{self.scope}/{node.name}"
@@ -90,7 +100,7 @@ class _Buffers:
             multi = base is not None and base[0] == "multi"
             self.root[key] = ("buf", base[1], node.args[1]) if multi else base
             return []
-        if is_view(node) or _aliases_input(node):
+        if is_view(node) or aliases_input(node):
             first = next((a for a in node.all_input_nodes), None)
             self.root[key] = self.root.get(self.key(first)) if first is not None else ("input", key)
             return []
@@ -128,6 +138,8 @@ class _Buffers:
         """Task name → bytes freed when it ends (buffers that do not leave the iteration)."""
         freed: dict[str, int] = {}
         for buffer, size in self.size.items():
+            if buffer in self.pooled:
+                continue
             used = self.last_use.get(buffer)
             out = self.output_graph.get(buffer)
             if used is None or (out is not None and out >= used[0]):
@@ -146,6 +158,11 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
     allocs: dict[str, int] = {}
     static = 0
     for graph_index, (label, gm) in enumerate(graphs):
+        gm = inline_cuda_graph_runners(gm)
+        regions = cuda_graph_regions(gm) if on_gpu else {}
+        static += sum(r.pool_bytes for r in regions.values())
+        launched: dict[object, str] = {}  # region id → its graph-launch task
+        current = None                    # the region being lowered (regions are contiguous)
         buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
         call_us = cost.graph_call_us() if hasattr(cost, "graph_call_us") else 0.0
         if call_us:
@@ -163,6 +180,22 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
                 continue
             name = f"{label}:{node.name}"
             common = dict(layer=node.meta.get(LAYER, ""), op=op_name(node), fx_node=node.name, phase=phase)
+            region = node.meta.get(CUDA_GRAPH_REGION) if regions else None
+            if region is None and current is not None and not is_view(node):
+                current = None  # a kernel outside the region ends it (a view does not)
+            if region is not None:
+                if region not in launched:
+                    launched[region] = _lower_graph_launch(tg, label, phase, regions[region], cost, kernel_of,
+                                                           buffers)
+                elif region != current:
+                    raise ValueError(f"{label}: CUDA-graph region {region!r} is not contiguous in graph order "
+                                     f"(node {node.name} comes after kernels outside it)")
+                current = region
+                work = _lower_region_node(tg, node, name, common, launched[region], cost, kernel_of, buffers)
+                created = buffers.define(node)
+                buffers.pooled.update(created)  # lives in the graph's pool, counted in static
+                buffers.use(node, work, graph_index)
+                continue
             dispatch, kernel = cost.dispatch_us(node), cost.kernel_us(node)
             if not on_gpu:
                 tg.append(Task(name, TaskKind.CPU, dispatch + kernel, "cpu:0", **common))
@@ -175,10 +208,7 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
                     work = tg.append(Task(f"{name}:k", TaskKind.GPU, kernel, f"stream:{stream}",
                                           utilization=cost.utilization(node), **common),
                                      deps=[(name, DepKind.LAUNCH)])
-                    for arg in node.all_input_nodes:
-                        producer = kernel_of.get(buffers.key(arg))
-                        if producer and tg.task(producer).resource != f"stream:{stream}":
-                            tg.add_dep(producer, work, DepKind.EVENT)
+                    _wait_for_inputs(tg, node, work, kernel_of, buffers)
                     if op_name(node) in HOST_SYNC_OPS:
                         tg.append(Task(f"{name}:sync", TaskKind.SYNC, 0.0, "cpu:0", **common),
                                   deps=[(work, DepKind.SYNC)])
@@ -192,6 +222,63 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
     if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
         _lower_optimizer(tg, graphs[-1][1], cost, optimizer, on_gpu)
     return Lowered(_with_memory(tg, allocs, buffers.frees()), static)
+
+
+def _wait_for_inputs(tg: TaskGraph, node: fx.Node, work: str, kernel_of: dict, buffers: _Buffers) -> None:
+    """Inputs produced by kernels on other streams: an event record → wait."""
+    stream = tg.task(work).resource
+    for arg in node.all_input_nodes:
+        producer = kernel_of.get(buffers.key(arg))
+        if producer and tg.task(producer).resource != stream:
+            tg.add_dep(producer, work, DepKind.EVENT)
+
+
+def graph_launch_us(cost: CostModel, kernels: int) -> float:
+    """Host time to replay one captured graph: the cost model's if it has one, else an estimate."""
+    measured = getattr(cost, "graph_launch_us", None)
+    if callable(measured):
+        return float(measured(kernels))
+    device = cost.device
+    return (device.launch_overhead_us + GRAPH_RUNNER_DISPATCHES * device.dispatch_overhead_us
+            + GRAPH_LAUNCH_PER_KERNEL_US * kernels)
+
+
+def _lower_graph_launch(tg: TaskGraph, label: str, phase: str, region: GraphRegion, cost: CostModel,
+                        kernel_of: dict, buffers: _Buffers) -> str:
+    """The copy of the inputs into the static buffers (one batched copy), then the graph launch."""
+    device = cost.device
+    name = f"{label}:cuda_graph{region.region}"
+    common = dict(layer="", phase=phase)
+    if region.copied_inputs:
+        copy_name = f"{name}:copy_in"
+        tg.append(Task(copy_name, TaskKind.CPU, device.dispatch_overhead_us + device.launch_overhead_us, "cpu:0",
+                       op="cuda_graph.copy_inputs", **common))
+        copy_kernel = tg.append(Task(f"{copy_name}:k", TaskKind.GPU, device.kernel_time_us(0, 2 * region.copied_bytes),
+                                     "stream:0", op="cuda_graph.copy_inputs", **common),
+                                deps=[(copy_name, DepKind.LAUNCH)])
+        for arg in region.copied_inputs:
+            producer = kernel_of.get(buffers.key(arg))
+            if producer and tg.task(producer).resource != "stream:0":
+                tg.add_dep(producer, copy_kernel, DepKind.EVENT)
+    tg.append(Task(name, TaskKind.CPU, graph_launch_us(cost, region.kernels), "cpu:0", op="cuda_graph.launch",
+                   **common))
+    return name
+
+
+def _lower_region_node(tg: TaskGraph, node: fx.Node, name: str, common: dict, launch: str, cost: CostModel,
+                       kernel_of: dict, buffers: _Buffers) -> str:
+    """A node inside a captured graph: its kernel only, launched by the graph; a view costs nothing."""
+    if is_view(node):
+        if node.all_input_nodes:
+            kernel_of[buffers.key(node)] = kernel_of.get(buffers.key(node.all_input_nodes[0]))
+        return launch
+    stream = int(node.meta.get(STREAM, 0))
+    work = tg.append(Task(f"{name}:k", TaskKind.GPU, cost.kernel_us(node), f"stream:{stream}",
+                          utilization=cost.utilization(node), **common),
+                     deps=[(launch, DepKind.GRAPH_LAUNCH)])
+    _wait_for_inputs(tg, node, work, kernel_of, buffers)
+    kernel_of[buffers.key(node)] = work
+    return work
 
 
 def _with_memory(tg: TaskGraph, allocs: dict[str, int], frees: dict[str, int]) -> TaskGraph:
