@@ -120,6 +120,8 @@ def annotate_backward(gm: fx.GraphModule, forward_layers: Mapping[int, str], pre
             continue
         layer = _innermost(node.meta.get("fwd_nn_module_stack"), prefix)
         if layer is None:
+            layer = _accumulation_layer(node)
+        if layer is None:
             layer = forward_layers.get(node.meta.get("seq_nr"))
         if layer is None and node.target is operator.getitem:
             layer = node.args[0].meta.get(LAYER)
@@ -129,6 +131,24 @@ def annotate_backward(gm: fx.GraphModule, forward_layers: Mapping[int, str], pre
         node.meta[LAYER] = layer
         node.meta[PHASE] = "bw"
     return unmapped
+
+
+def _accumulation_layer(node: fx.Node) -> str | None:
+    """Autograd's sum of the gradients of a tensor used twice (a residual fan-out) has no
+    forward op and a stray seq_nr: it belongs to the innermost module holding both users."""
+    if node.target is not torch.ops.aten.add.Tensor or len(node.all_input_nodes) < 2:
+        return None
+    layers = [a.meta.get(LAYER) for a in node.all_input_nodes]
+    if any(layer is None for layer in layers):
+        return None
+    common = layers[0].split(".")
+    for layer in layers[1:]:
+        parts = layer.split(".")
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common)
 
 
 def _val(arg):

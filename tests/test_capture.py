@@ -62,6 +62,29 @@ def test_training_capture_maps_backward_nodes_to_forward_layers():
     assert captured.unmapped_backward_nodes == 0
 
 
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.skip = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.stem = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.stem(x)  # used twice: autograd sums its two gradients
+        return self.head(self.block(h) + self.skip(h))
+
+
+def test_gradient_accumulation_of_a_fan_out_belongs_to_the_module_of_both_users():
+    captured = fxdream.capture(Residual(), (torch.randn(3, 4),), training=True)
+    sums = [n for n in captured.backward.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.add.Tensor
+            and not n.meta.get("fwd_nn_module_stack")]
+    assert sums, "expected autograd's accumulation of the two gradients of h"
+    # block.0 and skip meet only in the model itself (""), never in the head (whose seq_nr it carries)
+    assert {n.meta[LAYER] for n in sums} == {""}
+
+
 def test_every_conv_linear_matmul_node_has_a_layer():
     captured = fxdream.capture(Net(), (torch.randn(2, 3, 8, 8),), training=True)
     heavy = ("aten.convolution", "aten.convolution_backward", "aten.addmm", "aten.mm", "aten.bmm")
