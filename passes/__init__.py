@@ -2,3 +2,4 @@
 from . import fuse_conv_bias_act  # noqa: F401
 from . import mark_incompatible  # noqa: F401
 from . import cuda_graphs  # noqa: F401
+from . import aux_stream_backward  # noqa: F401
