@@ -83,6 +83,7 @@ class PassPipeline:
         predict_us = None
         if self.base_context.cost_model is not None:
             def predict_us(candidate: fx.GraphModule) -> float:
+                self._profile_candidate(candidate, phase, index)  # a pass's choice rests on in-context times
                 return self.predict(candidate, phase)[0]
         ctx = dataclasses.replace(self.base_context, phase=phase, params=params, predict_us=predict_us,
                                   forced=not self.auto)
