@@ -1,0 +1,32 @@
+"""What-if scenarios from Daydream (Zhu et al., ATC'20) as one-liners over TaskGraph primitives.
+
+Each what-if takes a :class:`~fxdream.predict.Prediction` (or a bare ``TaskGraph``, or a
+previous :class:`WhatIf`, so scenarios chain: ``amp(fused_optimizer(p), "h100")``), changes its
+task graph (``select``, ``scale``, ``update``, ``remove``, ``insert``) and simulates it again.
+The :class:`WhatIf` holds the baseline and the scenario, both *predicted*; a :class:`Measured`,
+kept in its own type, where this machine can run the scenario.
+
+    p = fxdream.predict.predict(captured, Analytic(get_device("h100")), True, ADAM)
+    amp(p, "h100", "float16", captured=captured)          # tensor-core rates, halved bytes
+    fused_optimizer(p, captured=captured)                 # Adam as one kernel
+    faster_gpu(p, 2.0)                                    # every kernel 2x shorter
+    ddp(p, Cluster(machines=2, gpus_per_machine=8, network_gbps=10), captured=captured)
+    p3(p, Cluster(4, 1, network_gbps=10), captured=captured)
+
+``captured`` (the :class:`~fxdream.capture.Captured` the prediction was lowered from) lets a
+what-if read FLOPs, bytes and gradient sizes from the FX graphs; without it the what-ifs that
+can fall back on ratios do so.  Each module's docstring states its model and simplifications.
+Module names differ from the function names so that ``fxdream.whatif.amp`` is the function.
+"""
+from .core import Measured, WhatIf, faster_gpu
+from .data_parallel import MiB  # noqa: F401  (public in the single-module whatif.py)
+from .data_parallel import Cluster, Gradient, ddp, ddp_buckets, gradients, ring_allreduce_us
+from .measure_cpu import measure_amp_cpu, measure_fused_adam_cpu
+from .mixed_precision import COMPUTE_OPS, FP32_OPS, amp, cpu_flops
+from .optimizer import FUSED_BYTES_PER_GRAD_BYTE, fused_optimizer
+from .priority import ddp_period, p3
+
+__all__ = ["WhatIf", "Measured", "Cluster", "Gradient", "amp", "fused_optimizer", "faster_gpu",
+           "ddp", "ddp_period", "p3", "ring_allreduce_us", "gradients", "ddp_buckets",
+           "cpu_flops", "measure_amp_cpu", "measure_fused_adam_cpu", "FUSED_BYTES_PER_GRAD_BYTE",
+           "COMPUTE_OPS", "FP32_OPS"]

@@ -1,0 +1,240 @@
+"""What-if plumbing: the result types and the steps every scenario shares.
+
+Every scenario starts with :func:`_start` (a Prediction, a TaskGraph or a previous
+:class:`WhatIf`, so scenarios chain), edits the task graph and ends with :func:`_finish`, which
+simulates it again.  Also the one scenario too small for its own module, :func:`faster_gpu`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch.fx as fx
+
+from ..predict import Prediction
+from ..sim.cost import is_view
+from ..sim.devices import DeviceSpec, get_device
+from ..sim.simulate import Contention, simulate
+from ..sim.taskgraph import TaskGraph
+
+
+# ---- results ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Measured:
+    """Wall-clock times measured on this machine (never simulated): median ms per step."""
+    baseline_ms: float
+    scenario_ms: float
+    how: str                 # what was timed, e.g. "eager training step, 1 thread, 5 rounds"
+    device: str = "cpu"
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_ms / self.scenario_ms if self.scenario_ms else math.inf
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """A what-if scenario: the baseline and the scenario, both *predicted* by simulation.
+
+    Reads like a :class:`Prediction` (``time_ms``, ``task_graph``, ``timeline``, ...): those are
+    the scenario's.  ``measured`` is separate and set only where the scenario ran here."""
+    scenario: str
+    baseline: Prediction           # predicted: the graph as given
+    predicted: Prediction          # predicted: the graph after the what-if
+    predicted_ms: float            # predicted time per iteration of the scenario
+    details: Mapping[str, Any] = field(default_factory=dict)
+    measured: Measured | None = None
+    contention: bool = True
+    captured: Any = field(default=None, repr=False, compare=False)
+    graphs: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "details", MappingProxyType(dict(self.details)))
+
+    # Prediction-like surface (the scenario's)
+    @property
+    def time_ms(self) -> float:
+        return self.predicted_ms
+
+    @property
+    def baseline_ms(self) -> float:
+        return self.baseline.time_ms
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.baseline_ms / self.time_ms if self.time_ms else math.inf
+
+    @property
+    def task_graph(self) -> TaskGraph:
+        return self.predicted.task_graph
+
+    @property
+    def timeline(self):
+        return self.predicted.timeline
+
+    @property
+    def device(self) -> DeviceSpec:
+        return self.predicted.device
+
+    @property
+    def training(self) -> bool:
+        return self.predicted.training
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.predicted.peak_memory_bytes
+
+    def with_measurement(self, measured: Measured) -> "WhatIf":
+        return dataclasses.replace(self, measured=measured)
+
+    def summary(self) -> str:
+        lines = [f"what-if {self.scenario} on {self.device.name} (PREDICTED, simulated): "
+                 f"{self.baseline_ms:.3f} ms -> {self.time_ms:.3f} ms per iteration "
+                 f"({self.predicted_speedup:.2f}x)"]
+        for k, v in self.details.items():
+            lines.append(f"  {k}: {_fmt(v)}")
+        m = self.measured
+        if m is not None:
+            lines.append(f"  MEASURED on this machine ({m.device}; {m.how}): {m.baseline_ms:.3f} ms -> "
+                         f"{m.scenario_ms:.3f} ms ({m.speedup:.2f}x)")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        out = dict(scenario=self.scenario, device=self.device.name,
+                   predicted_baseline_ms=self.baseline_ms, predicted_ms=self.time_ms,
+                   predicted_speedup=self.predicted_speedup,
+                   details={k: _plain(v) for k, v in self.details.items()})
+        if self.measured is not None:
+            out["measured"] = dict(dataclasses.asdict(self.measured), speedup=self.measured.speedup)
+        return out
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _plain(v):
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if isinstance(v, Mapping):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return v
+
+
+# ---- common plumbing -------------------------------------------------------------------------
+_UNSPECIFIED = DeviceSpec("unspecified", "cuda", {"float32": 1.0}, 1.0, 0.0, 0.0, 0.0, None, 0)
+
+
+def _spec(device) -> DeviceSpec | None:
+    if device is None or isinstance(device, DeviceSpec):
+        return device
+    return get_device(device)
+
+
+def _simulate(tg: TaskGraph, contention: bool, static_bytes: int):
+    return simulate(tg, Contention() if contention else None, initial_memory_bytes=static_bytes)
+
+
+def _prediction(like: Prediction, tg: TaskGraph, contention: bool, *, device: DeviceSpec | None = None,
+                static_bytes: int | None = None) -> Prediction:
+    static = like.static_bytes if static_bytes is None else static_bytes
+    return Prediction(device or like.device, like.training, tg, _simulate(tg, contention, static), static)
+
+
+@dataclass(frozen=True)
+class _Start:
+    baseline: Prediction
+    current: Prediction
+    scenario: str            # the scenarios applied so far ("" for none)
+    details: dict
+    captured: Any
+    graphs: Any
+    contention: bool
+
+
+def _start(x, device=None, captured=None, graphs=None, contention: bool | None = None) -> _Start:
+    """Normalise the what-if input: a Prediction, a TaskGraph or a previous WhatIf."""
+    if isinstance(x, WhatIf):
+        c = x.contention if contention is None else contention
+        return _Start(x.baseline, x.predicted, x.scenario, dict(x.details),
+                      captured if captured is not None else x.captured,
+                      graphs if graphs is not None else x.graphs, c)
+    c = True if contention is None else contention
+    if isinstance(x, Prediction):
+        # re-simulate the baseline under the same contention setting as the scenario
+        base = _prediction(x, x.task_graph, c, device=_spec(device) or x.device)
+        return _Start(base, base, "", {}, captured, graphs, c)
+    if isinstance(x, TaskGraph):
+        spec = _spec(device) or _UNSPECIFIED
+        training = any(t.phase in ("bw", "optim") for t in x.tasks)
+        base = Prediction(spec, training, x, _simulate(x, c, 0), 0)
+        return _Start(base, base, "", {}, captured, graphs, c)
+    raise TypeError(f"expected a Prediction, WhatIf or TaskGraph, got {type(x).__name__}")
+
+
+def _finish(s: _Start, name: str, tg: TaskGraph, details: dict, *, device: DeviceSpec | None = None,
+            static_bytes: int | None = None, predicted_ms: float | None = None,
+            prediction: Prediction | None = None) -> WhatIf:
+    pred = prediction or _prediction(s.current, tg, s.contention, device=device, static_bytes=static_bytes)
+    scenario = f"{s.scenario} + {name}" if s.scenario else name
+    merged = {**s.details, **details}
+    return WhatIf(scenario, s.baseline, pred, pred.time_ms if predicted_ms is None else predicted_ms,
+                  merged, None, s.contention, s.captured, s.graphs)
+
+
+def _with_durations(tg: TaskGraph, durations: Mapping[str, float]) -> TaskGraph:
+    """A new graph with per-task durations (one rebuild instead of one ``update`` per task;
+    equivalent to ``tg.update(name, duration_us=d)`` for every entry)."""
+    if not durations:
+        return tg
+    new = TaskGraph()
+    for t in tg.tasks:
+        d = durations.get(t.name)
+        new.add_task(t if d is None else t.replace(duration_us=d))
+    for dep in tg.deps:
+        new.add_dep(dep.src, dep.dst, dep.kind)
+    return new
+
+
+def _items(captured) -> tuple:
+    """``captured`` as a tuple of Captured (one, several after graph breaks, or none)."""
+    if captured is None:
+        return ()
+    return captured if isinstance(captured, tuple) else (captured,)
+
+
+def _graphs_by_label(captured, graphs=None) -> dict[str, fx.GraphModule]:
+    """Lowering labels ("g0.fw", "g0.bw") -> the GraphModule lowered under that label."""
+    out = {}
+    for c in _items(captured):
+        for phase, gm in c.graphs():
+            out[f"g{c.index}.{phase}"] = (graphs or {}).get((c.index, phase), gm)
+    return out
+
+
+def _through_views(node: fx.Node) -> fx.Node:
+    """The tensor a chain of views reads (a parameter behind its transpose, say)."""
+    while node.op == "call_function" and is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+# ---- a faster GPU ----------------------------------------------------------------------------
+def faster_gpu(x, factor: float = 2.0, *, contention: bool | None = None) -> WhatIf:
+    """What if every GPU kernel ran ``factor`` times faster?  Every GPU-kind task scaled by
+    ``1/factor``; host tasks (dispatch, launch) unchanged."""
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"factor must be finite and > 0, got {factor}")
+    s = _start(x, contention=contention)
+    tg = s.current.task_graph
+    kernels = tg.select(kind="gpu")
+    if not kernels:
+        raise ValueError(f"the prediction for {s.current.device.name!r} has no GPU kernel tasks; "
+                         "predict for a GPU DeviceSpec (e.g. device='h100')")
+    return _finish(s, f"{factor:g}x faster GPU", tg.scale(kernels, 1.0 / factor),
+                   {"faster_gpu.kernels_scaled": len(kernels)})

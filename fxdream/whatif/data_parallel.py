@@ -1,0 +1,350 @@
+"""Data-parallel what-if, as ``DistributedDataParallel`` does it.
+
+The gradients (the backward graph's outputs) are packed into buckets (first 1 MiB, then
+25 MiB; a bucket closes once it reaches its cap, as DDP's ``compute_bucket_assignment_by_size``),
+in the order the backward produces them (DDP rebuilds its buckets so after the first
+iteration; ``bucket_order="reverse"``: reverse parameter order, its static assignment).  A
+bucket's allreduce is a task on ``comm:0`` that starts once the backward has produced all its
+gradients (CPU_TO_COMM from the host task that launched the producing kernel, EVENT from the
+kernel, plus DDP's scaling copy into the bucket); allreduces run one at a time in bucket order,
+and the optimizer waits for all of them (after DDP's copy back into ``.grad``).
+
+Communication does not slow compute on a GPU (NIC/NVLink and copy engines; NCCL's use of SMs is
+ignored); on a CPU device it takes host time instead (``overlap=False``: gloo's reduction runs
+on the cores that compute).  DDP's flat bucket buffers add the gradients' bytes to static
+memory.  Allreduce time: :class:`Cluster` (ring or hierarchical).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from ..sim.cost import is_view, tensor_bytes
+from ..sim.devices import DeviceSpec
+from ..sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
+from .core import (WhatIf, _finish, _graphs_by_label, _items, _prediction, _Start, _start,
+                   _through_views)
+
+MiB = 2 ** 20
+
+
+def ring_allreduce_us(nbytes: float, n: int, bandwidth: float, latency_us: float) -> float:
+    """Ring allreduce of ``nbytes`` over ``n`` ranks: 2(n-1)/n · bytes/bandwidth + 2(n-1)·latency.
+
+    ``bandwidth`` in bytes/s per link (NCCL's "bus bandwidth"), ``latency_us`` per ring step."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    transfer = 0.0 if math.isinf(bandwidth) else 2 * (n - 1) / n * nbytes / bandwidth * 1e6
+    return transfer + 2 * (n - 1) * latency_us
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``machines`` × ``gpus_per_machine`` ranks; NVLink inside a machine, a network between.
+
+    ``topology="hierarchical"`` (default, 2-D allreduce; one NIC per machine): reduce-scatter
+    inside each machine over NVLink, then the G shards allreduced across machines by G
+    concurrent rings that share the machine's NIC, then allgather inside:
+        T = 2(G-1)/G · S/B_nvlink + 2(N-1)/N · S/B_net + 2(G-1)·α_nvlink + 2(N-1)·α_net
+    (G concurrent rings of S/G over a NIC of B_net move as much as one ring of S.)
+    ``topology="ring"``: one flat ring over all N·G ranks, as fast as its slowest link:
+        T = 2(n-1)/n · S / min(B) + 2(n-1) · max(α)   (the bottleneck model).
+    Both reduce to :func:`ring_allreduce_us` on one machine (NVLink) or one GPU per machine
+    (network).  Network figures are nominal: ``network_gbps`` in Gbit/s of achieved bandwidth.
+    Defaults: NVLink bus bandwidth 360 GB/s (an NCCL allreduce figure on 8×H100 NVLink-4
+    nodes; the link peak is 450 GB/s per direction), per-step latencies 3 µs (NVLink) and
+    25 µs (TCP over Ethernet): estimates, set them for your system."""
+    machines: int = 1
+    gpus_per_machine: int = 1
+    network_gbps: float = 10.0
+    network_latency_us: float = 25.0
+    nvlink_GBps: float = 360.0
+    nvlink_latency_us: float = 3.0
+    topology: str = "hierarchical"
+
+    def __post_init__(self):
+        if self.machines < 1 or self.gpus_per_machine < 1:
+            raise ValueError(f"machines and gpus_per_machine must be >= 1, got "
+                             f"{self.machines} x {self.gpus_per_machine}")
+        if not (self.network_gbps > 0 and self.nvlink_GBps > 0):
+            raise ValueError("network_gbps and nvlink_GBps must be > 0 (math.inf allowed)")
+        if self.network_latency_us < 0 or self.nvlink_latency_us < 0:
+            raise ValueError("latencies must be >= 0")
+        if self.topology not in ("hierarchical", "ring"):
+            raise ValueError(f"topology={self.topology!r}; valid: 'hierarchical', 'ring'")
+
+    @property
+    def world_size(self) -> int:
+        return self.machines * self.gpus_per_machine
+
+    @property
+    def network_Bps(self) -> float:
+        return self.network_gbps * 1e9 / 8
+
+    @property
+    def nvlink_Bps(self) -> float:
+        return self.nvlink_GBps * 1e9
+
+    def allreduce_us(self, nbytes: float) -> float:
+        n, g = self.machines, self.gpus_per_machine
+        if self.topology == "ring":
+            links = ([self.nvlink_Bps] if g > 1 else []) + ([self.network_Bps] if n > 1 else [])
+            lats = ([self.nvlink_latency_us] if g > 1 else []) + ([self.network_latency_us] if n > 1 else [])
+            if not links:
+                return 0.0
+            return ring_allreduce_us(nbytes, n * g, min(links), max(lats))
+        # hierarchical: intra reduce-scatter + allgather = one intra ring allreduce's cost
+        intra = ring_allreduce_us(nbytes, g, self.nvlink_Bps, self.nvlink_latency_us)
+        inter = ring_allreduce_us(nbytes, n, self.network_Bps, self.network_latency_us)
+        return intra + inter
+
+    def describe(self) -> str:
+        if self.machines == 1:
+            return f"1x{self.gpus_per_machine} (NVLink {self.nvlink_GBps:g} GB/s)"
+        return (f"{self.machines}x{self.gpus_per_machine} @ {self.network_gbps:g} Gbps "
+                f"({self.topology})")
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """One gradient the backward returns: its size and the tasks around its production."""
+    index: int                 # position among the backward's floating outputs (optimizer order)
+    nbytes: int
+    producer: str | None       # task after which it exists (a kernel on a GPU); None: an input
+    launcher: str | None       # the host task that launched ``producer`` (itself on a CPU)
+    position: int              # position in the backward's outputs = forward input position
+    consumers: tuple[str, ...] = ()   # forward tasks that read the parameter (for P3)
+    graph: str = ""            # the backward's lowering label ("g0.bw")
+
+
+def gradients(captured, task_graph: TaskGraph, graphs=None) -> tuple[Gradient, ...]:
+    """The gradients of every captured backward and the tasks that produce (and, in the
+    forward, consume) them in ``task_graph`` (lowered from ``captured``)."""
+    by_label = _graphs_by_label(captured, graphs)
+    out: list[Gradient] = []
+    for c in _items(captured):
+        bw = by_label.get(f"g{c.index}.bw")
+        if bw is None:
+            continue
+        fw = by_label[f"g{c.index}.fw"]
+        blabel, flabel = f"g{c.index}.bw", f"g{c.index}.fw"
+        placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+        output = next(n for n in bw.graph.nodes if n.op == "output")
+        for pos, a in enumerate(tree_flatten(output.args)[0]):
+            if not isinstance(a, fx.Node):
+                continue
+            v = a.meta.get("val")
+            if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+                continue
+            base = _through_views(a)
+            producer = launcher = None
+            if base.op == "call_function":
+                launcher = f"{blabel}:{base.name}"
+                producer = f"{launcher}:k" if f"{launcher}:k" in task_graph else launcher
+                if launcher not in task_graph:
+                    producer = launcher = None
+            consumers = ()
+            if pos < len(placeholders):
+                consumers = _consumers(placeholders[pos], flabel, task_graph)
+            out.append(Gradient(len(out), tensor_bytes(v), producer, launcher, pos, consumers, blabel))
+    return tuple(out)
+
+
+def _consumers(placeholder: fx.Node, label: str, tg: TaskGraph) -> tuple[str, ...]:
+    """Tasks of compute nodes reading ``placeholder`` (through views), kernels where there are."""
+    found, todo, seen = [], list(placeholder.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if is_view(n):
+            todo.extend(n.users)
+            continue
+        name = f"{label}:{n.name}"
+        if f"{name}:k" in tg:
+            found.append(f"{name}:k")
+        elif name in tg:
+            found.append(name)
+    return tuple(found)
+
+
+def ddp_buckets(grads: Sequence[Gradient], bucket_cap_mb: float = 25.0,
+                first_bucket_mb: float = 1.0, ready_us: Mapping[int, float] | None = None
+                ) -> tuple[tuple[Gradient, ...], ...]:
+    """DDP's bucket assignment: a bucket closes as soon as it reaches its cap (the first
+    bucket's cap is ``first_bucket_mb``; MiB as DDP counts).  Gradients in reverse parameter
+    order, or, given ``ready_us`` (gradient index -> time it is produced), in the order they
+    become ready, as DDP lays its buckets out again after the first iteration."""
+    caps = [first_bucket_mb * MiB, bucket_cap_mb * MiB]
+    order = list(reversed(list(grads)))
+    if ready_us is not None:
+        order.sort(key=lambda g: ready_us.get(g.index, 0.0))  # stable: ties stay reversed
+    out, cur, size = [], [], 0
+    for g in order:
+        cur.append(g)
+        size += g.nbytes
+        if size >= caps[min(len(out), 1)]:
+            out.append(tuple(cur))
+            cur, size = [], 0
+    if cur:
+        out.append(tuple(cur))
+    return tuple(out)
+
+
+def _ready_times(grads: Sequence[Gradient], timeline, order: str) -> dict[int, float] | None:
+    if order == "reverse":
+        return None
+    if order != "ready":
+        raise ValueError(f"bucket_order={order!r}; valid: 'ready', 'reverse'")
+    return {g.index: (timeline.end(g.producer) if g.producer else 0.0) for g in grads}
+
+
+def _comm_deps(grads: Sequence[Gradient]) -> list:
+    """CPU_TO_COMM from the host tasks that launched the producers, EVENT from the kernels."""
+    deps = {}
+    for g in grads:
+        if g.launcher:
+            deps[g.launcher] = DepKind.CPU_TO_COMM
+        if g.producer and g.producer != g.launcher:
+            deps[g.producer] = DepKind.EVENT
+    return list(deps.items())
+
+
+def _first_update(tg: TaskGraph) -> str | None:
+    """The optimizer task that must wait for the gradients: its first kernel on a GPU (the
+    stream waits, the host does not), its first host task on a CPU device (the host waits)."""
+    kernels = tg.select(phase="optim", kind="gpu")
+    if kernels:
+        return kernels[0]
+    host = tg.select(phase="optim")
+    return host[0] if host else None
+
+
+def _need_grads(s: _Start, tg: TaskGraph) -> tuple[Gradient, ...]:
+    if s.captured is None:
+        raise ValueError("data-parallel what-ifs need captured=<the Captured the prediction was "
+                         "lowered from> to find the gradients and the tasks producing them")
+    grads = gradients(s.captured, tg, s.graphs)
+    if not grads:
+        raise ValueError("no gradients found: predict a training step (training=True) of the "
+                         "same captured graphs")
+    return grads
+
+
+def _seq_successor(tg: TaskGraph, name: str) -> str | None:
+    res = tg.task(name).resource
+    for m in tg.successors(name):
+        if tg.task(m).resource == res and tg.dep_kind(name, m) in SEQUENTIAL_DEPS:
+            return m
+    return None
+
+
+def _seq_predecessor(tg: TaskGraph, name: str) -> str | None:
+    res = tg.task(name).resource
+    for m in tg.predecessors(name):
+        if tg.task(m).resource == res and tg.dep_kind(m, name) in SEQUENTIAL_DEPS:
+            return m
+    return None
+
+
+def _copy_task(name: str, like: Task, nbytes: float, spec: DeviceSpec) -> Task:
+    """A memory-bound copy of ``nbytes`` (read + write counted) on ``like``'s resource."""
+    us = nbytes / spec.mem_bandwidth * 1e6
+    if like.kind is TaskKind.GPU:
+        us = max(us, spec.kernel_min_us)
+    kind = TaskKind.GPU if like.kind is TaskKind.GPU else TaskKind.CPU
+    return Task(name, kind, us, like.resource, op="ddp.copy", phase="comm")
+
+
+def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0, bucket_order: str = "ready", overlap: bool | None = None,
+        copies: bool = True, gradient_as_bucket_view: bool = False, channel: str = "comm:0",
+        contention: bool | None = None) -> WhatIf:
+    """What if the training step ran data-parallel (DDP) on ``cluster``?  Bucketed ring
+    allreduce overlapping the backward (module docstring); the optimizer waits for the last.
+
+    ``overlap`` (default: True on a GPU, False on a CPU device): communication runs on its own
+    ``channel``; False puts it on the host thread (``cpu:0``) instead, unchained, so it costs
+    host time wherever the thread is free: a CPU's collectives (gloo: the reduction and, on one
+    machine, the loopback copies) run on the same cores as the compute, and with every core
+    computing they cannot overlap it.  ``copies``: DDP's gradient handling without a comm hook:
+    each gradient is scaled into its bucket (read + write, one memory-bound task per bucket
+    after its last gradient, on the producer's resource) and, unless
+    ``gradient_as_bucket_view``, copied back after the last allreduce (one task before the
+    optimizer).  ``bucket_order``: "ready" (gradients in the order the baseline produces
+    them: DDP rebuilds its buckets so after its first iteration) or "reverse" (reverse
+    parameter order, DDP's static assignment)."""
+    s = _start(x, None, captured, graphs, contention)
+    tg = s.current.task_graph
+    spec = s.current.device
+    grads = _need_grads(s, tg)
+    buckets = ddp_buckets(grads, bucket_cap_mb, first_bucket_mb,
+                          _ready_times(grads, s.current.timeline, bucket_order))
+    overlap = spec.kind != "cpu" if overlap is None else overlap
+    resource = channel if overlap else "cpu:0"
+    position = {n: i for i, n in enumerate(tg.names)}
+    g = tg
+    packs: list[str | None] = []
+    for b, bucket in enumerate(buckets):
+        producers = [gr.producer for gr in bucket if gr.producer]
+        if not (copies and producers):
+            packs.append(None)
+            continue
+        last = max(producers, key=position.__getitem__)
+        task = _copy_task(f"ddp:pack:{b}", g.task(last), 2 * sum(gr.nbytes for gr in bucket), spec)
+        nxt = _seq_successor(g, last)
+        g = g.insert(task, after=[last], before=[nxt] if nxt else [])
+        packs.append(task.name)
+    g = g.copy()
+    names, comm_us = [], []
+    for b, bucket in enumerate(buckets):
+        nbytes = sum(gr.nbytes for gr in bucket)
+        us = cluster.allreduce_us(nbytes)
+        kind = TaskKind.COMM if overlap else TaskKind.CPU
+        deps = _comm_deps(bucket) + ([(packs[b], None)] if packs[b] else [])
+        if not overlap:  # the collective's own thread: not the compute thread's program order
+            deps = [(d, DepKind.SYNC if g.task(d).kind is TaskKind.GPU else DepKind.THREAD_TO_THREAD)
+                    for d, _ in deps]
+        names.append(g.append(Task(f"ddp:allreduce:{b}", kind, us, resource, op="ddp.allreduce",
+                                   phase="comm"), deps=deps, after_last_on_resource=overlap))
+        comm_us.append(us)
+    update = _first_update(g)
+    total = sum(gr.nbytes for gr in grads)
+    wait = DepKind.EVENT if overlap else DepKind.THREAD_TO_THREAD
+    if names and copies and not gradient_as_bucket_view:
+        like = g.task(update) if update else g.task(grads[0].producer or names[-1])
+        task = _copy_task("ddp:unpack", like, 2 * total, spec)
+        if update:
+            prev = _seq_predecessor(g, update)
+            g = g.insert(task, after=[prev] if prev else [], before=[update])
+        else:
+            last = max((t for t in g.tasks if t.resource == task.resource and t.phase != "comm"),
+                       key=lambda t: position.get(t.name, -1), default=None)
+            g = g.insert(task, after=[last.name] if last else [])
+        update = task.name
+    if update is not None:
+        for n in names:  # the step waits for every allreduce (DDP's finalize_backward)
+            g.add_dep(n, update, DepKind.SYNC if g.task(update).kind is not TaskKind.GPU else wait)
+    pred = _prediction(s.current, g, s.contention, static_bytes=s.current.static_bytes + total)
+    last_bw_end = max((pred.timeline.end(n) for n in tg.select(phase="bw")), default=0.0)
+    exposed = max(0.0, pred.timeline.end(names[-1]) - last_bw_end) if names else 0.0
+    details = {"ddp.cluster": cluster.describe(), "ddp.world_size": cluster.world_size,
+               "ddp.gradient_MB": total / 1e6, "ddp.buckets": len(buckets),
+               "ddp.bucket_MB": [round(sum(gr.nbytes for gr in bk) / 1e6, 3) for bk in buckets],
+               "ddp.bucket_bytes": [sum(gr.nbytes for gr in bk) for bk in buckets],
+               "ddp.allreduce_ms_total": sum(comm_us) / 1e3,
+               "ddp.comm_end_after_backward_ms": exposed / 1e3,
+               "ddp.overlap": overlap, "ddp.copies": copies,
+               # per-iteration time vs one GPU, and samples/s vs one GPU (weak scaling)
+               "ddp.scaling_efficiency": s.current.time_ms / pred.time_ms if pred.time_ms else 1.0,
+               "ddp.throughput_vs_one": cluster.world_size * s.current.time_ms / pred.time_ms
+               if pred.time_ms else float(cluster.world_size)}
+    return _finish(s, f"DDP {cluster.describe()}", g, details, prediction=pred)

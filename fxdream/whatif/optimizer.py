@@ -1,0 +1,77 @@
+"""Fused-optimizer what-if: the per-parameter optimizer tasks (phase ``"optim"``) collapse
+into one launch and one kernel moving one pass over the optimizer state
+(``FUSED_BYTES_PER_GRAD_BYTE``), as the lowering models ``fused=True``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from ..sim.cost import tensor_bytes
+from ..sim.lower import OPTIMIZERS
+from ..sim.taskgraph import TaskKind
+from .core import WhatIf, _finish, _graphs_by_label, _items, _spec, _start, _with_durations
+
+# one pass over the state: SGD with momentum reads p, g, buf and writes p, buf; Adam reads
+# p, g, m, v and writes p, m, v.  A fused kernel moves this much whatever the per-parameter
+# implementation moved (which may be more: torch's foreach=False Adam makes ~8 passes).
+FUSED_BYTES_PER_GRAD_BYTE = {"sgd": 5.0, "adam": 7.0}
+
+
+def _grad_values(bw: fx.GraphModule) -> list[torch.Tensor]:
+    """The floating gradients a backward graph returns, in order (as _lower_optimizer reads them)."""
+    output = next(n for n in bw.graph.nodes if n.op == "output")
+    vals = [a.meta.get("val") for a in tree_flatten(output.args)[0] if isinstance(a, fx.Node)]
+    return [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
+def fused_optimizer(x, *, captured=None, graphs=None, device=None,
+                    contention: bool | None = None) -> WhatIf:
+    """What if the optimizer were one fused kernel (e.g. ``Adam(fused=True)``) instead of
+    ``kernels_per_param`` kernels per parameter?  One launch, one kernel moving the summed
+    bytes: ``FUSED_BYTES_PER_GRAD_BYTE`` × the gradients of the captured backward; without
+    ``captured`` they are read back from the per-parameter kernel times
+    (bytes = time × bandwidth; kernels at the device's floor count 0: a lower bound)."""
+    s = _start(x, device, captured, graphs, contention)
+    tg = s.current.task_graph
+    optim = tg.select(phase="optim")
+    if not optim:
+        raise ValueError("no optimizer tasks (phase 'optim'): predict a training step with an "
+                         "optimizer (simulate(..., training=True, optimizer='adam'))")
+    spec = _spec(device) or s.current.device
+    on_gpu = any(tg.task(n).kind is TaskKind.GPU for n in optim)
+    host = [n for n in optim if tg.task(n).kind is not TaskKind.GPU]
+    kernels = [n for n in optim if tg.task(n).kind is TaskKind.GPU]
+    op = tg.task(optim[0]).op
+    model = OPTIMIZERS.get(op.split(".", 1)[-1])
+    per_param = model.kernels_per_param if model else 1
+    launch = spec.dispatch_overhead_us + (spec.launch_overhead_us if on_gpu else 0.0)
+    bw = spec.mem_bandwidth
+    by_label = _graphs_by_label(s.captured, s.graphs)
+    bw_graphs = [gm for label, gm in by_label.items() if label.endswith(".bw")]
+    if model is not None and bw_graphs:
+        # the lowering's optimizer reads the backward lowered last: the first subgraph's
+        last_bw = by_label[f"g{_items(s.captured)[0].index}.bw"]
+        per_byte = FUSED_BYTES_PER_GRAD_BYTE.get(model.name, model.bytes_per_grad_byte)
+        nbytes = per_byte * sum(tensor_bytes(g) for g in _grad_values(last_bw))
+        source = "captured gradients"
+    else:
+        times = [tg.task(n).duration_us for n in kernels] if on_gpu else \
+                [max(tg.task(n).duration_us - per_param * launch, 0.0) for n in host]
+        floor = per_param * spec.kernel_min_us * (1 + 1e-9)
+        nbytes = sum(t for t in times if t > floor) * bw / 1e6
+        source = ("per-parameter kernel times x bandwidth (kernels at the device's floor "
+                  "count 0: a lower bound)")
+    kernel_us = max(nbytes / bw * 1e6, spec.kernel_min_us)
+    keep_host, keep_kernel = host[0], (kernels[0] if kernels else None)
+    before_ms = sum(tg.task(n).duration_us for n in optim) / 1e3
+    durations = {keep_host: launch if on_gpu else launch + kernel_us}
+    if keep_kernel:
+        durations[keep_kernel] = kernel_us
+    fused = _with_durations(tg, durations).remove([n for n in optim if n not in durations])
+    details = {"fused.replaced_tasks": len(optim), "fused.tasks": len(durations),
+               "fused.bytes": int(nbytes), "fused.bytes_source": source,
+               "fused.optimizer_busy_ms_before": before_ms,
+               "fused.optimizer_busy_ms_after": sum(durations.values()) / 1e3}
+    return _finish(s, f"fused {model.name if model else op}", fused, details)

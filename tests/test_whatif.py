@@ -1,0 +1,369 @@
+"""What-if scenarios (fxdream.whatif): hand-computed expectations on tiny graphs and models."""
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fxdream
+from fxdream import whatif as W
+from fxdream.predict import Prediction, predict
+from fxdream.sim import DepKind, Task, TaskGraph, get_device
+from fxdream.sim.cost import Analytic
+from fxdream.sim.lower import ADAM, SGD
+
+H100 = get_device("h100")
+MB = 2 ** 20
+
+
+def kernel_chain(n=3, launch=1.0, kernel=10.0, op="aten.relu"):
+    """cpu:0 launches L_i (launch µs), each launching K_i (kernel µs) on stream:0."""
+    g = TaskGraph()
+    for i in range(n):
+        g.append(Task.cpu(f"L{i}", launch, op=op, phase="fw"))
+        g.append(Task.gpu(f"K{i}", kernel, op=op, phase="fw"), deps=[f"L{i}"])
+    return g
+
+
+def mlp(widths=(16, 64, 64, 8)):
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+@pytest.fixture(scope="module")
+def captured_mlp():
+    model = mlp()
+    return model, fxdream.capture(model, (torch.randn(4, 16),), training=True)
+
+
+@pytest.fixture(scope="module")
+def captured_conv():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 4))
+    return model, fxdream.capture(model, (torch.randn(2, 3, 8, 8),), training=True)
+
+
+def h100_prediction(captured, optimizer=SGD):
+    return predict(captured, Analytic(H100), True, optimizer)
+
+
+# ---- 3. a faster GPU -----------------------------------------------------------------------------
+def test_faster_gpu_halves_kernels_and_a_kernel_bound_chain():
+    g = kernel_chain()                         # L0 [0,1] K0 [1,11] K1 [11,21] K2 [21,31]
+    w = W.faster_gpu(g, 2.0)
+    assert w.baseline_ms == pytest.approx(0.031)
+    assert w.time_ms == pytest.approx(0.016)   # 1 + 3 * 5
+    assert [w.task_graph.task(f"K{i}").duration_us for i in range(3)] == [5.0, 5.0, 5.0]
+    assert [w.task_graph.task(f"L{i}").duration_us for i in range(3)] == [1.0, 1.0, 1.0]
+    assert "PREDICTED" in w.summary() and w.measured is None
+    assert g.task("K0").duration_us == 10.0    # never mutates its input
+
+
+def test_faster_gpu_on_a_launch_bound_chain_gains_nothing_and_rejects_cpu():
+    w = W.faster_gpu(kernel_chain(launch=10.0, kernel=2.0), 4.0)
+    assert w.time_ms == pytest.approx(w.baseline_ms - 0.0015)   # only the last kernel shrinks
+    cpu_only = TaskGraph()
+    cpu_only.append(Task.cpu("a", 5.0))
+    with pytest.raises(ValueError, match="no GPU kernel tasks"):
+        W.faster_gpu(cpu_only)
+    with pytest.raises(ValueError, match="factor"):
+        W.faster_gpu(kernel_chain(), 0.0)
+
+
+# ---- 1. AMP --------------------------------------------------------------------------------------
+def test_amp_ratios_on_a_hand_built_graph():
+    g = TaskGraph()
+    g.append(Task.cpu("L0", 1.0, phase="fw"))
+    g.append(Task.gpu("conv", 100.0, op="aten.convolution", phase="fw"), deps=["L0"])
+    g.append(Task.cpu("L1", 1.0, phase="fw"))
+    g.append(Task.gpu("relu", 10.0, op="aten.relu", phase="fw"), deps=["L1"])
+    g.append(Task.cpu("L2", 1.0, phase="fw"))
+    g.append(Task.gpu("tiny", 1.2, op="aten.add", phase="fw"), deps=["L2"])
+    g.append(Task.cpu("L3", 1.0, phase="fw"))
+    g.append(Task.gpu("softmax", 8.0, op="aten._softmax", phase="fw"), deps=["L3"])
+    g.append(Task.cpu("O", 1.0, op="optimizer.adam", phase="optim"))
+    g.append(Task.gpu("O:k", 20.0, op="optimizer.adam", phase="optim"), deps=["O"])
+    w = W.amp(g, "h100", "float16")
+    d = {t.name: t.duration_us for t in w.task_graph.tasks}
+    assert d["conv"] == pytest.approx(100.0 * 67 / 989.4)     # fp32 -> fp16 tensor-core peak
+    assert d["relu"] == pytest.approx(5.0)                    # half the bytes
+    assert d["tiny"] == pytest.approx(1.2)                    # the device's shortest kernel
+    assert d["softmax"] == 8.0 and d["O:k"] == 20.0           # autocast fp32 list; fp32 master weights
+    assert w.time_ms < w.baseline_ms
+    with pytest.raises(ValueError, match="AMP dtype"):
+        W.amp(g, "h100", "int8")
+    with pytest.raises(ValueError, match="needs a device"):
+        W.amp(g)
+
+
+def test_amp_rederives_conv_kernels_from_flops_and_bytes(captured_conv):
+    _, captured = captured_conv
+    base = h100_prediction(captured)
+    w = W.amp(base, captured=captured)   # device: the prediction's (h100)
+    conv = next(n for n in captured.forward.graph.nodes if "convolution" in str(n.target))
+    name = f"g0.fw:{conv.name}:k"
+    flops = fxdream.annotate.node_flops(conv)
+    x, wt, b = (a.meta["val"] for a in conv.args[:3])
+    out = conv.meta["val"]
+    fp32_bytes = 4 * (x.numel() + wt.numel() + b.numel() + out.numel())
+    old = max(flops / 67e12, fp32_bytes / 3.35e12, 1.2e-6)
+    casts = 6 * (x.numel() + wt.numel() + b.numel())   # autocast casts input, weight, bias once
+    new = max(flops / 989.4e12, (fp32_bytes / 2 + casts) / 3.35e12, 1.2e-6)
+    assert base.task_graph.task(name).duration_us == pytest.approx(old * 1e6)
+    assert w.task_graph.task(name).duration_us == pytest.approx(new * 1e6)
+    assert w.details["amp.from_fx"] == w.details["amp.compute"] + w.details["amp.elementwise"]
+    optim = base.task_graph.select(phase="optim", kind="gpu")
+    assert all(w.task_graph.task(n).duration_us == base.task_graph.task(n).duration_us for n in optim)
+
+
+# ---- 2. fused optimizer --------------------------------------------------------------------------
+def test_fused_adam_replaces_per_parameter_tasks_with_one_of_the_same_bytes(captured_mlp):
+    model, captured = captured_mlp
+    base = h100_prediction(captured, ADAM)
+    params = list(model.parameters())
+    per_param = base.task_graph.select(phase="optim")
+    assert len(per_param) == 2 * len(params)                   # a launch and a kernel each
+    w = W.fused_optimizer(base, captured=captured)
+    fused = w.task_graph.select(phase="optim")
+    assert len(fused) == 2 and w.details["fused.replaced_tasks"] == len(per_param)
+    grad_bytes = sum(4 * p.numel() for p in params)
+    assert w.details["fused.bytes"] == 7 * grad_bytes          # Adam: p, g, m, v read; p, m, v written
+    kernel = w.task_graph.task(fused[1])
+    assert kernel.duration_us == pytest.approx(max(7 * grad_bytes / 3.35e12 * 1e6, 1.2))
+    assert w.task_graph.task(fused[0]).duration_us == pytest.approx(1.5 + 5.0)  # one launch
+    assert w.time_ms < w.baseline_ms
+    assert len(w.task_graph) == len(base.task_graph) - len(per_param) + 2
+
+
+def test_fused_optimizer_without_captured_reads_bytes_from_kernel_times():
+    g = kernel_chain(n=1, op="aten.mm")
+    for i in range(4):
+        g.append(Task.cpu(f"optim:{i}", 5 * 6.5, op="optimizer.adam", phase="optim"))
+        g.append(Task.gpu(f"optim:{i}:k", 10.0, op="optimizer.adam", phase="optim"), deps=[f"optim:{i}"])
+    w = W.fused_optimizer(g, device="h100")
+    kernels = w.task_graph.select(phase="optim", kind="gpu")
+    assert len(kernels) == 1 and w.task_graph.task(kernels[0]).duration_us == pytest.approx(40.0)
+    with pytest.raises(ValueError, match="no optimizer tasks"):
+        W.fused_optimizer(kernel_chain())
+
+
+# ---- 4. data parallel ----------------------------------------------------------------------------
+def test_ring_allreduce_formula_and_cluster_models():
+    assert W.ring_allreduce_us(100e6, 4, 10e9, 5.0) == pytest.approx(2 * 3 / 4 * 100e6 / 10e9 * 1e6 + 30)
+    assert W.ring_allreduce_us(100e6, 1, 10e9, 5.0) == 0.0
+    assert W.ring_allreduce_us(100e6, 8, math.inf, 0.0) == 0.0
+    S = 100e6
+    c = W.Cluster(2, 8, network_gbps=10, network_latency_us=25, nvlink_GBps=300, nvlink_latency_us=3)
+    intra = 2 * 7 / 8 * S / 300e9 * 1e6 + 14 * 3
+    inter = 2 * 1 / 2 * S / 1.25e9 * 1e6 + 2 * 25
+    assert c.allreduce_us(S) == pytest.approx(intra + inter)
+    ring = W.Cluster(2, 8, network_gbps=10, network_latency_us=25, nvlink_GBps=300, topology="ring")
+    assert ring.allreduce_us(S) == pytest.approx(2 * 15 / 16 * S / 1.25e9 * 1e6 + 30 * 25)
+    assert W.Cluster(1, 8, nvlink_GBps=300, nvlink_latency_us=3).allreduce_us(S) == pytest.approx(intra)
+    assert W.Cluster(4, 1, network_gbps=40, network_latency_us=0).allreduce_us(S) == \
+        pytest.approx(2 * 3 / 4 * S / 5e9 * 1e6)
+    faster = [W.Cluster(2, 8, network_gbps=b).allreduce_us(S) for b in (10, 20, 40)]
+    assert faster[0] > faster[1] > faster[2]
+    with pytest.raises(ValueError):
+        W.Cluster(0, 8)
+    with pytest.raises(ValueError, match="topology"):
+        W.Cluster(2, 2, topology="tree")
+
+
+def test_ddp_bucket_assignment_by_hand():
+    sizes = [3, 20, 10, 0.7, 0.5]                  # MiB, parameter order
+    grads = [W.Gradient(i, int(s * MB), None, None, i) for i, s in enumerate(sizes)]
+    buckets = W.ddp_buckets(grads)                 # reverse order; caps 1 MiB then 25 MiB
+    assert [[g.index for g in b] for b in buckets] == [[4, 3], [2, 1], [0]]
+    ready = {0: 5.0, 1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}  # production order 1, 2, 3, 4, 0
+    assert [[g.index for g in b] for b in W.ddp_buckets(grads, ready_us=ready)] == [[1], [2, 3, 4, 0]]
+
+
+def test_gradients_map_to_the_backward_tasks_that_produce_them(captured_mlp):
+    model, captured = captured_mlp
+    base = h100_prediction(captured)
+    grads = W.gradients(captured, base.task_graph)
+    assert sorted(g.nbytes for g in grads) == sorted(4 * p.numel() for p in model.parameters())
+    for g in grads:
+        assert g.producer.endswith(":k") and base.task_graph.task(g.producer).phase == "bw"
+        assert g.launcher == g.producer[:-2]
+        assert g.consumers and all(base.task_graph.task(c).phase == "fw" for c in g.consumers)
+
+
+def test_ddp_infinite_bandwidth_equals_single_gpu(captured_mlp):
+    _, captured = captured_mlp
+    base = h100_prediction(captured)
+    inf = W.Cluster(2, 8, network_gbps=math.inf, network_latency_us=0, nvlink_GBps=math.inf,
+                    nvlink_latency_us=0)
+    w = W.ddp(base, inf, captured=captured, copies=False)
+    assert w.time_ms == pytest.approx(base.time_ms, abs=1e-12)
+    assert w.details["ddp.allreduce_ms_total"] == 0.0
+    with_copies = W.ddp(base, inf, captured=captured)      # DDP's scaling/copy-back kernels cost a bit
+    assert base.time_ms <= with_copies.time_ms < base.time_ms * 1.2
+    assert w.peak_memory_bytes - base.peak_memory_bytes == \
+        sum(g.nbytes for g in W.gradients(captured, base.task_graph))   # DDP's bucket buffers
+
+
+def test_ddp_buckets_overlap_backward_and_the_optimizer_waits(captured_mlp):
+    _, captured = captured_mlp
+    base = h100_prediction(captured)
+    cluster = W.Cluster(2, 1, network_gbps=10, network_latency_us=1)
+    w = W.ddp(base, cluster, captured=captured, bucket_cap_mb=0.002, first_bucket_mb=0.002, copies=False)
+    g, tl = w.task_graph, w.timeline
+    comm = g.select(phase="comm")
+    assert len(comm) == w.details["ddp.buckets"] >= 3
+    bw_end = max(tl.end(n) for n in g.select(phase="bw"))
+    assert tl.start(comm[0]) < bw_end                       # the first bucket goes during backward
+    assert all(g.task(n).resource == "comm:0" for n in comm)
+    kinds = {g.dep_kind(p, comm[0]) for p in g.predecessors(comm[0])}
+    assert DepKind.CPU_TO_COMM in kinds and DepKind.EVENT in kinds
+    first_update = g.select(phase="optim", kind="gpu")[0]
+    assert tl.start(first_update) >= tl.end(comm[-1])
+    for n, gr_bytes in zip(comm, w.details["ddp.bucket_bytes"]):
+        assert g.task(n).duration_us == pytest.approx(cluster.allreduce_us(gr_bytes))
+
+
+def test_ddp_tiny_bandwidth_communication_dominates(captured_mlp):
+    _, captured = captured_mlp
+    base = h100_prediction(captured)
+    w = W.ddp(base, W.Cluster(4, 1, network_gbps=0.001), captured=captured, copies=False)
+    comm_ms = w.details["ddp.allreduce_ms_total"]
+    assert comm_ms > 50 * base.time_ms
+    assert comm_ms <= w.time_ms <= comm_ms + base.time_ms
+    rates = [W.ddp(base, W.Cluster(2, 8, network_gbps=b), captured=captured).time_ms for b in (10, 20, 40)]
+    assert rates[0] >= rates[1] >= rates[2] >= base.time_ms
+    with pytest.raises(ValueError, match="captured"):
+        W.ddp(base, W.Cluster(2, 1))
+
+
+def test_ddp_on_a_cpu_device_shares_the_host_when_not_overlapping(captured_mlp):
+    _, captured = captured_mlp
+    cpu = fxdream.sim.DeviceSpec("cpu-test", "cpu", {"float32": 1e11}, 1e10, 0.0, 1.0, 0.0, None, 0)
+    base = predict(captured, Analytic(cpu), True, SGD)
+    cluster = W.Cluster(2, 1, network_gbps=1, network_latency_us=10)
+    serial = W.ddp(base, cluster, captured=captured, copies=False)          # default on a CPU
+    assert serial.details["ddp.overlap"] is False
+    comm = serial.task_graph.select(phase="comm")
+    assert all(serial.task_graph.task(n).resource == "cpu:0" for n in comm)
+    assert serial.time_ms == pytest.approx(base.time_ms + serial.details["ddp.allreduce_ms_total"])
+    overlap = W.ddp(base, cluster, captured=captured, copies=False, overlap=True)
+    assert overlap.time_ms <= serial.time_ms
+
+
+# ---- P3 ------------------------------------------------------------------------------------------
+def test_p3_lets_the_next_forward_start_before_all_gradients_arrive(captured_mlp):
+    _, captured = captured_mlp
+    base = h100_prediction(captured)
+    inf = W.Cluster(2, 1, network_gbps=math.inf, network_latency_us=0)
+    same = W.p3(base, inf, captured=captured, slice_bytes=4096)
+    assert same.time_ms == pytest.approx(base.time_ms, rel=1e-9)   # steady state = one iteration
+    assert same.time_ms == pytest.approx(same.details["p3.ddp_period_ms (same window)"], rel=0.05)
+    # a network where communication is about as long as one iteration's compute
+    grad_bytes = sum(g.nbytes for g in W.gradients(captured, base.task_graph))
+    gbps = grad_bytes * 8 / (base.time_ms * 1e-3) / 1e9
+    net = W.Cluster(2, 1, network_gbps=gbps, network_latency_us=0)
+    w = W.p3(base, net, captured=captured, slice_bytes=4096)
+    ddp_window = W.ddp_period(base, net, captured=captured)
+    assert w.details["p3.ddp_period_ms (same window)"] == pytest.approx(ddp_window.time_ms)
+    assert w.time_ms < ddp_window.time_ms
+    g = w.task_graph
+    slices = g.select(phase="comm")
+    assert len(slices) == w.details["p3.slices"] > 3
+    # no chain on the channel: priority (insertion order) decides among ready slices
+    assert not any(g.task(p).resource == "comm:0" for s in slices for p in g.predecessors(s))
+    # the slice of the first layer's gradient is inserted first: the highest priority
+    grads = W.gradients(captured, base.task_graph)
+    position = {n: i for i, n in enumerate(base.task_graph.names)}
+    first = min(grads, key=lambda gr: min(position[c] for c in gr.consumers))
+    assert first.launcher in g.predecessors(slices[0]) and first.producer in g.predecessors(slices[0])
+    # iteration 2's first forward kernel waits for that parameter's update, not for all slices
+    update = f"it2:optim:{first.index}:k"
+    assert any(p in slices for p in g.predecessors(update))
+    assert w.timeline.start(f"it2:{first.consumers[0]}") < max(w.timeline.end(n) for n in slices)
+
+
+def test_whatifs_chain_and_report(captured_mlp):
+    _, captured = captured_mlp
+    base = h100_prediction(captured, ADAM)
+    w = W.faster_gpu(W.fused_optimizer(base, captured=captured), 2.0)
+    assert w.scenario == "fused adam + 2x faster GPU"
+    assert w.baseline is not None and w.baseline.time_ms == pytest.approx(base.time_ms)
+    assert w.time_ms <= W.fused_optimizer(base, captured=captured).time_ms
+    d = w.to_dict()
+    assert d["predicted_ms"] == w.time_ms and "measured" not in d
+    m = W.Measured(10.0, 8.0, "test")
+    assert w.with_measurement(m).to_dict()["measured"]["speedup"] == pytest.approx(1.25)
+    assert "MEASURED" in w.with_measurement(m).summary()
+    assert isinstance(w.predicted, Prediction)
+
+
+# ---- measurements on this CPU --------------------------------------------------------------------
+def test_measure_fused_adam_cpu_times_both_and_leaves_the_model():
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    m = W.measure_fused_adam_cpu(model, rounds=2, block=2)
+    assert m.baseline_ms > 0 and m.scenario_ms > 0 and "fused=True" in m.how
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_measure_amp_cpu_and_cpu_amp_prediction_with_per_op_ratios(captured_mlp):
+    model, captured = captured_mlp
+    before = [p.detach().clone() for p in model.parameters()]
+    m = W.measure_amp_cpu(model, (torch.randn(4, 16),), rounds=1, block=1)
+    assert m.baseline_ms > 0 and m.scenario_ms > 0 and "autocast bfloat16" in m.how
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    cpu = fxdream.sim.DeviceSpec("cpu-test", "cpu", {"float32": 1e11}, 1e10, 0.0, 1.0, 0.0, None, 0)
+    base = predict(captured, Analytic(cpu), True, SGD)
+    w = W.amp(base, captured=captured, dtype="bfloat16")        # ratios micro-benchmarked here
+    assert w.details["amp.measured"] == w.details["amp.from_fx"] > 0
+    assert "measured per op" in w.details["amp.rates"]
+    assert w.with_measurement(m).measured is m
+
+
+def _ddp_gloo_module():
+    """benchmarks/ddp_gloo.py (imports only torch at module level: spawned workers start fast)."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)  # spawned children inherit sys.path and import it by name
+    return importlib.import_module("ddp_gloo")
+
+
+def test_gloo_allreduce_fit():
+    fit = _ddp_gloo_module().fit_allreduce
+    sizes = [1e6, 2e6, 4e6]
+    times_ms = [(2 * 50 + s / 1e9 * 1e6) / 1e3 for s in sizes]   # n=2: S/B + 2α, B=1 GB/s, α=50 µs
+    bandwidth, latency = fit(sizes, times_ms, 2)
+    assert bandwidth == pytest.approx(1e9) and latency == pytest.approx(50.0)
+    assert fit(sizes, [1.0, 1.0, 1.0], 2) == (math.inf, 500.0)   # flat: latency-bound
+
+
+def test_gloo_ddp_smoke_two_processes():
+    """Real DistributedDataParallel over gloo, 2 spawned processes on this machine (the
+    prediction is left to benchmarks/ddp_gloo.py: capturing in both children is slow)."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    bench = _ddp_gloo_module()
+    run = bench.GlooRun(layers=(32, 64, 8), batch=4, rounds=2, block=2, predict=False,
+                        sizes_bytes=(16 * 1024, 64 * 1024), timeout_s=60,
+                        start_method="forkserver")
+    try:
+        out = bench.measure_ddp_gloo(run)
+    except (RuntimeError, OSError) as e:
+        if "timed out" in str(e) or isinstance(e, OSError):
+            pytest.skip(f"could not run 2 gloo processes here: {e}")
+        raise
+    assert out["measured_ddp_ms"] > 0 and out["measured_local_ms"] > 0
+    assert out["gloo_bandwidth_GBps"] > 0 and out["gloo_latency_us"] >= 0
+    assert len(out["ranks"]) == 2 and out["ddp_bucket_MB"] in (None, [round(out["gradient_MB"], 3)])
+    assert out["gradient_MB"] == pytest.approx((32 * 64 + 64 + 64 * 8 + 8) * 4 / 1e6)
