@@ -1,0 +1,118 @@
+"""Does passes="auto" pick the subset that is really fastest? Measured on this machine.
+
+For each zoo model × batch × mode: every subset of --passes is applied by name (forced) and
+timed beside optimize(passes="auto"), interleaved in one process (median of rounds of
+blocks). The row says which subset auto chose from its predictions, the measured time of
+every subset, and how far auto is from the best measured one (target: within 2 %).
+
+    python benchmarks/auto_choice.py --models resnet50,bert_base --batches 1,32 \\
+        --out benchmarks/results/auto_choice_cpu_<date>
+
+On a CPU only fuse_conv_bias_act can apply: cuda_graphs needs a CUDA device and
+aux_stream_backward has no concurrent streams there (auto declines both, with that reason),
+so its default --passes is fuse_conv_bias_act alone. A full-size model whose eager step
+takes longer than --max-step-s is run in its tiny configuration (marked in the table).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import platform
+import time
+
+import torch
+
+import fxdream
+from fxdream import models
+from fxdream.ab import _step
+from fxdream.measure import time_interleaved
+
+
+def subsets(names: list[str]) -> list[tuple[str, ...]]:
+    return [c for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
+
+
+def label(subset: tuple[str, ...]) -> str:
+    return "+".join(subset) if subset else "(none)"
+
+
+def _eager_step_s(model, inputs, loss_fn, training: bool) -> float:
+    step = _step(model, inputs, loss_fn, training)
+    step()
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
+
+
+def run_case(name: str, batch: int, training: bool, passes: list[str], rounds: int, block: int,
+             max_step_s: float) -> dict:
+    tiny = False
+    model, inputs, loss_fn = models.build(name, batch)
+    model.train(training)
+    if _eager_step_s(model, inputs, loss_fn, training) > max_step_s:
+        tiny = True
+        model, inputs, loss_fn = models.build(name, batch, tiny=True)
+        model.train(training)
+    built = {label(s): fxdream.optimize(model, inputs, passes=list(s), training=training) for s in subsets(passes)}
+    started = time.perf_counter()
+    auto = fxdream.optimize(model, inputs, passes="auto", training=training)
+    auto_build_s = time.perf_counter() - started
+    chosen = tuple(dict.fromkeys(p.name for p in auto.report.passes if p.applied and p.name in passes))
+    runners = {key: _step(m, inputs, loss_fn, training) for key, m in built.items()}
+    runners["auto"] = _step(auto, inputs, loss_fn, training)
+    measured = time_interleaved(runners, rounds=rounds, block=block,
+                                desc=f"{name} bs{batch} {'train' if training else 'infer'}")
+    best = min((k for k in measured if k != "auto"), key=lambda k: measured[k].median_ms)
+    auto_ms, best_ms = measured["auto"].median_ms, measured[best].median_ms
+    return {"model": name, "tiny": tiny, "batch": batch, "training": training, "auto_chose": label(chosen),
+            "best_measured": best, "auto_vs_best_pct": 100.0 * (auto_ms - best_ms) / best_ms,
+            "auto_build_s": auto_build_s,
+            "predicted_ms": {"baseline": auto.report.predicted_baseline_ms, "auto": auto.report.predicted_optimized_ms},
+            "measured_ms": {k: m.median_ms for k, m in measured.items()},
+            "spread_pct": {k: m.spread_pct for k, m in measured.items()}}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | batch | mode | auto chose | best measured | auto vs best | measured ms per subset |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        per = ", ".join(f"{k} {v:.2f}" for k, v in r["measured_ms"].items())
+        lines.append(f"| {r['model']}{' (tiny)' if r['tiny'] else ''} | {r['batch']} | "
+                     f"{'training' if r['training'] else 'inference'} | {r['auto_chose']} | {r['best_measured']} | "
+                     f"{r['auto_vs_best_pct']:+.1f} % | {per} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(models.NAMES))
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--modes", default="inference", help="inference,training")
+    parser.add_argument("--passes", default="fuse_conv_bias_act")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block", type=int, default=3)
+    parser.add_argument("--max-step-s", type=float, default=2.0)
+    parser.add_argument("--out", default=None, help="file stem: writes .json and .md")
+    args = parser.parse_args()
+    passes = [p for p in args.passes.split(",") if p]
+    rows = []
+    for name in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for mode in args.modes.split(","):
+                rows.append(run_case(name, batch, mode == "training", passes, args.rounds, args.block, args.max_step_s))
+                print(markdown(rows[-1:]).split("\n")[-1], flush=True)
+    table = markdown(rows)
+    print("\n" + table)
+    if args.out:
+        meta = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                "torch": torch.__version__, "date": datetime.date.today().isoformat(), "measured": True}
+        with open(args.out + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
