@@ -18,6 +18,9 @@ from torch.utils.flop_counter import flop_registry
 LAYER = "layer"              # qualified module name; "" is the model itself
 PHASE = "fxdream.phase"      # "fw" | "bw"
 ROOT_LAYER_LABEL = "(model)"  # how the root layer "" is shown in tables
+# backward output node meta: positions of the outputs that are gradients of model parameters
+# (after a graph break a subgraph also returns the gradient of its activation input)
+PARAMETER_GRADIENTS = "fxdream.parameter_gradients"
 
 # Ops that only reinterpret metadata: they cost dispatch but no kernel.
 VIEW_OPS = frozenset({

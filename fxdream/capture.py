@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from functorch.compile import aot_module_simplified, make_boxed_func
 
-from .annotate import (LAYER, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
+from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
@@ -168,6 +168,10 @@ class CaptureSession:
         names = self.state_names or _state_names_from_sources(gm, example_inputs)
         prefix = frame_prefix(gm, example_inputs, names)
         state = [x if id(x) in names else None for x in example_inputs]
+        # aot_module_simplified puts gm's own parameters and buffers before the inputs
+        own = len(dict(gm.named_parameters(remove_duplicate=False))) + len(dict(gm.named_buffers(remove_duplicate=False)))
+        parameter_positions = frozenset(range(own)) | {own + i for i, x in enumerate(state)
+                                                       if isinstance(x, torch.nn.Parameter)}
 
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
@@ -181,6 +185,7 @@ class CaptureSession:
         def compile_backward(bw: fx.GraphModule, _inputs):
             started = time.perf_counter()
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
+            bw.graph.output_node().meta[PARAMETER_GRADIENTS] = parameter_positions
             record.backward = bw
             runnable = self._transformed(bw, "bw", record.index, {}, None)
             record.compile_seconds += time.perf_counter() - started

@@ -137,3 +137,27 @@ def test_optimizer_step_follows_the_backward_as_its_own_tasks():
     assert step.phase == "optim"
     # 5 x 4000 bytes at 1e9 B/s = 20 µs
     assert step.duration_us == pytest.approx(20.0)
+
+
+class TwoSubgraphs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def test_optimizer_updates_the_parameters_of_every_subgraph():
+    import fxdream
+    from fxdream.sim.cost import Analytic
+    from fxdream.sim.devices import get_device
+    from fxdream.sim.lower import SGD, lower_captured
+
+    captured = fxdream.capture(TwoSubgraphs(), (torch.randn(3, 4),), training=True)
+    assert len(captured) == 2
+    lowered = lower_captured(captured, Analytic(get_device("h100")), SGD)
+    updates = [name for name in lowered.graph.select(phase="optim") if not name.endswith(":k")]
+    assert len(updates) == 4  # two weights and two biases, one update each

@@ -367,3 +367,27 @@ def test_gloo_ddp_smoke_two_processes():
     assert out["gloo_bandwidth_GBps"] > 0 and out["gloo_latency_us"] >= 0
     assert len(out["ranks"]) == 2 and out["ddp_bucket_MB"] in (None, [round(out["gradient_MB"], 3)])
     assert out["gradient_MB"] == pytest.approx((32 * 64 + 64 + 64 * 8 + 8) * 4 / 1e6)
+
+
+class TwoSubgraphs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def test_ddp_and_fused_optimizer_see_only_parameter_gradients_across_a_graph_break():
+    model, inputs = TwoSubgraphs(), (torch.randn(3, 4),)
+    captured = fxdream.capture(model, inputs, training=True)
+    pred = fxdream.simulate(model, inputs, device="h100", training=True, cost="analytic")
+    grads = W.gradients(captured, pred.task_graph)
+    assert len(grads) == 4  # the second subgraph's gradient of its activation input is no parameter's
+    assert sum(g.nbytes for g in grads) == sum(p.numel() * 4 for p in model.parameters())
+    fused = W.fused_optimizer(pred, captured=captured)
+    # SGD with momentum moves 5 bytes per gradient byte: one pass over p, g, buf (read) and p, buf (written)
+    assert fused.details["fused.bytes"] == 5 * sum(g.nbytes for g in grads)
+    assert fused.details["fused.replaced_tasks"] == 2 * 4  # per parameter: a launch and its kernel

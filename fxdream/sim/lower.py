@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from ..annotate import LAYER, op_name
+from ..annotate import LAYER, PARAMETER_GRADIENTS, op_name
 from .cost import CostModel, is_view, tensor_bytes
 from .graph_regions import (CUDA_GRAPH_REGION, GraphRegion, aliases_input, cuda_graph_regions,  # noqa: F401
                             inline_cuda_graph_runners)
@@ -220,7 +220,8 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
             allocs[work] = allocs.get(work, 0) + sum(buffers.size[b] for b in created)
             buffers.use(node, work, graph_index)
     if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
-        _lower_optimizer(tg, graphs[-1][1], cost, optimizer, on_gpu)
+        # backwards run in reverse subgraph order; the optimizer's gradients are in subgraph order
+        _lower_optimizer(tg, [gm for label, gm in reversed(graphs) if label.endswith("bw")], cost, optimizer, on_gpu)
     return Lowered(_with_memory(tg, allocs, buffers.frees()), static)
 
 
@@ -291,12 +292,28 @@ def _with_memory(tg: TaskGraph, allocs: dict[str, int], frees: dict[str, int]) -
     return changed
 
 
-def _lower_optimizer(tg: TaskGraph, bw: fx.GraphModule, cost: CostModel, optimizer: OptimizerModel,
-                     on_gpu: bool) -> None:
-    """One update per gradient the backward returns, bandwidth-bound, after the backward."""
+def gradient_values(bw: fx.GraphModule) -> list[torch.Tensor]:
+    """The parameter gradients a backward graph returns, in order (what the optimizer updates)."""
+    return [node.meta["val"] for _, node in gradient_outputs(bw)]
+
+
+def gradient_outputs(bw: fx.GraphModule) -> list[tuple[int, fx.Node]]:
+    """(output position, node) of each parameter gradient a backward graph returns."""
     output = next(n for n in bw.graph.nodes if n.op == "output")
-    grads = [a.meta.get("val") for a in tree_flatten(output.args)[0] if isinstance(a, fx.Node)]
-    grads = [g for g in grads if isinstance(g, torch.Tensor) and g.is_floating_point()]
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else tree_flatten(output.args)[0]
+    parameters = output.meta.get(PARAMETER_GRADIENTS)  # None: not captured by fxdream, all count
+    found = []
+    for position, arg in enumerate(values):
+        grad = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if isinstance(grad, torch.Tensor) and grad.is_floating_point() and (parameters is None or position in parameters):
+            found.append((position, arg))
+    return found
+
+
+def _lower_optimizer(tg: TaskGraph, backwards: list[fx.GraphModule], cost: CostModel, optimizer: OptimizerModel,
+                     on_gpu: bool) -> None:
+    """One update per gradient the backward graphs return (every subgraph's), after the last one."""
+    grads = [g for bw in backwards for g in gradient_values(bw)]
     if not grads:
         return
     device = cost.device

@@ -20,12 +20,11 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from ..sim.cost import is_view, tensor_bytes
 from ..sim.devices import DeviceSpec
+from ..sim.lower import gradient_outputs
 from ..sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
 from .core import (WhatIf, _finish, _graphs_by_label, _items, _prediction, _Start, _start,
                    _through_views)
@@ -136,13 +135,8 @@ def gradients(captured, task_graph: TaskGraph, graphs=None) -> tuple[Gradient, .
         fw = by_label[f"g{c.index}.fw"]
         blabel, flabel = f"g{c.index}.bw", f"g{c.index}.fw"
         placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
-        output = next(n for n in bw.graph.nodes if n.op == "output")
-        for pos, a in enumerate(tree_flatten(output.args)[0]):
-            if not isinstance(a, fx.Node):
-                continue
-            v = a.meta.get("val")
-            if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
-                continue
+        for pos, a in gradient_outputs(bw):
+            v = a.meta["val"]
             base = _through_views(a)
             producer = launcher = None
             if base.op == "call_function":

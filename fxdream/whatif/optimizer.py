@@ -4,26 +4,15 @@ into one launch and one kernel moving one pass over the optimizer state
 """
 from __future__ import annotations
 
-import torch
-import torch.fx as fx
-from torch.utils._pytree import tree_flatten
-
 from ..sim.cost import tensor_bytes
-from ..sim.lower import OPTIMIZERS
+from ..sim.lower import OPTIMIZERS, gradient_values
 from ..sim.taskgraph import TaskKind
-from .core import WhatIf, _finish, _graphs_by_label, _items, _spec, _start, _with_durations
+from .core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations
 
 # one pass over the state: SGD with momentum reads p, g, buf and writes p, buf; Adam reads
 # p, g, m, v and writes p, m, v.  A fused kernel moves this much whatever the per-parameter
 # implementation moved (which may be more: torch's foreach=False Adam makes ~8 passes).
 FUSED_BYTES_PER_GRAD_BYTE = {"sgd": 5.0, "adam": 7.0}
-
-
-def _grad_values(bw: fx.GraphModule) -> list[torch.Tensor]:
-    """The floating gradients a backward graph returns, in order (as _lower_optimizer reads them)."""
-    output = next(n for n in bw.graph.nodes if n.op == "output")
-    vals = [a.meta.get("val") for a in tree_flatten(output.args)[0] if isinstance(a, fx.Node)]
-    return [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
 
 def fused_optimizer(x, *, captured=None, graphs=None, device=None,
@@ -51,10 +40,9 @@ def fused_optimizer(x, *, captured=None, graphs=None, device=None,
     by_label = _graphs_by_label(s.captured, s.graphs)
     bw_graphs = [gm for label, gm in by_label.items() if label.endswith(".bw")]
     if model is not None and bw_graphs:
-        # the lowering's optimizer reads the backward lowered last: the first subgraph's
-        last_bw = by_label[f"g{_items(s.captured)[0].index}.bw"]
+        # the lowering's optimizer updates the gradients of every subgraph's backward
         per_byte = FUSED_BYTES_PER_GRAD_BYTE.get(model.name, model.bytes_per_grad_byte)
-        nbytes = per_byte * sum(tensor_bytes(g) for g in _grad_values(last_bw))
+        nbytes = per_byte * sum(tensor_bytes(g) for gm in bw_graphs for g in gradient_values(gm))
         source = "captured gradients"
     else:
         times = [tg.task(n).duration_us for n in kernels] if on_gpu else \
