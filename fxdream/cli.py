@@ -63,8 +63,9 @@ def cmd_simulate(args) -> int:
     model, inputs, _ = _build(args.model, args.batch, args.tiny, args.training)
     print(f"simulating {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} with {args.cost} costs ...", flush=True)
+    passes = () if not args.passes else ("auto" if args.passes == "auto" else args.passes.split(","))
     prediction = simulate(model, inputs, device=args.device, training=args.training, cost=args.cost,
-                          optimizer=args.optimizer if args.training else None)
+                          optimizer=args.optimizer if args.training else None, passes=passes)
     print(prediction.summary(top=args.top))
     if args.trace:
         write_chrome_trace(prediction.task_graph, prediction.timeline, args.trace)
@@ -73,6 +74,49 @@ def cmd_simulate(args) -> int:
         plot_timeline(prediction.task_graph, prediction.timeline, args.plot,
                       title=f"{args.model} bs{args.batch} on {args.device} (predicted)")
         print(f"plot: {args.plot}")
+    return 0
+
+
+def cmd_whatif(args) -> int:
+    """One training step of a zoo model, then each what-if of the Daydream paper on it (predicted)."""
+    import json
+
+    from fxdream import whatif
+    from fxdream.capture import capture
+    from fxdream.predict import cost_model_for, predict
+    from fxdream.sim.lower import OPTIMIZERS
+    model, inputs, _ = _build(args.model, args.batch, args.tiny, True)
+    print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
+    captured = capture(model, inputs, training=True)
+    base = predict(captured, cost_model_for(args.device, args.cost), True, OPTIMIZERS[args.optimizer])
+    on_gpu = base.device.kind == "cuda"
+    single = lambda run: (run, 1)  # noqa: E731  (scenario, GPUs it runs on)
+    scenarios = {"AMP float16": single(lambda: whatif.amp(base, dtype="float16", captured=captured)),
+                 "AMP bfloat16": single(lambda: whatif.amp(base, dtype="bfloat16", captured=captured)),
+                 f"fused {args.optimizer}": single(lambda: whatif.fused_optimizer(base, captured=captured)),
+                 "2x faster GPU": single(lambda: whatif.faster_gpu(base, 2.0))}
+    for gbps in (10, 20, 40):
+        c = whatif.Cluster(2, 8 if on_gpu else 1, network_gbps=gbps)
+        ranks = c.machines * c.gpus_per_machine
+        scenarios[f"DDP {c.machines}x{c.gpus_per_machine} @ {gbps} Gbps"] = (
+            lambda c=c: whatif.ddp(base, c, captured=captured), ranks)
+        scenarios[f"P3 {c.machines}x{c.gpus_per_machine} @ {gbps} Gbps (steady period)"] = (
+            lambda c=c: whatif.p3(base, c, captured=captured), ranks)
+    print(f"baseline (predicted): {base.time_ms:.3f} ms per step, {1e3 * args.batch / base.time_ms:.0f} samples/s\n\n"
+          "| scenario | predicted ms per step | predicted samples/s | vs baseline |\n|---|---|---|---|")
+    rows = []
+    for name, (run, ranks) in scenarios.items():
+        try:
+            result = run()
+        except (ValueError, KeyError) as error:  # a scenario this device or model cannot express
+            print(f"| {name} | n/a: {error} | | |")
+            continue
+        rate = 1e3 * args.batch * ranks / result.time_ms
+        rows.append(dict(result.to_dict(), name=name, ranks=ranks, predicted_samples_per_s=rate))
+        print(f"| {name} | {result.time_ms:.3f} | {rate:.0f} | {rate / (1e3 * args.batch / base.time_ms):.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"baseline_ms": base.time_ms, "device": base.device.name, "scenarios": rows}, f, indent=1)
     return 0
 
 
@@ -175,7 +219,18 @@ def main(argv=None) -> int:
     sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--plot", help="write a PNG timeline here")
     sim.add_argument("--top", type=int, default=10)
+    sim.add_argument("--pass", dest="passes", default="", help='predict with these passes ("auto" or names)')
     sim.set_defaults(run=cmd_simulate)
+
+    wif = sub.add_parser("whatif", help="Daydream what-ifs (AMP, fused optimizer, faster GPU, DDP, P3), predicted")
+    wif.add_argument("model")
+    wif.add_argument("--batch", type=int, default=32)
+    wif.add_argument("--tiny", action="store_true")
+    wif.add_argument("--device", default="h100", help="v100, a100, h100, h200 or cpu")
+    wif.add_argument("--cost", default="analytic", choices=("auto", "profiled", "analytic"))
+    wif.add_argument("--optimizer", default="adam", choices=("sgd", "adam"))
+    wif.add_argument("--json", help="write the scenarios as JSON here")
+    wif.set_defaults(run=cmd_whatif)
 
     abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
     abp.add_argument("model")

@@ -6,7 +6,7 @@ simulated, never executed) and returns the rows and the predicted before/after.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +15,7 @@ from .pass_api import PassContext, available_passes, resolve_passes
 from .pass_pipeline import PassPipeline
 from .predict import Prediction, cost_model_for, predict
 from .report import PassReport
-from .sim.cost import Profiled
+from .sim.cost import CostModel, Profiled
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Plan:
     rows: tuple[PassReport, ...]
     before: Prediction
     after: Prediction
+    graphs: dict = field(default_factory=dict, repr=False)  # (subgraph, phase) → rewritten graph
 
     @property
     def predicted_delta_pct(self) -> float:
@@ -43,9 +44,9 @@ class Plan:
 
 
 def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu", training: bool = False,
-         passes="auto", cost: str = "auto", memory_budget: int | None = None) -> Plan:
+         passes="auto", cost: str | CostModel = "auto", memory_budget: int | None = None) -> Plan:
     """Run ``passes`` ("auto" or names) over ``captured`` for ``device`` and simulate before/after."""
-    cost_model = cost_model_for(device, cost)
+    cost_model = cost_model_for(device, cost) if isinstance(cost, str) else cost
     if isinstance(cost_model, Profiled):
         cost_model.profile_in_context(captured)
     selected = resolve_passes(available_passes() if passes == "auto" else passes)
@@ -61,4 +62,4 @@ def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu"
             pipeline(gm, phase, part.index, params, None)
     before = predict(captured, cost_model, training)
     after = predict(captured, cost_model, training, graphs=pipeline.rewritten)
-    return Plan(cost_model.device.name, training, tuple(pipeline.rows), before, after)
+    return Plan(cost_model.device.name, training, tuple(pipeline.rows), before, after, dict(pipeline.rewritten))

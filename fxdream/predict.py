@@ -1,6 +1,7 @@
 """fxdream.simulate(): capture → (passes) → lower → simulate, for this machine or any DeviceSpec."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ class Prediction:
     task_graph: TaskGraph
     timeline: Timeline
     static_bytes: int
+    passes: tuple = ()  # PassReport rows when predicted with passes (simulate(..., passes=...))
 
     @property
     def time_ms(self) -> float:
@@ -45,6 +47,10 @@ class Prediction:
         total = sum(self.timeline.per_layer_us.values()) or 1.0
         for layer, us in self.top_layers(top):
             lines.append(f"  {layer or '(model)':<40} {us / 1e3:9.3f} ms  {100 * us / total:5.1f} %")
+        if self.passes:
+            lines.append("passes:")
+            lines += [f"  {r.name} [{r.graph_index}/{r.phase}] {'applied' if r.applied else 'not applied'}: {r.reason}"
+                      for r in self.passes]
         return "\n".join(lines)
 
 
@@ -103,13 +109,21 @@ def predict(captured: Captured | tuple, cost: CostModel, training: bool,
 
 def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = "cpu",
              training: bool = False, cost: str = "auto", optimizer: str | None = "sgd",
-             contention: bool = True) -> Prediction:
+             contention: bool = True, passes=(), memory_budget: int | None = None) -> Prediction:
     """Predict one iteration of ``model`` on ``device`` (a DeviceSpec name such as "h100").
 
     Training includes backward and the optimizer step (``optimizer``: "sgd", "adam" or None).
+    ``passes`` ("auto" or names) rewrite the captured graphs for ``device`` first (nothing runs
+    there: a GPU works from a CPU machine); the rows say what each did (``.passes``).
     """
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
     captured = capture(model, example_inputs, training=training)
     model_cost = cost_model_for(device, cost)
-    return predict(captured, model_cost, training, OPTIMIZERS.get(optimizer), contention=contention)
+    if not passes:
+        return predict(captured, model_cost, training, OPTIMIZERS.get(optimizer), contention=contention)
+    from .plan import plan  # plan builds on predict
+    planned = plan(model, captured, device, training, passes, model_cost, memory_budget)
+    prediction = predict(captured, model_cost, training, OPTIMIZERS.get(optimizer), graphs=planned.graphs,
+                         contention=contention)
+    return dataclasses.replace(prediction, passes=planned.rows)

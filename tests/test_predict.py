@@ -52,6 +52,18 @@ def test_profile_round_trips_through_json(tmp_path):
     assert (tmp_path / "profile.json").read_text().startswith("{")  # JSON, never pickle
 
 
+def test_simulate_with_passes_predicts_the_rewritten_graphs_for_a_gpu_from_this_cpu():
+    model, x = Small().eval(), torch.randn(1, 3, 8, 8)
+    plain = simulate(model, (x,), device="h100", cost="analytic")
+    graphed = simulate(model, (x,), device="h100", cost="analytic", passes=["cuda_graphs"])
+    (row,) = [r for r in graphed.passes if r.name == "cuda_graphs"]
+    assert row.applied, row.reason  # rewritten for the h100 spec, never run here
+    # one graph launch replaces the per-kernel launches of this launch-bound net
+    assert graphed.time_ms < plain.time_ms
+    assert any(t.op == "cuda_graph.launch" for t in graphed.task_graph.tasks)
+    assert not plain.passes and "cuda_graphs [0/fw] applied" in graphed.summary()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(device="tpu9"), "unknown device 'tpu9'; valid names: cpu, v100, a100, h100, h200"),
     (dict(device="h100", cost="profiled"), "cost='profiled' measures on this machine"),

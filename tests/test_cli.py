@@ -1,0 +1,51 @@
+"""python -m fxdream: each subcommand on a tiny zoo model, and its one-line errors."""
+import json
+
+import pytest
+
+from fxdream.cli import main
+
+
+def test_simulate_with_passes_for_a_gpu_writes_trace_and_plot(tmp_path, capsys):
+    trace, plot = tmp_path / "t.json", tmp_path / "t.png"
+    assert main(["simulate", "mnist_convnet", "--tiny", "--device", "h100", "--pass", "cuda_graphs",
+                 "--trace", str(trace), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted inference on h100" in out and "cuda_graphs [0/fw] applied" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("cuda_graph" in e.get("name", "") for e in events)  # the one graph launch
+    assert plot.stat().st_size > 0
+
+
+def test_whatif_prints_every_scenario(tmp_path, capsys):
+    out_json = tmp_path / "w.json"
+    assert main(["whatif", "mnist_convnet", "--tiny", "--batch", "2", "--device", "h100",
+                 "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    for scenario in ("AMP float16", "fused adam", "2x faster GPU", "DDP 2x8 @ 10 Gbps", "P3 2x8 @ 40 Gbps"):
+        assert f"| {scenario}" in out
+    saved = json.loads(out_json.read_text())
+    assert saved["device"] == "h100" and len(saved["scenarios"]) == 10
+    # twice the GPU speed cannot give more than twice the speed
+    (faster,) = [s for s in saved["scenarios"] if s["name"] == "2x faster GPU"]
+    assert 1.0 < faster["predicted_speedup"] <= 2.0
+
+
+def test_explain_for_a_gpu_lists_each_pass(tmp_path, capsys):
+    stem = tmp_path / "e"
+    assert main(["explain", "resnet18", "--tiny", "--batch", "2", "--device", "h100", "--out", str(stem)]) == 0
+    out = capsys.readouterr().out
+    for name in ("fuse_conv_bias_act", "cuda_graphs", "aux_stream_backward"):
+        assert name in out
+    assert (tmp_path / "e.trace.json").exists() and (tmp_path / "e.png").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "resnet1000"], "unknown model 'resnet1000'"),
+    (["simulate", "mnist_convnet", "--tiny", "--device", "tpu9"], "unknown device 'tpu9'"),
+    (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_everything"], "fuse_everything"),
+])
+def test_bad_arguments_give_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
