@@ -1,4 +1,4 @@
-"""python -m fxdream demo | capture | simulate: see `python -m fxdream <command> --help`."""
+"""python -m fxdream demo | capture | simulate | ab | explain | whatif: see `python -m fxdream <command> --help`."""
 from __future__ import annotations
 
 import argparse
@@ -28,24 +28,24 @@ def cmd_capture(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Capture ResNet-50, print where the FLOPs are, and time eager vs fxdream side by side."""
+    """The product in one run: optimize(passes="auto") on ResNet-50, its report, then eager vs
+    the capture without passes vs the optimized module measured side by side."""
     import fxdream
     from fxdream.measure import time_interleaved
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model, inputs, _ = _build(args.model, args.batch, args.tiny, training=False)
-    print(f"fxdream demo: {args.model} batch {args.batch}, inference on CPU (torch {torch.__version__}, "
+    model.eval()
+    print(f"fxdream demo: {args.model} batch {args.batch}, inference on this CPU (torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads)\n")
     started = time.perf_counter()
-    captured = fxdream.capture(model, inputs)
-    print(f"captured in {time.perf_counter() - started:.2f} s")
-    for c in (captured if isinstance(captured, tuple) else (captured,)):
-        print(c.summary(top=args.top))
-    model.eval()
-    optimized = fxdream.optimize(model, inputs)  # no passes yet: the identity transform
-    print("\n" + optimized.report.to_markdown() + "\n")
+    optimized = fxdream.optimize(model, inputs, passes="auto", verify=True)
+    print(f"optimize(passes='auto') built in {time.perf_counter() - started:.1f} s "
+          "(capture, in-context profiling, every subset of passes simulated)\n")
+    print(optimized.report.to_markdown() + "\n")
+    baseline = fxdream.optimize(model, inputs)  # the capture without passes: what the passes start from
     with torch.no_grad():
         same = torch.allclose(model(*inputs), optimized(*inputs), rtol=1e-4, atol=1e-5)
-        results = time_interleaved({"eager": lambda: model(*inputs), "fxdream": lambda: optimized(*inputs)},
+        results = time_interleaved({"eager": lambda: model(*inputs), "fxdream, no passes": lambda: baseline(*inputs),
+                                    "fxdream, auto": lambda: optimized(*inputs)},
                                    rounds=args.rounds, block=args.block, desc="eager vs fxdream")
     base = results["eager"].median_ms
     print("| runner | median ms/call | spread | vs eager |\n|---|---|---|---|")
@@ -53,6 +53,8 @@ def cmd_demo(args) -> int:
         print(f"| {name} | {m.median_ms:.2f} | ±{m.spread_pct / 2:.1f} % | {base / m.median_ms:.2f}x |")
     print(f"\n(measured: median of {args.rounds} rounds x {args.block} calls, interleaved; "
           f"outputs equal to eager: {same})")
+    print(f"\nnext: python -m fxdream explain {args.model} --batch {args.batch} --device h100   "
+          "(what each pass would do on a GPU, predicted)")
     return 0
 
 
@@ -191,13 +193,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fxdream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="capture ResNet-50 and time eager vs fxdream")
+    demo = sub.add_parser("demo", help="optimize ResNet-50 with passes=\"auto\", show the report, time it against eager")
     demo.add_argument("--model", default="resnet50")
     demo.add_argument("--batch", type=int, default=1)
     demo.add_argument("--tiny", action="store_true", help="use the tiny config (fast)")
     demo.add_argument("--rounds", type=int, default=5)
     demo.add_argument("--block", type=int, default=10)
-    demo.add_argument("--top", type=int, default=15, help="layers to list (costliest first)")
     demo.set_defaults(run=cmd_demo)
 
     cap = sub.add_parser("capture", help="capture a zoo model and print its layer summary")

@@ -49,3 +49,10 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_demo_on_a_tiny_model_reports_and_times(capsys):
+    assert main(["demo", "--model", "mnist_convnet", "--tiny", "--rounds", "1", "--block", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "## fxdream report" in out and "| auto |" in out
+    assert "fxdream, auto" in out and "outputs equal to eager: True" in out
