@@ -161,6 +161,8 @@ def _val(arg):
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one node from torch.utils.flop_counter's formulas on its fake tensors."""
     packet = getattr(node.target, "overloadpacket", None)
+    if packet in _RNN_OPS:
+        return _rnn_flops(node)
     formula = flop_registry.get(packet) if packet is not None else None
     if formula is None:
         return 0
@@ -170,3 +172,19 @@ def node_flops(node: fx.Node) -> int:
         return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:  # a formula that cannot read symbolic or missing shapes
         return 0
+
+
+_RNN_OPS = {getattr(torch.ops.aten, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer",
+                                                      "_cudnn_rnn") if hasattr(torch.ops.aten, name)}
+
+
+def _rnn_flops(node: fx.Node) -> int:
+    """RNN ops (no formula in flop_counter): every weight matrix (4H×I, 4H×H for an LSTM,
+    per layer and direction) multiplies every sequence element: 2·rows·cols FLOPs each."""
+    x = _val(node.args[0])
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
+        return 0
+    tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
+    weights = [w for w in torch.utils._pytree.tree_leaves(torch.utils._pytree.tree_map(_val, node.args[1:]))
+               if isinstance(w, torch.Tensor) and w.dim() == 2 and w is not x]
+    return int(sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights))

@@ -296,9 +296,20 @@ def differentiable_scalar(output) -> torch.Tensor | None:
     return sum(t.float().sum() for t in leaves)
 
 
+def tracing_config(training: bool):
+    """Inference: dynamo traces RNN modules (``allow_rnn``) instead of breaking the graph there:
+    ``aten.lstm`` stays one op, exact, and in the graph the simulator sees. Training keeps the
+    break: autograd's decomposed LSTM gradients differ from the fused kernel's (~1e-3 on GNMT).
+    Applied while fxdream builds; a later recompile (new shape) breaks at the RNN as dynamo does
+    by default, still correct (patching every call would cost ~30 µs)."""
+    if training or not hasattr(torch._dynamo.config, "allow_rnn"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(allow_rnn=True)
+
+
 def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
-    with preserved_state(model):
+    with preserved_state(model), tracing_config(training):
         if not training:
             with torch.no_grad():
                 return compiled(*inputs)

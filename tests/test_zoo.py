@@ -4,7 +4,7 @@ import torch
 
 import fxdream
 from fxdream import models
-from fxdream.annotate import LAYER, op_name
+from fxdream.annotate import LAYER, node_flops, op_name
 from conftest import assert_same_training_step
 
 HEAVY_OPS = ("aten.convolution", "aten.convolution_backward", "aten.addmm", "aten.mm", "aten.bmm")
@@ -56,3 +56,16 @@ def test_layers_after_a_graph_break_keep_their_full_names():
     layers = {n.meta[LAYER] for p in parts for _, gm in p.graphs() for n in gm.graph.nodes if LAYER in n.meta}
     assert "decoder.att_rnn.attn.linear_q" in layers
     assert "linear_q" not in layers
+
+
+def test_rnn_modules_are_traced_in_inference_with_their_flops():
+    # inference: dynamo traces nn.LSTM (allow_rnn while fxdream builds): one graph, exact, counted
+    model, inputs, _ = models.build("gnmt", 2, tiny=True)
+    model.eval()
+    optimized = fxdream.optimize(model, inputs)
+    assert len(optimized.report.graphs) == 1 and optimized.report.graph_breaks == ()
+    with torch.no_grad():
+        assert torch.equal(optimized(*inputs), model(*inputs))
+    (captured,) = _as_tuple(optimized.captured)
+    rnn = [n for n in captured.forward.graph.nodes if "rnn" in op_name(n) or "lstm" in op_name(n)]
+    assert rnn and all(node_flops(n) > 0 for n in rnn)
