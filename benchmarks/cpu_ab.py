@@ -36,18 +36,33 @@ def _build_runner(name: str, model, inputs, passes):
         fn = fxdream.optimize(model, inputs, passes=passes)
         report = fn.report
     elif name in ("inductor", "inductor_freezing"):
-        import torch._inductor.config as inductor_config
-        torch._dynamo.reset()
-        inductor_config.freezing = name == "inductor_freezing"
-        fn = torch.compile(copy.deepcopy(model))
-        with torch.no_grad():
-            fn(*inputs)  # compile now, so the build time is the build
+        fn = compile_inductor(model, inputs, freezing=name == "inductor_freezing")
     elif name == "optimize_for_inference":
         from torch.fx.experimental.optimization import optimize_for_inference
         fn = optimize_for_inference(copy.deepcopy(model))
     else:
         raise ValueError(f"unknown runner {name!r}; valid: {', '.join(PEERS)}")
     return fn, time.perf_counter() - started, report
+
+
+def compile_inductor(model, inputs, freezing: bool):
+    """torch.compile (inductor) of a copy of ``model``, compiled now, with or without freezing.
+
+    No torch._dynamo.reset() (it drops every compiled runner built before, fxdream's included),
+    and a backend object of its own: dynamo lets compiled copies of one class share a cache
+    entry when the backend is the same (a freezing copy built after a plain one ran the plain
+    graph). Freezing is patched around the compile (options={"freezing": True} did not freeze).
+    """
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def inductor(gm, example_inputs):
+        return compile_fx(gm, example_inputs)
+    with inductor_config.patch(freezing=freezing):
+        fn = torch.compile(copy.deepcopy(model), backend=inductor)
+        with torch.no_grad():
+            fn(*inputs)
+    return fn
 
 
 def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: int, block: int) -> dict:

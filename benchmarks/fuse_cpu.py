@@ -47,13 +47,8 @@ def _timed_build(make):
 
 
 def _inductor(model, inputs, freezing: bool):
-    import torch._inductor.config as config  # noqa: PLC0415 (only when asked for)
-    torch._dynamo.reset()
-    with config.patch(freezing=freezing):
-        compiled = torch.compile(model)
-        with torch.no_grad():
-            compiled(*inputs)  # compile now, under the patched config
-    return compiled
+    from cpu_ab import compile_inductor  # benchmarks/ is on sys.path when this script runs
+    return compile_inductor(model, inputs, freezing)
 
 
 def bench(batch: int, inductor: bool, rounds: int, block: int, device: str = "cpu", variants: bool = False) -> dict:
