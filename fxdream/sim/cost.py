@@ -220,7 +220,7 @@ class Profiled:
                     if gm is not None:
                         self.profile_graph(gm, bw_inputs, rounds, warmup)
 
-    def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 2) -> dict | None:
+    def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 3) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run)."""
         with real_tensors():  # the graph may update buffers in place: not the model's
             inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
