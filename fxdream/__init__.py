@@ -12,3 +12,12 @@ __all__ = [
     "Report", "GraphReport", "PassReport", "simulate", "Prediction", "ab", "ABResult", "ABRow",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``fxdream.cuda_graph_incompatible(op, reason)`` and ``cuda_graph_compatible(op)``: the
+    registry of passes/mark_incompatible.py, loaded on first use (passes import fxdream)."""
+    if name in ("cuda_graph_incompatible", "cuda_graph_compatible"):
+        from .passes import mark_incompatible
+        return getattr(mark_incompatible, name)
+    raise AttributeError(f"module 'fxdream' has no attribute {name!r}")

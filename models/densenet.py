@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .images import image_batch
+
 
 @dataclass(frozen=True)
 class DenseNetConfig:
@@ -118,9 +120,4 @@ def build_model(name: str, tiny: bool) -> DenseNet:
 
 
 def example_batch(name: str, batch_size: int, tiny: bool, generator: torch.Generator):
-    """((images,), class labels) for one training step."""
-    config = CONFIGS[name, tiny]
-    size = config.image_size
-    images = torch.randn(batch_size, 3, size, size, generator=generator)
-    labels = torch.randint(0, config.num_classes, (batch_size,), generator=generator)
-    return (images,), labels
+    return image_batch(CONFIGS[name, tiny], batch_size, generator)

@@ -193,7 +193,7 @@ def test_control_flow_and_non_aten_calls():
 def test_a_user_registered_incompatible_op_and_a_compatible_override():
     gm = _graph(lambda g, x: (_call(g, aten.relu.default, x, name="relu"),
                               _call(g, aten.nonzero.default, x, name="nonzero")), (4,))
-    cuda_graph_incompatible(aten.relu, "our relu calls a host library")
+    fxdream.cuda_graph_incompatible(aten.relu, "our relu calls a host library")  # the top-level name
     cuda_graph_compatible("aten.nonzero.default")
     try:
         # the op rule is overridden; the check on the values (a size known at run time) is not
