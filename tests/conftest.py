@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.fx as fx
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,3 +41,33 @@ def assert_same_training_step(model, optimized, inputs, loss_fn=None, atol=1e-5,
         torch.testing.assert_close(p_opt.grad, p_ref.grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
         checked += 1
     return checked
+
+
+class RecordValues(fx.Interpreter):
+    """Runs a graph on real tensors and keeps each value as meta["val"] (shapes for the cost models)."""
+    def run_node(self, node):
+        node.meta["val"] = result = super().run_node(node)
+        return result
+
+
+def graph_with_values(build, *shapes) -> fx.GraphModule:
+    """A GraphModule from ``build(graph, *placeholders)`` (its output), run once on random
+    inputs of ``shapes`` so every node has meta["val"]."""
+    graph = fx.Graph()
+    inputs = [graph.placeholder(f"x{i}") for i in range(len(shapes))]
+    graph.output(build(graph, *inputs))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    RecordValues(gm).run(*[torch.randn(s) for s in shapes])
+    return gm
+
+
+class TwoSubgraphs(torch.nn.Module):
+    """Two linear layers with a graph break between them: two captured subgraphs."""
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)

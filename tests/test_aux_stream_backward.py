@@ -22,7 +22,7 @@ from fxdream.sim.devices import DeviceSpec
 from fxdream.sim.lower import lower
 from fxdream.sim.simulate import Contention, simulate
 
-from conftest import assert_same_training_step
+from conftest import RecordValues, assert_same_training_step
 
 aten = torch.ops.aten
 CONV_BW = aten.convolution_backward.default
@@ -47,12 +47,6 @@ def backward_inputs(captured):
             for n in captured.backward.graph.nodes if n.op == "placeholder"]
 
 
-class _Recording(fx.Interpreter):
-    def run_node(self, node):
-        node.meta["val"] = result = super().run_node(node)
-        return result
-
-
 def conv_backward_graph(layers=3, channels=8, pixels=4, batch=1):
     """conv_bw of ``layers`` chained 1x1 convs, last layer first (grad → dx3 → dx2 → ...);
     outputs the first layer's dx and every dw. Real tensors as meta["val"]."""
@@ -71,7 +65,7 @@ def conv_backward_graph(layers=3, channels=8, pixels=4, batch=1):
     gm = fx.GraphModule(torch.nn.Module(), graph)
     act = (batch, channels, pixels, pixels)
     args = [torch.randn(act) for _ in range(layers + 1)] + [torch.randn(channels, channels, 1, 1) for _ in range(layers)]
-    _Recording(gm).run(*args)
+    RecordValues(gm).run(*args)
     return gm, args
 
 

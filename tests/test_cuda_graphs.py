@@ -25,26 +25,12 @@ from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, CUDA_GRAPH_STATIC, cuda
 from fxdream.sim.lower import lower
 from fxdream.sim.simulate import simulate
 from fxdream.sim.taskgraph import DepKind, TaskKind
+from conftest import graph_with_values
 
 aten = torch.ops.aten
 H100 = Analytic(get_device("h100"))
 V100 = Analytic(get_device("v100"))
 ALWAYS = float("-inf")  # min_gain_us that keeps every region
-
-
-class _Recording(fx.Interpreter):
-    def run_node(self, node):
-        node.meta["val"] = result = super().run_node(node)
-        return result
-
-
-def _graph(build, *shapes):
-    graph = fx.Graph()
-    inputs = [graph.placeholder(f"x{i}") for i in range(len(shapes))]
-    graph.output(build(graph, *inputs))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    _Recording(gm).run(*[torch.randn(s) for s in shapes])
-    return gm
 
 
 def _call(graph, target, *args, name=None):
@@ -71,7 +57,7 @@ def _names(regions):
 # --- partition ----------------------------------------------------------------------------------
 
 def test_partition_flushes_at_every_marked_node():
-    gm = _graph(_split_by_syncs, (8,))
+    gm = graph_with_values(_split_by_syncs, (8,))
     marked = mark_incompatible(gm, PassContext(device="cuda"))
     assert {n.name for n in marked} == {"item", "mul", "nonzero"}
     assert _names(partition(gm, marked)) == [["relu", "neg", "total"], ["exp", "add"], ["sigmoid"]]
@@ -83,7 +69,7 @@ def test_getitems_stay_with_their_producer_and_a_dropout_splits_training_only():
         d = _call(g, aten.native_dropout.default, r, 0.5, True, name="dropout")
         out = _call(g, __import__("operator").getitem, d, 0, name="drop_out")
         return _call(g, aten.neg.default, out, name="neg")
-    gm = _graph(build, (8,))
+    gm = graph_with_values(build, (8,))
     train = mark_incompatible(gm, PassContext(device="cuda", training=True))
     assert _names(partition(gm, train)) == [["relu"], ["neg"]]  # the getitem runs with the dropout
     evaluation = mark_incompatible(gm, PassContext(device="cuda"))
@@ -117,7 +103,7 @@ def test_a_region_too_small_to_pay_off_is_skipped_and_reported():
         big = _chain(12)(g, x)
         s = _call(g, aten._local_scalar_dense.default, _call(g, aten.sum.default, big, name="sum"), name="item")
         return _call(g, aten.neg.default, w, name="lonely"), s
-    gm = _graph(build, (16,), (16,))
+    gm = graph_with_values(build, (16,), (16,))
     ctx = PassContext(device="cuda")
     marked, prediction, kept = plan(gm, ctx, H100)
     first, second = prediction.regions
@@ -130,7 +116,7 @@ def test_a_region_too_small_to_pay_off_is_skipped_and_reported():
 
 
 def test_on_cpu_the_pass_returns_the_graph_unchanged_with_the_gpu_prediction():
-    gm = _graph(_chain(20), (16,))
+    gm = graph_with_values(_chain(20), (16,))
     code = gm.code
     result = CudaGraphs()(gm, PassContext(device="cpu"))
     assert not result.modified and result.graph_module.code == code
@@ -141,7 +127,7 @@ def test_on_cpu_the_pass_returns_the_graph_unchanged_with_the_gpu_prediction():
 
 
 def test_the_prediction_on_a_region_annotated_copy_shows_the_launch_savings():
-    gm = _graph(_chain(30), (16,))
+    gm = graph_with_values(_chain(30), (16,))
     flat = annotate_regions(gm, PassContext(device="cpu"))
     assert {n.meta.get(CUDA_GRAPH_REGION) for n in flat.graph.nodes if n.name.startswith("op")} == {0}
     without, _ = graph_prediction(gm, H100)
@@ -206,7 +192,7 @@ def _three_ops(g, x):
 
 
 def _regioned(static_input: bool):
-    gm = _graph(_three_ops, (4,))
+    gm = graph_with_values(_three_ops, (4,))
     for node in gm.graph.nodes:
         if node.op == "call_function":
             node.meta[CUDA_GRAPH_REGION] = 0
@@ -216,7 +202,7 @@ def _regioned(static_input: bool):
 
 
 def test_a_region_lowers_to_one_graph_launch_and_its_kernels():
-    eager = lower([("g.fw", _graph(_three_ops, (4,)))], LaunchBound())
+    eager = lower([("g.fw", graph_with_values(_three_ops, (4,)))], LaunchBound())
     # cpu: 4 dispatches of 10 µs (the view too); kernels relu [10,11], neg [30,31], add [40,41]
     assert simulate(eager.graph).makespan_us == pytest.approx(41.0)
 
@@ -247,13 +233,13 @@ def test_regions_on_a_cpu_device_lower_as_plain_ops():
 
     class Cost(LaunchBound):
         device = cpu
-    plain = lower([("g.fw", _graph(_three_ops, (4,)))], Cost())
+    plain = lower([("g.fw", graph_with_values(_three_ops, (4,)))], Cost())
     regioned = lower([("g.fw", _regioned(True))], Cost())
     assert [t.name for t in regioned.graph.tasks] == [t.name for t in plain.graph.tasks]
 
 
 def test_the_rewritten_graph_inlines_to_the_same_tasks_as_the_annotated_one():
-    gm = _graph(_chain(6), (16,))
+    gm = graph_with_values(_chain(6), (16,))
     rewritten = replace_regions(fx.GraphModule(gm, __import__("copy").deepcopy(gm.graph)),
                          [(0, [f"op{i}" for i in range(6)])], set(), RunnerOptions())
     assert [n.op for n in rewritten.graph.nodes].count("call_module") == 1
@@ -281,7 +267,7 @@ def test_rewrite_structure_and_numerics_and_which_outputs_are_cloned():
         c = _call(g, aten.mul.Tensor, b, s, name="scale")  # marked: reads a host value
         d = _call(g, aten.tanh.default, _call(g, aten.add.Tensor, c, b, name="add"), name="tanh")
         return d, _call(g, aten.t.default, b, name="bt")
-    gm = _graph(build, (4, 4), (4, 4))
+    gm = graph_with_values(build, (4, 4), (4, 4))
     x, w = torch.randn(4, 4), torch.randn(4, 4)
     expected = gm(x, w)
     regions = [(i, [n.name for n in r]) for i, r in enumerate(partition(gm, mark_incompatible(gm, PassContext())))]
@@ -317,7 +303,7 @@ def test_optimize_on_cpu_reports_the_reason_and_the_prediction():
 
 
 def test_strict_refuses_a_graph_with_marked_nodes():
-    gm = _graph(_split_by_syncs, (8,))
+    gm = graph_with_values(_split_by_syncs, (8,))
     with pytest.raises(CudaGraphFallback, match="3 node\\(s\\) cannot be captured"):
         CudaGraphs(strict=True)(gm, PassContext(device="cpu"))
 
@@ -327,7 +313,7 @@ def test_views_of_graph_inputs_stay_outside_regions_and_weights_are_read_in_plac
         t = _call(g, aten.t.default, w, name="w_t")
         y = _call(g, aten.addmm.default, b, x, t, name="addmm")
         return _call(g, aten.relu.default, y, name="relu")
-    gm = _graph(build, (2, 4), (3, 4), (3,))
+    gm = graph_with_values(build, (2, 4), (3, 4), (3,))
     regions = partition(gm, mark_incompatible(gm, PassContext()))
     assert _names(regions) == [["addmm", "relu"]]
     rewritten = replace_regions(fx.GraphModule(gm, __import__("copy").deepcopy(gm.graph)), [(0, ["addmm", "relu"])],
@@ -346,7 +332,7 @@ def test_a_view_leaving_the_graph_is_replayed_on_the_clone_of_its_base():
         r = _call(g, aten.relu.default, x, name="relu")
         v = _call(g, aten.slice.Tensor, r, 0, 1, 3, name="part")
         return v, _call(g, aten.neg.default, r, name="neg")
-    gm = _graph(build, (4, 2))
+    gm = graph_with_values(build, (4, 2))
     rewritten = replace_regions(fx.GraphModule(gm, __import__("copy").deepcopy(gm.graph)),
                          [(0, ["relu", "part", "neg"])], set(), RunnerOptions())
     (runner,) = runners(rewritten)
@@ -377,7 +363,7 @@ class _SimulatedRunner(CudaGraphRunner):
 
 
 def test_runner_bookkeeping_copies_static_checks_shapes_cap_and_guard():
-    region = _graph(_elementwise, (8,), (8,))
+    region = graph_with_values(_elementwise, (8,), (8,))
     runner = _SimulatedRunner(region, 0, (False, True), max_shapes=2)
     w = torch.randn(8)
     for _ in range(3):
@@ -412,7 +398,7 @@ def test_a_failed_capture_runs_the_region_eagerly_once_per_call_with_the_reason(
     class Failing(_SimulatedRunner):
         def _record(self, static, device):
             raise RuntimeError("operation not permitted when stream is capturing\nmore")
-    region = _graph(_elementwise, (8,), (8,))
+    region = graph_with_values(_elementwise, (8,), (8,))
     runner = Failing(region, 0, (False, False))
     x, y = torch.randn(8), torch.randn(8)
     for calls in (1, 2):
@@ -434,7 +420,7 @@ def test_clone_outputs_copies_with_the_same_strides():
 # --- the runner on a GPU ----------------------------------------------------------------------
 
 def _region(build, *shapes, device="cuda"):
-    gm = _graph(build, *shapes)
+    gm = graph_with_values(build, *shapes)
     return gm.to(device)
 
 
@@ -489,7 +475,7 @@ def test_runner_rerecords_when_a_static_input_moves():
 
 @pytest.mark.cuda
 def test_a_0d_cpu_scalar_input_is_copied_in_not_baked_in():
-    region = _graph(lambda g, x, s: _call(g, aten.mul.Tensor, x, s), (4,), ())
+    region = graph_with_values(lambda g, x, s: _call(g, aten.mul.Tensor, x, s), (4,), ())
     runner = CudaGraphRunner(region, 0, (False, False))
     x = torch.ones(4, device="cuda")
     for value in (2.0, 3.0):
@@ -510,7 +496,7 @@ def test_output_overwrite_guard():
     guarded(x, y)
 
     # the pass's default: outputs that leave the graph are cloned, so a held one stays right
-    gm = _graph(_chain(6), (8,)).to("cuda")
+    gm = graph_with_values(_chain(6), (8,)).to("cuda")
     rewritten = replace_regions(fx.GraphModule(gm, __import__("copy").deepcopy(gm.graph)),
                          [(0, [f"op{i}" for i in range(6)])], set(), RunnerOptions())
     a = torch.randn(8, device="cuda")
@@ -552,7 +538,7 @@ def test_training_step_equality_with_forward_and_backward_captured():
 def test_a_capture_failure_runs_the_region_eagerly_with_the_reason():
     def build(g, x):  # .item() synchronises: it cannot be captured
         return (_call(g, aten._local_scalar_dense.default, _call(g, aten.sum.default, x, name="total")),)
-    runner = CudaGraphRunner(_graph(build, (4,)), 0, (False,))
+    runner = CudaGraphRunner(graph_with_values(build, (4,)), 0, (False,))
     x = torch.tensor([0.0, 1.0, 0.0, 2.0], device="cuda")
     assert runner(x)[0] == 3.0
     assert runner.eager_reason.startswith("capture failed: ")

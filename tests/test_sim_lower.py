@@ -1,13 +1,13 @@
 """Lowering FX graphs to task graphs, with expected makespans and memory worked out by hand."""
 import pytest
 import torch
-import torch.fx as fx
 
 from fxdream.sim.cost import is_view
 from fxdream.sim.devices import DeviceSpec
 from fxdream.sim.lower import STREAM, OptimizerModel, lower
 from fxdream.sim.simulate import Contention, simulate
 from fxdream.sim.taskgraph import DepKind, TaskKind
+from conftest import TwoSubgraphs, graph_with_values
 
 aten = torch.ops.aten
 GPU = DeviceSpec("toy-gpu", "cuda", {"float32": 1e12}, 1e9, launch_overhead_us=0.0,
@@ -31,22 +31,6 @@ class FixedCost:
         return 1.0
 
 
-class _Recording(fx.Interpreter):
-    """Runs the graph on real tensors and keeps each value as meta["val"] (shapes for the cost model)."""
-    def run_node(self, node):
-        node.meta["val"] = result = super().run_node(node)
-        return result
-
-
-def _graph(build, *shapes):
-    graph = fx.Graph()
-    inputs = [graph.placeholder(f"x{i}") for i in range(len(shapes))]
-    graph.output(build(graph, *inputs))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    _Recording(gm).run(*[torch.randn(s) for s in shapes])
-    return gm
-
-
 def _call(graph, target, args, name):
     return graph.create_node("call_function", target, args, name=name)
 
@@ -58,7 +42,7 @@ def _relu_view_add(graph, x):
 
 
 def test_gpu_lowering_launch_then_kernel_per_op_and_views_cost_dispatch_only():
-    lowered = lower([("g.fw", _graph(_relu_view_add, (4,)))], FixedCost(GPU))
+    lowered = lower([("g.fw", graph_with_values(_relu_view_add, (4,)))], FixedCost(GPU))
     kinds = [(t.name, t.kind, t.resource) for t in lowered.graph.tasks]
     assert kinds == [("g.fw:relu", TaskKind.CPU, "cpu:0"), ("g.fw:relu:k", TaskKind.GPU, "stream:0"),
                      ("g.fw:view", TaskKind.CPU, "cpu:0"),
@@ -70,14 +54,14 @@ def test_gpu_lowering_launch_then_kernel_per_op_and_views_cost_dispatch_only():
 
 
 def test_cpu_lowering_runs_kernels_on_the_launching_thread():
-    lowered = lower([("g.fw", _graph(_relu_view_add, (4,)))], FixedCost(CPU))
+    lowered = lower([("g.fw", graph_with_values(_relu_view_add, (4,)))], FixedCost(CPU))
     assert [t.resource for t in lowered.graph.tasks] == ["cpu:0"] * 3
     # relu 1+10, view 1, add 1+10, one after the other
     assert simulate(lowered.graph).makespan_us == pytest.approx(23.0)
 
 
 def test_memory_outputs_allocated_at_start_freed_after_last_use_through_views():
-    lowered = lower([("g.fw", _graph(_relu_view_add, (4,)))], FixedCost(GPU))
+    lowered = lower([("g.fw", graph_with_values(_relu_view_add, (4,)))], FixedCost(GPU))
     assert lowered.static_bytes == 16            # x: 4 floats
     relu, add = lowered.graph.task("g.fw:relu:k"), lowered.graph.task("g.fw:add:k")
     assert (relu.mem_alloc, relu.mem_free) == (16, 0)
@@ -94,7 +78,7 @@ def _two_branches(graph, x):
 
 
 def _two_stream_graph():
-    gm = _graph(_two_branches, (4,))
+    gm = graph_with_values(_two_branches, (4,))
     next(n for n in gm.graph.nodes if n.name == "neg").meta[STREAM] = 1
     return gm
 
@@ -119,7 +103,7 @@ def test_host_sync_op_makes_the_cpu_wait_for_the_kernel():
         s = _call(graph, aten.sum.default, (x,), "sum")
         item = _call(graph, aten._local_scalar_dense.default, (s,), "_local_scalar_dense")
         return _call(graph, aten.relu.default, (x,), "relu"), item
-    lowered = lower([("g.fw", _graph(build, (4,)))], FixedCost(GPU))
+    lowered = lower([("g.fw", graph_with_values(build, (4,)))], FixedCost(GPU))
     sync = lowered.graph.task("g.fw:_local_scalar_dense:sync")
     assert sync.kind is TaskKind.SYNC
     # sum: launch [0,1] kernel [1,11]; item launch [1,2], kernel [11,21], sync until 21;
@@ -130,24 +114,13 @@ def test_host_sync_op_makes_the_cpu_wait_for_the_kernel():
 def test_optimizer_step_follows_the_backward_as_its_own_tasks():
     def build(graph, x):
         return _call(graph, aten.neg.default, (x,), "neg"), None
-    bw = _graph(build, (1000,))  # one "gradient" of 4000 bytes
+    bw = graph_with_values(build, (1000,))  # one "gradient" of 4000 bytes
     sgd = OptimizerModel("sgd", bytes_per_grad_byte=5.0, kernels_per_param=2)
     lowered = lower([("g.bw", bw)], FixedCost(GPU), optimizer=sgd)
     step = lowered.graph.task("optim:0:k")
     assert step.phase == "optim"
     # 5 x 4000 bytes at 1e9 B/s = 20 µs
     assert step.duration_us == pytest.approx(20.0)
-
-
-class TwoSubgraphs(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
-
-    def forward(self, x):
-        h = self.first(x)
-        torch._dynamo.graph_break()
-        return self.second(h)
 
 
 def test_optimizer_updates_the_parameters_of_every_subgraph():

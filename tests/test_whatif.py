@@ -14,6 +14,7 @@ from fxdream.predict import Prediction, predict
 from fxdream.sim import DepKind, Task, TaskGraph, get_device
 from fxdream.sim.cost import Analytic
 from fxdream.sim.lower import ADAM, SGD
+from conftest import TwoSubgraphs
 
 H100 = get_device("h100")
 MB = 2 ** 20
@@ -367,17 +368,6 @@ def test_gloo_ddp_smoke_two_processes():
     assert out["gloo_bandwidth_GBps"] > 0 and out["gloo_latency_us"] >= 0
     assert len(out["ranks"]) == 2 and out["ddp_bucket_MB"] in (None, [round(out["gradient_MB"], 3)])
     assert out["gradient_MB"] == pytest.approx((32 * 64 + 64 + 64 * 8 + 8) * 4 / 1e6)
-
-
-class TwoSubgraphs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
-
-    def forward(self, x):
-        h = self.first(x)
-        torch._dynamo.graph_break()
-        return self.second(h)
 
 
 def test_ddp_and_fused_optimizer_see_only_parameter_gradients_across_a_graph_break():
