@@ -8,6 +8,7 @@ so a backward node of ``layer1.0.conv1`` is annotated ``layer1.0.conv1`` too.
 from __future__ import annotations
 
 import operator
+import os
 import re
 from typing import Mapping
 
@@ -144,14 +145,7 @@ def _accumulation_layer(node: fx.Node) -> str | None:
     layers = [a.meta.get(LAYER) for a in node.all_input_nodes]
     if any(layer is None for layer in layers):
         return None
-    common = layers[0].split(".")
-    for layer in layers[1:]:
-        parts = layer.split(".")
-        n = 0
-        while n < min(len(common), len(parts)) and common[n] == parts[n]:
-            n += 1
-        common = common[:n]
-    return ".".join(common)
+    return ".".join(os.path.commonprefix([layer.split(".") for layer in layers]))  # by whole name parts
 
 
 def _val(arg):

@@ -23,10 +23,10 @@ from .data_parallel import MiB  # noqa: F401  (public in the single-module whati
 from .data_parallel import Cluster, Gradient, ddp, ddp_buckets, gradients, ring_allreduce_us
 from .measure_cpu import measure_amp_cpu, measure_fused_adam_cpu
 from .mixed_precision import COMPUTE_OPS, FP32_OPS, amp, cpu_flops
-from .optimizer import FUSED_BYTES_PER_GRAD_BYTE, fused_optimizer
+from .optimizer import fused_optimizer
 from .priority import ddp_period, p3
 
 __all__ = ["WhatIf", "Measured", "Cluster", "Gradient", "amp", "fused_optimizer", "faster_gpu",
            "ddp", "ddp_period", "p3", "ring_allreduce_us", "gradients", "ddp_buckets",
-           "cpu_flops", "measure_amp_cpu", "measure_fused_adam_cpu", "FUSED_BYTES_PER_GRAD_BYTE",
+           "cpu_flops", "measure_amp_cpu", "measure_fused_adam_cpu",
            "COMPUTE_OPS", "FP32_OPS"]

@@ -1,6 +1,6 @@
 """Fused-optimizer what-if: the per-parameter optimizer tasks (phase ``"optim"``) collapse
 into one launch and one kernel moving one pass over the optimizer state
-(``FUSED_BYTES_PER_GRAD_BYTE``), as the lowering models ``fused=True``.
+(``OptimizerModel.bytes_per_grad_byte``), as the lowering models ``fused=True``.
 """
 from __future__ import annotations
 
@@ -9,17 +9,12 @@ from ..sim.lower import OPTIMIZERS, gradient_values
 from ..sim.taskgraph import TaskKind
 from .core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations
 
-# one pass over the state: SGD with momentum reads p, g, buf and writes p, buf; Adam reads
-# p, g, m, v and writes p, m, v.  A fused kernel moves this much whatever the per-parameter
-# implementation moved (which may be more: torch's foreach=False Adam makes ~8 passes).
-FUSED_BYTES_PER_GRAD_BYTE = {"sgd": 5.0, "adam": 7.0}
-
-
 def fused_optimizer(x, *, captured=None, graphs=None, device=None,
                     contention: bool | None = None) -> WhatIf:
     """What if the optimizer were one fused kernel (e.g. ``Adam(fused=True)``) instead of
     ``kernels_per_param`` kernels per parameter?  One launch, one kernel moving the summed
-    bytes: ``FUSED_BYTES_PER_GRAD_BYTE`` × the gradients of the captured backward; without
+    bytes: one pass over the state (``OptimizerModel.bytes_per_grad_byte``, whatever the
+    per-parameter implementation moved) × the gradients of the captured backwards; without
     ``captured`` they are read back from the per-parameter kernel times
     (bytes = time × bandwidth; kernels at the device's floor count 0: a lower bound)."""
     s = _start(x, device, captured, graphs, contention)
@@ -41,8 +36,7 @@ def fused_optimizer(x, *, captured=None, graphs=None, device=None,
     bw_graphs = [gm for label, gm in by_label.items() if label.endswith(".bw")]
     if model is not None and bw_graphs:
         # the lowering's optimizer updates the gradients of every subgraph's backward
-        per_byte = FUSED_BYTES_PER_GRAD_BYTE.get(model.name, model.bytes_per_grad_byte)
-        nbytes = per_byte * sum(tensor_bytes(g) for gm in bw_graphs for g in gradient_values(gm))
+        nbytes = model.bytes_per_grad_byte * sum(tensor_bytes(g) for gm in bw_graphs for g in gradient_values(gm))
         source = "captured gradients"
     else:
         times = [tg.task(n).duration_us for n in kernels] if on_gpu else \
