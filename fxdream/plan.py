@@ -16,6 +16,7 @@ from .pass_pipeline import PassPipeline
 from .predict import Prediction, cost_model_for, predict
 from .report import PassReport
 from .sim.cost import CostModel, Profiled
+from .sim.lower import OptimizerModel
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,10 @@ class Plan:
 
 
 def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu", training: bool = False,
-         passes="auto", cost: str | CostModel = "auto", memory_budget: int | None = None) -> Plan:
-    """Run ``passes`` ("auto" or names) over ``captured`` for ``device`` and simulate before/after."""
+         passes="auto", cost: str | CostModel = "auto", memory_budget: int | None = None,
+         optimizer: OptimizerModel | None = None, contention: bool = True) -> Plan:
+    """Run ``passes`` ("auto" or names) over ``captured`` for ``device`` and simulate before/after
+    (a training step with ``optimizer``'s step when given)."""
     cost_model = cost_model_for(device, cost) if isinstance(cost, str) else cost
     if isinstance(cost_model, Profiled):
         cost_model.profile_in_context(captured)
@@ -60,6 +63,6 @@ def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu"
         for phase, gm in part.graphs():
             params = _model_state_of(gm, state) if phase == "fw" else {}
             pipeline(gm, phase, part.index, params, None)
-    before = predict(captured, cost_model, training)
-    after = predict(captured, cost_model, training, graphs=pipeline.rewritten)
+    before = predict(captured, cost_model, training, optimizer, contention=contention)
+    after = predict(captured, cost_model, training, optimizer, graphs=pipeline.rewritten, contention=contention)
     return Plan(cost_model.device.name, training, tuple(pipeline.rows), before, after, dict(pipeline.rewritten))

@@ -123,7 +123,6 @@ def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = 
     if not passes:
         return predict(captured, model_cost, training, OPTIMIZERS.get(optimizer), contention=contention)
     from .plan import plan  # plan builds on predict
-    planned = plan(model, captured, device, training, passes, model_cost, memory_budget)
-    prediction = predict(captured, model_cost, training, OPTIMIZERS.get(optimizer), graphs=planned.graphs,
-                         contention=contention)
-    return dataclasses.replace(prediction, passes=planned.rows)
+    planned = plan(model, captured, device, training, passes, model_cost, memory_budget,
+                   OPTIMIZERS.get(optimizer), contention)
+    return dataclasses.replace(planned.after, passes=planned.rows)
