@@ -280,12 +280,11 @@ class CudaGraphs:
             return PassResult(gm, False, f"{NEEDS_CUDA}; {summary}{left_out}", notes)
         if not kept:
             return PassResult(gm, False, f"no region is predicted to pay off; {summary}{left_out}", notes)
-        if not torch.cuda.is_available():  # a dry plan for a GPU spec (fxdream.simulate, explain): regions
-            flat = inline_cuda_graph_runners(  # marked in a flat graph the simulator lowers, never run here
-                replace_regions(gm, kept, _static_names(gm, ctx), self.options, ctx.phase))
-            return PassResult(flat, True, f"planned for {cost.device.name}, not run here ({NEEDS_CUDA}): "
-                                          f"{len(kept)} region(s); {summary}{left_out}", notes)
         replace_regions(gm, kept, _static_names(gm, ctx), self.options, ctx.phase)
+        if not torch.cuda.is_available():  # a dry plan for a GPU spec (fxdream.simulate, explain): regions
+            # marked in a flat graph the simulator lowers, never run here
+            return PassResult(inline_cuda_graph_runners(gm), True, f"planned for {cost.device.name}, not run "
+                              f"here ({NEEDS_CUDA}): {len(kept)} region(s); {summary}{left_out}", notes)
         kernels = sum(r.kernels for r in prediction.regions if r.kept)
         return PassResult(gm, True, f"captured {len(kept)} region(s), {kernels} kernels, in CUDA graphs; "
                                     f"{summary}{left_out}", notes)
