@@ -3,10 +3,12 @@
 Two processes (torch.multiprocessing spawn, MASTER_ADDR=127.0.0.1, a free port), one thread
 each, train an MLP with ~10 MB of gradients under DistributedDataParallel (SGD, momentum,
 DDP's default buckets). Each process, in parallel (so profiling sees the load of the run):
-  1. captures the model + loss and predicts one training step with profiled CPU costs
+  1. captures the model + loss (one training step) for profiled CPU costs
      (fxdream.predict.cost_model_for("cpu", "profiled"));
   2. per round: gloo allreduce of 1-12 MiB (this machine's "network"), a block of plain
-     steps, a block of DDP steps (interleaved, so all three see the same conditions);
+     steps, a block of DDP steps (each block after one untimed step: steady state), and one in-context profiling run of the captured step
+     (interleaved, so the measurements and the prediction see the same conditions: on a
+     shared VM the speed drifts by tens of % within a minute);
   3. fits t = 2(n-1)/n·S/B + 2(n-1)·α to the allreduce medians (B, α);
   4. predicts the DDP step: fxdream.whatif.ddp(prediction, Cluster(2, 1, B, α)).
 Writes JSON (rank 0's figures; both ranks under "ranks") and prints measured vs predicted.
@@ -109,12 +111,20 @@ def ddp_bucket_sizes(model) -> list[float] | None:
         return None
 
 
-def _predict_local(run: GlooRun, model, inputs, loss_fn) -> tuple:
+def _capture_and_profile(model, inputs, loss_fn) -> tuple:
+    """The captured step and a profiled cost model, warmed up (more samples come per round)."""
     from fxdream.capture import capture
-    from fxdream.predict import cost_model_for, predict
-    from fxdream.sim.lower import SGD
+    from fxdream.predict import cost_model_for
     captured = capture(WithLoss(copy.deepcopy(model), loss_fn), inputs, training=True)
-    return captured, predict(captured, cost_model_for("cpu", "profiled"), True, SGD)
+    cost = cost_model_for("cpu", "profiled")
+    cost.profile_in_context(captured, rounds=1, warmup=3)
+    return captured, cost
+
+
+def _predict_local(captured, cost):
+    from fxdream.predict import predict
+    from fxdream.sim.lower import SGD
+    return predict(captured, cost, True, SGD)
 
 
 def _predict_ddp(run: GlooRun, captured, prediction, bandwidth: float, latency_us: float) -> dict:
@@ -150,12 +160,12 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
         out = {"rank": rank, "phase_seconds": phases}
         model, inputs, loss_fn = build_model(run)
         out["gradient_MB"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
-        captured = prediction = None
+        captured = cost = prediction = None
+        predict_seconds = 0.0
         if run.predict:  # every rank profiles at once: the same load as the run
             started = time.perf_counter()
-            captured, prediction = _predict_local(run, model, inputs, loss_fn)
-            out["predict_seconds"] = time.perf_counter() - started
-            out["predicted_local_ms"] = prediction.time_ms
+            captured, cost = _capture_and_profile(model, inputs, loss_fn)
+            predict_seconds += time.perf_counter() - started
         dist.barrier()
         phases["predict"] = time.perf_counter() - t_start
         local = copy.deepcopy(model)
@@ -181,11 +191,18 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
                     ar_samples[size].append((time.perf_counter() - t0) * 1e3)
             for name, step in runners.items():
                 dist.barrier()
+                step()  # untimed: the allreduce probes and the other model left the caches cold
+                dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(run.block):
                     step()
                 if r:
                     samples[name].append((time.perf_counter() - t0) * 1e3 / run.block)
+            if cost is not None:  # profile in every round: the same conditions as the steps
+                dist.barrier()
+                started = time.perf_counter()
+                cost.profile_in_context(captured, rounds=1, warmup=3, again=True)  # steady state: see Profiled
+                predict_seconds += time.perf_counter() - started
         phases["measure"] = time.perf_counter() - t_start
         times = [statistics.median(ar_samples[size]) for size in run.sizes_bytes]
         out["allreduce_ms"] = dict(zip(run.sizes_bytes, times))
@@ -196,8 +213,13 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
             out[f"measured_{k}_ms"] = med
             out[f"measured_{k}_min_ms"] = min(v)
             out[f"measured_{k}_spread_pct"] = 100 * (max(v) - min(v)) / med
+            out[f"measured_{k}_rounds_ms"] = [round(x, 3) for x in v]
         out["ddp_bucket_MB"] = ddp_bucket_sizes(ddp_model)
-        if prediction is not None:
+        if cost is not None:
+            started = time.perf_counter()
+            prediction = _predict_local(captured, cost)
+            out["predict_seconds"] = predict_seconds + time.perf_counter() - started
+            out["predicted_local_ms"] = prediction.time_ms
             out.update(_predict_ddp(run, captured, prediction, bandwidth, latency_us))
         phases["done"] = time.perf_counter() - t_start
         results.put(out)
@@ -248,7 +270,11 @@ def measure_ddp_gloo(run: GlooRun = GlooRun()) -> dict:
                            f"{errors[0].get('traceback', '')}")
     got.sort(key=lambda r: r["rank"])
     out = dict(got[0], ranks=got)
+    for kind in ("predicted", "measured"):
+        if f"{kind}_ddp_ms" in out:
+            out[f"{kind}_comm_ms"] = out[f"{kind}_ddp_ms"] - out[f"{kind}_local_ms"]
     pairs = (("predicted_local_ms", "measured_local_ms", "error_local_pct"),
+             ("predicted_comm_ms", "measured_comm_ms", "error_comm_pct"),
              ("predicted_ddp_ms", "measured_ddp_ms", "error_ddp_pct"),
              ("predicted_ddp_overlap_ms", "measured_ddp_ms", "error_ddp_overlap_pct"))
     for pred, meas, err in pairs:
@@ -312,6 +338,44 @@ def wait_until_quiet(max_seconds: float, threshold_pct: float = 15.0) -> float |
     return busy
 
 
+def _attempt_until_quiet(run: GlooRun, attempts: int, wait_quiet: float) -> dict:
+    """One measured run; repeated (up to ``attempts``) while other processes used > 5 % of the
+    CPU during it, keeping the least disturbed one."""
+    best, tried = None, []
+    for _ in range(max(1, attempts)):
+        busy_before = wait_until_quiet(wait_quiet) if wait_quiet else cpu_busy_pct()
+        load_before = os.getloadavg()
+        ticks = _cpu_ticks()
+        started = time.perf_counter()
+        r = measure_ddp_gloo(run)
+        seconds = time.perf_counter() - started
+        share = 100 * foreign_cpu_seconds(ticks, _cpu_ticks()) / (seconds * (os.cpu_count() or 1))
+        tried.append(dict(seconds=seconds, foreign_cpu_pct=share, error_ddp_pct=r.get("error_ddp_pct"),
+                          measured_ddp_ms=r["measured_ddp_ms"]))
+        machine = dict(loadavg_before=load_before, loadavg_after=os.getloadavg(),
+                       cpu_busy_pct_before=busy_before, cpu_busy_pct_after=cpu_busy_pct(),
+                       other_processes_cpu_pct_during_run=share)
+        if best is None or share < best["machine"]["other_processes_cpu_pct_during_run"]:
+            best = dict(machine=machine, seconds=seconds, **r)
+        if share <= 5.0:
+            break
+    return dict(best, attempts=tried)
+
+
+def _print_run(i: int, r: dict) -> None:
+    print(f"run {i}: gloo allreduce fit {r['gloo_bandwidth_GBps']:.3f} GB/s, {r['gloo_latency_us']:.0f} us "
+          f"per step; DDP buckets {r.get('ddp_bucket_MB')} MB measured, "
+          f"{r['predicted_details']['ddp.bucket_MB']} MB predicted")
+    print(f"  one-process step: MEASURED {r['measured_local_ms']:.2f} ms (spread {r['measured_local_spread_pct']:.0f} %), "
+          f"PREDICTED {r['predicted_local_ms']:.2f} ms ({r['error_local_pct']:+.1f} %)")
+    print(f"  DDP step, 2 processes: MEASURED {r['measured_ddp_ms']:.2f} ms (spread {r['measured_ddp_spread_pct']:.0f} %), "
+          f"PREDICTED {r['predicted_ddp_ms']:.2f} ms ({r['error_ddp_pct']:+.1f} %); "
+          f"if communication overlapped: {r['predicted_ddp_overlap_ms']:.2f} ms ({r['error_ddp_overlap_pct']:+.1f} %)")
+    print(f"  DDP minus one-process (communication and copies): MEASURED {r['measured_comm_ms']:.2f} ms, "
+          f"PREDICTED {r['predicted_comm_ms']:.2f} ms ({r['error_comm_pct']:+.1f} %); other processes used "
+          f"{r['machine']['other_processes_cpu_pct_during_run']:.0f} % of the CPU")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None,
@@ -320,59 +384,41 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="512,1024,1024,1024,10", help="MLP widths, input first")
     parser.add_argument("--rounds", type=int, default=GlooRun.rounds)
     parser.add_argument("--block", type=int, default=GlooRun.block)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="independent runs (fresh processes); the JSON keeps every one and the "
+                             "median error")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help="wait up to S seconds for an idle CPU before each attempt")
     parser.add_argument("--attempts", type=int, default=1,
-                        help="repeat while other processes used > 5 %% of the CPU during the run; "
+                        help="repeat a run while other processes used > 5 %% of the CPU during it; "
                              "keep the least disturbed attempt")
     args = parser.parse_args(argv)
     run = GlooRun(layers=tuple(int(v) for v in args.layers.split(",")), batch=args.batch,
                   rounds=args.rounds, block=args.block)
-    best, attempts = None, []
-    for _ in range(max(1, args.attempts)):
-        busy_before = wait_until_quiet(args.wait_quiet) if args.wait_quiet else cpu_busy_pct()
-        load_before = os.getloadavg()
-        ticks = _cpu_ticks()
-        started = time.perf_counter()
-        r = measure_ddp_gloo(run)
-        seconds = time.perf_counter() - started
-        foreign = foreign_cpu_seconds(ticks, _cpu_ticks())
-        share = 100 * foreign / (seconds * (os.cpu_count() or 1))
-        busy_after = cpu_busy_pct()
-        attempts.append(dict(seconds=seconds, foreign_cpu_pct=share, error_ddp_pct=r.get("error_ddp_pct"),
-                             measured_ddp_ms=r["measured_ddp_ms"]))
-        if best is None or share < best[0]:
-            best = (share, r, seconds, busy_before, busy_after, load_before)
-        if share <= 5.0:
-            break
-    share, r, seconds, busy_before, busy_after, load_before = best
+    runs = []
+    for i in range(max(1, args.repeat)):
+        runs.append(_attempt_until_quiet(run, args.attempts, args.wait_quiet))
+        _print_run(i, runs[-1])
+    errors = {k: [r[f"error_{k}_pct"] for r in runs] for k in ("ddp", "local", "comm")}
     record = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
                   python=platform.python_version(),
-                  machine=dict(cpus=os.cpu_count(), processor=platform.processor() or platform.machine(),
-                               loadavg_before=load_before, loadavg_after=os.getloadavg(),
-                               cpu_busy_pct_before=busy_before, cpu_busy_pct_after=busy_after,
-                               other_processes_cpu_pct_during_run=share),
-                  attempts=attempts,
-                  run=asdict(run), seconds=seconds,
+                  machine=dict(cpus=os.cpu_count(), processor=platform.processor() or platform.machine()),
+                  run=asdict(run),
                   model=("predicted: fxdream.whatif.ddp(profiled one-process prediction, "
                          "Cluster(2, 1, network = gloo allreduce fit), overlap=False: communication "
-                         "takes host time (2 cores, both computing)); overlap=True reported beside"),
-                  **r)
+                         "takes host time (2 cores, both computing)); overlap=True reported beside. "
+                         "Profiling is interleaved with the measured rounds."),
+                  repeats=len(runs),
+                  **{f"errors_{k}_pct": v for k, v in errors.items()},
+                  **{f"median_error_{k}_pct": statistics.median(v) for k, v in errors.items()},
+                  runs=runs)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"ddp_gloo_cpu_{record['date']}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(record, f, indent=1, default=str)
-    print(f"gloo allreduce fit: {r['gloo_bandwidth_GBps']:.3f} GB/s, {r['gloo_latency_us']:.1f} us per step; "
-          f"gradients {r['gradient_MB']:.2f} MB; DDP buckets {r.get('ddp_bucket_MB')} MB measured, "
-          f"{r['predicted_details']['ddp.bucket_MB']} MB predicted")
-    print(f"one-process step: MEASURED {r['measured_local_ms']:.2f} ms (spread {r['measured_local_spread_pct']:.0f} %), "
-          f"PREDICTED {r['predicted_local_ms']:.2f} ms ({r['error_local_pct']:+.1f} %)")
-    print(f"DDP step, 2 processes: MEASURED {r['measured_ddp_ms']:.2f} ms (spread {r['measured_ddp_spread_pct']:.0f} %), "
-          f"PREDICTED {r['predicted_ddp_ms']:.2f} ms ({r['error_ddp_pct']:+.1f} %); "
-          f"if communication overlapped: {r['predicted_ddp_overlap_ms']:.2f} ms ({r['error_ddp_overlap_pct']:+.1f} %)")
-    print(f"other processes used {share:.0f} % of the CPU during the run (attempt {len(attempts)}; "
-          f"other work skews timings); wrote {out} in {seconds:.1f} s")
+    print(f"DDP step error over {len(runs)} run(s): median {record['median_error_ddp_pct']:+.1f} % "
+          f"({', '.join(f'{e:+.1f}' for e in errors['ddp'])}); wrote {out}")
     return 0
 
 

@@ -1,3 +1,5 @@
+import statistics
+
 import pytest
 import torch
 import torch.nn as nn
@@ -41,6 +43,21 @@ def test_profiled_costs_are_measured_in_context_for_every_compute_node():
             if node.op == "call_function" and not is_view(node):
                 assert profile_key(node, "cpu") in cost.measurements, node.format_node()
 
+
+
+def test_profiling_again_adds_samples_and_the_cost_is_their_median():
+    model, x = Small(), torch.randn(2, 3, 8, 8)
+    captured = fxdream.capture(model, (x,), training=True)
+    cost = cost_model_for("cpu", "profiled")
+    cost.profile_in_context(captured, rounds=2, warmup=0)
+    counts = {k: len(v) for k, v in cost.samples.items()}
+    cost.profile_in_context(captured, rounds=2, warmup=0)  # profiled already: nothing new
+    assert {k: len(v) for k, v in cost.samples.items()} == counts
+    cost.profile_in_context(captured, rounds=3, warmup=0, again=True)
+    for key, times in cost.samples.items():
+        assert len(times) == counts[key] * 5 // 2  # 2 then 3 runs of every graph
+        assert cost.measurements[key] == statistics.median(times)
+    assert cost.in_context == set(cost.samples)
 
 def test_profile_round_trips_through_json(tmp_path):
     cost = cost_model_for("cpu", "profiled")
