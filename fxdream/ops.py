@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
 Tensor = torch.Tensor
 _ACTS = ("relu", "none")
@@ -239,3 +240,11 @@ def can_prepack(x: Tensor, weight: Tensor) -> bool:
 
 FUSED_OPS = (torch.ops.fxdream.conv_bias_relu.default, torch.ops.fxdream.conv_bias_add_relu.default,
              conv_fused_inference, conv_fused_inference_prepacked)
+
+
+@register_flop_formula([torch.ops.fxdream.conv_bias_relu, torch.ops.fxdream.conv_bias_add_relu,
+                        torch.ops.fxdream.conv_fused_inference])
+def _fused_conv_flops(x_shape, w_shape, *_, out_shape=None, **__) -> int:
+    """A fused conv does the convolution's FLOPs (the bias, add and ReLU are memory traffic):
+    without this the analytic cost model saw 0 FLOPs and predicted fused convs as free."""
+    return conv_flop_count(x_shape, w_shape, out_shape)

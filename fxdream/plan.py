@@ -44,6 +44,11 @@ class Plan:
         return "\n".join(lines)
 
 
+def _alias_key(t: torch.Tensor) -> tuple:
+    """Tensors with equal keys are the same values (one storage, offset, shape, strides)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu", training: bool = False,
          passes="auto", cost: str | CostModel = "auto", memory_budget: int | None = None,
          optimizer: OptimizerModel | None = None, contention: bool = True) -> Plan:
@@ -56,10 +61,12 @@ def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu"
     context = PassContext(device=cost_model.device.kind, training=training, sim_device=cost_model.device.name,
                           cost_model=cost_model, memory_budget=memory_budget)
     pipeline = PassPipeline(selected, context, auto=passes == "auto")
-    state_ids = {id(t) for t in list(model.parameters()) + list(model.buffers())}
+    owned = {_alias_key(t) for t in list(model.parameters()) + list(model.buffers())}
     parts = captured if isinstance(captured, tuple) else (captured,)
     for part in parts:
-        state = [x if id(x) in state_ids else None for x in part.example_inputs]
+        # capture keeps its inputs detached (new tensor objects on the same storage): match storage
+        state = [x if isinstance(x, torch.Tensor) and _alias_key(x) in owned else None
+                 for x in part.example_inputs]
         for phase, gm in part.graphs():
             params = _model_state_of(gm, state) if phase == "fw" else {}
             pipeline(gm, phase, part.index, params, None)

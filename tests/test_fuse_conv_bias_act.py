@@ -80,6 +80,19 @@ def test_inference_op_with_prepacked_weight():
     assert out.is_contiguous(memory_format=torch.channels_last)  # what the fake impl says too
 
 
+def test_fused_ops_count_the_convolutions_flops():
+    from torch.utils.flop_counter import FlopCounterMode
+    x, w, b, other = torch.randn(2, 8, 10, 10), torch.randn(16, 8, 3, 3), torch.randn(16), torch.randn(2, 16, 10, 10)
+    counts = []
+    for run in (lambda: torch.nn.functional.conv2d(x, w, b, 1, 1),
+                lambda: ops.conv_fused_inference(x, w, b, None, S, P, D, 1, "relu"),
+                lambda: ops.conv_bias_add_relu(x, w, b, other, S, P, D, 1)):
+        with FlopCounterMode(display=False) as counter:
+            run()
+        counts.append(counter.get_total_flops())
+    assert counts == [2 * 2 * 16 * 10 * 10 * 8 * 9] * 3  # the analytic cost model reads these
+
+
 # --- through fxdream.optimize -------------------------------------------------------------------
 INFERENCE = {"mnist_convnet": "3 conv+bias+relu", "resnet18": "4 conv+bn+add+relu",
              "resnet50": "4 conv+bn+add+relu", "vgg19": "16 conv+bias+relu"}

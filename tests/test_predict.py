@@ -81,6 +81,21 @@ def test_simulate_with_passes_predicts_the_rewritten_graphs_for_a_gpu_from_this_
     assert not plain.passes and "cuda_graphs [0/fw] applied" in graphed.summary()
 
 
+def test_simulate_with_fusion_folds_batch_norm_and_counts_the_fused_convs_flops():
+    model, x = Small().eval(), torch.randn(4, 3, 16, 16)
+    plain = simulate(model, (x,), device="h100", cost="analytic")
+    fused = simulate(model, (x,), device="h100", cost="analytic", passes=["fuse_conv_bias_act"])
+    (row,) = [r for r in fused.passes if r.name == "fuse_conv_bias_act"]
+    # the captured inputs are detached copies of the parameters: still known constants
+    assert row.applied and "bn+relu" in row.reason, row.reason
+    assert not any("not known constants" in note for note in row.notes), row.notes
+    (conv,) = [n for n in plain.task_graph.tasks if n.op == "aten.convolution" and n.kind.name == "GPU"]
+    (one,) = [n for n in fused.task_graph.tasks if n.op == "fxdream.conv_fused_inference" and n.kind.name == "GPU"]
+    # the fused kernel does the convolution's FLOPs (once counted as 0: "free" convs)
+    assert one.duration_us >= conv.duration_us
+    assert fused.time_ms < plain.time_ms  # batch norm and relu kernels gone
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(device="tpu9"), "unknown device 'tpu9'; valid names: cpu, v100, a100, h100, h200"),
     (dict(device="h100", cost="profiled"), "cost='profiled' measures on this machine"),
