@@ -25,6 +25,7 @@ summation order (max abs diff ~2e-5 on outputs of magnitude ~10).
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -238,8 +239,6 @@ def can_prepack(x: Tensor, weight: Tensor) -> bool:
     return _mkldnn_ok(x, weight)
 
 
-FUSED_OPS = (torch.ops.fxdream.conv_bias_relu.default, torch.ops.fxdream.conv_bias_add_relu.default,
-             conv_fused_inference, conv_fused_inference_prepacked)
 
 
 @register_flop_formula([torch.ops.fxdream.conv_bias_relu, torch.ops.fxdream.conv_bias_add_relu,
@@ -248,3 +247,121 @@ def _fused_conv_flops(x_shape, w_shape, *_, out_shape=None, **__) -> int:
     """A fused conv does the convolution's FLOPs (the bias, add and ReLU are memory traffic):
     without this the analytic cost model saw 0 FLOPs and predicted fused convs as free."""
     return conv_flop_count(x_shape, w_shape, out_shape)
+
+
+@register_flop_formula([torch.ops.mkldnn._convolution_pointwise, torch.ops.mkldnn._convolution_pointwise_])
+def _onednn_conv_flops(a, b, c, *_, out_shape=None, **__) -> int:
+    """(X, W, B, ...), (X, other, W, ...) or, in place, (other, X, W, ...): the weight is the
+    third argument when that is 4-d. conv_flop_count reads only the batch from the input, which
+    ``other`` (the output's shape) has too."""
+    if c is not None and len(c) == 4:
+        return conv_flop_count(a, c, out_shape)
+    return conv_flop_count(a, b, out_shape)
+
+
+# --- direct oneDNN calls for prepacked graphs ---------------------------------------------
+ONEDNN_CONV = torch.ops.mkldnn._convolution_pointwise.default
+ONEDNN_CONV_ADD_ = torch.ops.mkldnn._convolution_pointwise_.binary  # accumulates into ``other``
+FUSED_OPS = (torch.ops.fxdream.conv_bias_relu.default, torch.ops.fxdream.conv_bias_add_relu.default,
+             conv_fused_inference, conv_fused_inference_prepacked, ONEDNN_CONV, ONEDNN_CONV_ADD_)
+
+
+def _residual_is_free(node, other) -> bool:
+    """Whether ``node`` may overwrite ``other``: a value computed in this graph (not an input,
+    a constant or a view of one), channels_last like the conv's output, and read by nobody
+    after ``node``."""
+    import torch.fx as fx
+    value = other.meta.get("val") if isinstance(other, fx.Node) else None
+    if other.op != "call_function" or not isinstance(value, Tensor) or value.dim() != 4:
+        return False
+    if not value.is_contiguous(memory_format=torch.channels_last):
+        return False
+    source = other.args[0] if other.target is operator.getitem else other  # max_pool's (values, indices)
+    schema = getattr(source.target, "_schema", None) if isinstance(source, fx.Node) else None
+    if source.target is not ONEDNN_CONV_ADD_ and (  # that one's own residual was checked likewise
+            schema is None or any(r.alias_info is not None for r in schema.returns)):
+        return False  # may alias an input (a view): never overwrite it
+    if _aliases(node.args[0], other):
+        return False  # the conv reads it too (y = relu(conv(y) + y))
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return all(order[u] < order[node] for u in _readers(other) if u is not node)
+
+
+def _returns_alias(n) -> bool:
+    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+    return n.target is operator.getitem or (schema is not None and any(r.alias_info is not None
+                                                                       for r in schema.returns))
+
+
+def _readers(other) -> set:
+    """Every node that reads ``other``'s memory: its users and, through views, theirs."""
+    found, todo = set(), [other]
+    while todo:
+        for u in todo.pop().users:
+            if u not in found:
+                found.add(u)
+                if _returns_alias(u):
+                    todo.append(u)
+    return found
+
+
+def _aliases(node, other) -> bool:
+    """Whether ``node`` is ``other`` or a view of it (through ops whose result aliases an input)."""
+    import torch.fx as fx
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n is other:
+            return True
+        if _returns_alias(n):
+            todo.extend(a for a in n.args if isinstance(a, fx.Node))
+    return False
+
+
+def call_onednn_directly(gm) -> int:
+    """Replace ``conv_fused_inference.prepacked`` nodes by the oneDNN ops they call, as
+    inductor's freezing emits them: no Python between the graph and oneDNN (~20-30 µs per
+    call on this CPU), and a residual add accumulated in place into a residual nobody reads
+    later (one allocation and one pass over the output fewer). Returns how many were replaced.
+
+    Each call is tried once on real tensors of its shapes first: oneDNN rejects some layouts
+    ("could not create a memory"), and those keep the wrapper, whose fallback handles them."""
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not conv_fused_inference_prepacked:
+            continue
+        x, w, b, other, stride, padding, dilation, groups, act = node.args
+        attrs = (list(padding), list(stride), list(dilation), groups)
+        if other is None:
+            target, args = ONEDNN_CONV, (x, w, b, *attrs, act, [], "")
+        elif _residual_is_free(node, other):
+            target, args = ONEDNN_CONV_ADD_, (other, x, w, b, *attrs, "add", None,
+                                              None if act == "none" else act, [], None)
+        else:
+            continue
+        if not _runs_on_real_tensors(gm, target, args):
+            continue
+        node.target, node.args = target, args
+        replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced
+
+
+def _runs_on_real_tensors(gm, target, args) -> bool:
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def real(a):
+        if not isinstance(a, fx.Node):
+            return a
+        if a.op == "get_attr":
+            return getattr(gm, a.target)
+        v = a.meta["val"]
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype).normal_()
+    with unset_fake_temporarily(), torch.no_grad():
+        try:
+            target(*[real(a) for a in args])
+            return True
+        except RuntimeError:
+            return False

@@ -204,6 +204,8 @@ class _Builder:
             self._propagate()
         self.graph.lint()
         self.gm.recompile()
+        if self.variant.prepack:
+            ops.call_onednn_directly(self.gm)
         return self.gm
 
     # --- one site ---------------------------------------------------------------------------

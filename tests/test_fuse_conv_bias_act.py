@@ -151,6 +151,40 @@ def test_conv_add_relu_without_batch_norm(training):
             out = optimized(*inputs)  # channels_last inside, NCHW again at the output
             torch.testing.assert_close(out, model.eval()(*inputs), atol=1e-5, rtol=1e-5)
         assert out.is_contiguous() and "channels_last+prepacked" in row.reason
+        # conv2 reads y, so the sum cannot be accumulated into y in place: the wrapper stays
+        targets = fused_targets(optimized.rewritten_graphs[(0, "fw")])
+        assert targets == [ops.ONEDNN_CONV, ops.conv_fused_inference_prepacked]
+
+
+class ResidualKept(nn.Module):
+    """relu(conv(x) + r), and r read after the add through a view taken before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0, self.conv = nn.Conv2d(3, 8, 1), nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        r = self.conv0(x) * 2  # computed in the graph, not an input
+        part = r[:, :4]  # channels_last already (so no layout copy before the view): aliases r
+        return torch.relu(self.conv(x) + r), part * 3
+
+
+def test_residual_is_accumulated_in_place_only_when_nobody_reads_it_later():
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last),)
+    model, resnet = ResidualKept().eval(), models.build("resnet18", 2, tiny=True)[0].eval()
+    kept = fxdream.optimize(model, inputs, passes=[PASS], cost=None)
+    assert ops.ONEDNN_CONV_ADD_ not in fused_targets(kept.rewritten_graphs[(0, "fw")])
+    with torch.no_grad():
+        for got, want in zip(kept(*inputs), model(*inputs)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    x = torch.randn(2, 3, 32, 32)
+    fused = fxdream.optimize(resnet, (x,), passes=[PASS], cost=None)
+    targets = fused_targets(fused.rewritten_graphs[(0, "fw")])
+    sums = int(fused.report.passes[0].reason.split(" conv+bn+add+relu")[0].rsplit(" ", 1)[-1])
+    assert targets.count(ops.ONEDNN_CONV_ADD_) == sums > 0  # every block's conv+bn+add+relu
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), resnet(x), atol=1e-4, rtol=1e-4)
 
 
 def test_prepacked_output_layout_when_the_weight_layout_is_ambiguous():
@@ -161,7 +195,7 @@ def test_prepacked_output_layout_when_the_weight_layout_is_ambiguous():
     x = torch.randn(2, 1, 4, 4)
     optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
     assert optimized.report.fallback_reason is None and optimized.report.passes[0].applied
-    assert fused_targets(optimized.rewritten_graphs[(0, "fw")]) == [ops.conv_fused_inference_prepacked]
+    assert fused_targets(optimized.rewritten_graphs[(0, "fw")]) == [ops.ONEDNN_CONV]  # oneDNN, directly
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x), atol=1e-5, rtol=1e-5)
 
