@@ -7,8 +7,8 @@ folded into the conv's weight and bias (w' = w·γ/√(σ²+ε), b' = β + (b �
 
 Fusion is not always faster (oneDNN in NCHW 0.91–1.06x, cuDNN's fused call 17x slower
 on some 7x7 channels_last convs, pytorch#68506), so the pass builds every variant the
-device allows (CPU inference: NCHW, channels_last, channels_last + weights prepacked
-once) and keeps the fastest by ``ctx.predict_us`` (the pipeline's measured cost model);
+device allows (CPU inference: NCHW, channels_last + weights prepacked once; CUDA: NCHW,
+channels_last) and keeps the fastest by ``ctx.predict_us`` (the pipeline's measured cost model);
 every variant's predicted time goes in the notes. When none is predicted faster than the
 graph as it is, the pass declines (also when named explicitly: that fusion can be slower is
 the point). Without a cost model it takes channels_last + prepacked on CPU and NCHW on
@@ -346,9 +346,11 @@ def _returns_alias(node: fx.Node) -> bool:
 
 
 def _variants(ctx: PassContext, device: str) -> tuple[Variant, ...]:
+    """On CPU, prepacked is channels_last minus the per-call weight reorders (a weight that
+    cannot be packed stays channels_last in it): timing both only lets noise pick the worse."""
     if not ctx.frozen:
         return (NCHW_FUSED,)
-    return (NCHW_FUSED, CHANNELS_LAST, PREPACKED) if device == "cpu" else (NCHW_FUSED, CHANNELS_LAST)
+    return (NCHW_FUSED, PREPACKED) if device == "cpu" else (NCHW_FUSED, CHANNELS_LAST)
 
 
 def _default(ctx: PassContext, device: str) -> Variant:
@@ -374,7 +376,7 @@ class FuseConvBiasAct:
         sites, notes = find_sites(gm.graph, ctx)
         if not sites:
             return PassResult(gm, False, "no conv+bias+relu, conv+add+relu or conv+bn pattern to fuse", tuple(notes))
-        device = _val(sites[0].conv.args[0]).device.type
+        device = ctx.device  # the target: a GPU spec planned from this CPU gets the GPU variants
         candidates, failed, folded = {}, [], {}
         # without a cost model there is nothing to compare: build the default variant only
         for variant in _variants(ctx, device) if ctx.predict_us is not None else (_default(ctx, device),):

@@ -297,11 +297,10 @@ def test_variant_is_chosen_by_predicted_time():
     model.eval()
     captured = fxdream.capture(model, inputs)
     the_pass = resolve_passes([PASS])[0]
-    times = {"unfused": 4000.0, "nchw": 3000.0, "channels_last": 3500.0, "channels_last+prepacked": 3200.0}
+    times = {"unfused": 4000.0, "nchw": 3000.0, "channels_last+prepacked": 3200.0}
     result = the_pass(captured.forward, pass_context(model, captured, predict_us=_by_structure(times)))
     assert result.modified and result.reason.endswith("; nchw (predicted 1.33x)"), result.reason
-    assert result.notes[0] == ("predicted: unfused 4.000 ms, nchw 3.000 ms, channels_last 3.500 ms, "
-                               "channels_last+prepacked 3.200 ms → nchw")
+    assert result.notes[0] == "predicted: unfused 4.000 ms, nchw 3.000 ms, channels_last+prepacked 3.200 ms → nchw"
     slower = {**times, "unfused": 2000.0}
     result = the_pass(captured.forward, pass_context(model, captured, predict_us=_by_structure(slower)))
     assert not result.modified
@@ -314,8 +313,9 @@ def test_measured_cost_model_times_every_variant():
     optimized = fxdream.optimize(model, inputs, passes=[PASS])  # Profiled: measured on this machine
     (row,) = optimized.report.passes
     predicted = next(n for n in row.notes if n.startswith("predicted:"))
-    for name in ("unfused", "nchw", "channels_last", "channels_last+prepacked"):
+    for name in ("unfused", "nchw", "channels_last+prepacked"):
         assert f" {name} " in predicted
+    assert " channels_last " not in predicted  # dominated by prepacked on a CPU: not timed
     with torch.no_grad():
         torch.testing.assert_close(optimized(*inputs), model(*inputs), atol=1e-4, rtol=1e-4)
 
