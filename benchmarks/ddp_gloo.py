@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from machine_load import cpu_ticks, cpu_busy_pct, foreign_cpu_seconds, wait_until_quiet
+
 MiB = 2 ** 20
 
 
@@ -283,61 +285,6 @@ def measure_ddp_gloo(run: GlooRun = GlooRun()) -> dict:
     return out
 
 
-def cpu_busy_pct(seconds: float = 1.0) -> float | None:
-    """Share of this machine's CPU time that was busy over ``seconds`` (/proc/stat; Linux)."""
-    def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-    try:
-        t0, i0 = sample()
-        time.sleep(seconds)
-        t1, i1 = sample()
-    except OSError:
-        return None
-    return 100.0 * (1 - (i1 - i0) / max(t1 - t0, 1))
-
-
-def _cpu_ticks() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, user + system clock ticks) of every process (/proc; Linux)."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def foreign_cpu_seconds(before: dict, after: dict) -> float:
-    """CPU seconds used between two ``_cpu_ticks`` snapshots by processes outside this one's
-    tree: other people's work that ran beside the measurement."""
-    mine, changed = {os.getpid()}, True
-    while changed:
-        changed = False
-        for pid, (ppid, _) in after.items():
-            if ppid in mine and pid not in mine:
-                mine.add(pid)
-                changed = True
-    ticks = sum(t - before.get(pid, (0, 0))[1] for pid, (_, t) in after.items() if pid not in mine)
-    return max(ticks, 0) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_until_quiet(max_seconds: float, threshold_pct: float = 15.0) -> float | None:
-    """Wait (up to ``max_seconds``) for a second in which the CPU is mostly idle: timings on a
-    shared machine mean little while other work runs. Returns the last busy % seen."""
-    deadline = time.monotonic() + max_seconds
-    busy = cpu_busy_pct()
-    while busy is not None and busy > threshold_pct and time.monotonic() < deadline:
-        time.sleep(5)
-        busy = cpu_busy_pct()
-    return busy
-
-
 def _attempt_until_quiet(run: GlooRun, attempts: int, wait_quiet: float) -> dict:
     """One measured run; repeated (up to ``attempts``) while other processes used > 5 % of the
     CPU during it, keeping the least disturbed one."""
@@ -345,11 +292,11 @@ def _attempt_until_quiet(run: GlooRun, attempts: int, wait_quiet: float) -> dict
     for _ in range(max(1, attempts)):
         busy_before = wait_until_quiet(wait_quiet) if wait_quiet else cpu_busy_pct()
         load_before = os.getloadavg()
-        ticks = _cpu_ticks()
+        ticks = cpu_ticks()
         started = time.perf_counter()
         r = measure_ddp_gloo(run)
         seconds = time.perf_counter() - started
-        share = 100 * foreign_cpu_seconds(ticks, _cpu_ticks()) / (seconds * (os.cpu_count() or 1))
+        share = 100 * foreign_cpu_seconds(ticks, cpu_ticks()) / (seconds * (os.cpu_count() or 1))
         tried.append(dict(seconds=seconds, foreign_cpu_pct=share, error_ddp_pct=r.get("error_ddp_pct"),
                           measured_ddp_ms=r["measured_ddp_ms"]))
         machine = dict(loadavg_before=load_before, loadavg_after=os.getloadavg(),
