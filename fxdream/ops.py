@@ -358,7 +358,7 @@ def _runs_on_real_tensors(gm, target, args) -> bool:
         if a.op == "get_attr":
             return getattr(gm, a.target)
         v = a.meta["val"]
-        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype).normal_()
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype).zero_()  # runs, not values
     with unset_fake_temporarily(), torch.no_grad():
         try:
             target(*[real(a) for a in args])

@@ -59,6 +59,16 @@ def test_profiling_again_adds_samples_and_the_cost_is_their_median():
         assert cost.measurements[key] == statistics.median(times)
     assert cost.in_context == set(cost.samples)
 
+
+def test_graphs_a_pipeline_timed_already_are_not_profiled_again():
+    model, x = Small().eval(), torch.randn(2, 3, 8, 8)
+    captured = fxdream.capture(model, (x,))
+    cost = cost_model_for("cpu", "profiled")
+    cost.profile_graph(captured.forward, captured.example_inputs, rounds=2, warmup=0)  # as the pipeline does
+    counts = {k: len(v) for k, v in cost.samples.items()}
+    predict(captured, cost, training=False)  # profiles in context unless it has every node already
+    assert {k: len(v) for k, v in cost.samples.items()} == counts
+
 def test_profile_round_trips_through_json(tmp_path):
     cost = cost_model_for("cpu", "profiled")
     model, x = Small(), torch.randn(2, 3, 8, 8)

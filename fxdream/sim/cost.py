@@ -217,6 +217,9 @@ class Profiled:
                 continue
             rewritten = [(graphs or {}).get((part.index, phase)) for phase in ("fw", "bw")]
             todo = [gm for gm in rewritten if gm is not None and not self.measured_in_context(gm)]
+            every = [gm for gm in (part.forward, part.backward, *rewritten) if gm is not None]
+            if not again and all(self.measured_in_context(gm) for gm in every):
+                self._profiled.add(id(part))  # e.g. a pass pipeline timed them all already
             if id(part) in self._profiled and not todo and not again:
                 continue
             self._profiled.add(id(part))
