@@ -2,7 +2,9 @@
 
 For each zoo model × batch × {inference, training step (forward + backward)}: the
 model run through its captured graphs with no pass is timed (median of rounds of blocks),
-and the same graphs are lowered and simulated with per-op costs measured on this machine.
+and the same graphs are lowered and simulated with per-op costs measured on this machine:
+profiled in context once per timed block (interleaved: the same machine conditions) and, for
+comparison, profiled after the measurement.
 A full-size configuration whose single step takes longer than --max-step-s is replaced by
 its tiny configuration (marked in the table). Writes JSON, a markdown table and a PNG.
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -61,25 +64,41 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
         step()
     once_s = time.perf_counter() - started
     block = max(1, min(20, int(0.25 / max(once_s, 1e-6))))
-    measured = time_interleaved({"run": step}, rounds=rounds, block=block, warmup=2, progress=False)["run"]
-    prediction = predict(optimized.captured, cost, training)
+    # a fresh cost model profiles the graphs in context once per timed block, interleaved with
+    # the measurement (this VM drifts by tens of % within a minute); ``cost`` profiles after it
+    beside, calls = cost_model_for("cpu", "profiled"), itertools.count()
+
+    def profile():
+        if next(calls) % block == 0:
+            beside.profile_in_context(optimized.captured, rounds=1, warmup=1, again=True)
+    measured = time_interleaved({"run": step, "profile": profile}, rounds=rounds, block=block, warmup=2,
+                                progress=False)["run"]
+    prediction = predict(optimized.captured, beside, training)
+    after = predict(optimized.captured, cost, training)
     graphs = len(optimized.report.graphs)
     return dict(model=name, batch=batch, training=training, tiny=tiny, subgraphs=graphs,
                 graph_breaks=len(optimized.report.graph_breaks),
                 measured_ms=measured.median_ms, spread_pct=measured.spread_pct,
-                predicted_ms=prediction.time_ms, error_pct=100 * (prediction.time_ms / measured.median_ms - 1))
+                predicted_ms=prediction.time_ms, error_pct=100 * (prediction.time_ms / measured.median_ms - 1),
+                predicted_after_ms=after.time_ms,
+                error_after_pct=100 * (after.time_ms / measured.median_ms - 1))
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| model | batch | mode | config | subgraphs | measured ms | predicted ms | error |",
-             "|---|---|---|---|---|---|---|---|"]
+    """Predicted from costs profiled interleaved with the measurement, and (after) once it ended."""
+    lines = ["| model | batch | mode | config | subgraphs | measured ms | predicted ms | error "
+             "| predicted after ms | error after |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['batch']} | {'train' if r['training'] else 'infer'} "
                      f"| {'tiny' if r['tiny'] else 'full'} | {r['subgraphs']} | {r['measured_ms']:.3f} "
-                     f"| {r['predicted_ms']:.3f} | {r['error_pct']:+.1f} % |")
-    errors = [abs(r["error_pct"]) for r in rows]
-    if errors:
-        lines.append(f"\nmean |error| {statistics.mean(errors):.1f} %, max {max(errors):.1f} % over {len(rows)} rows")
+                     f"| {r['predicted_ms']:.3f} | {r['error_pct']:+.1f} % "
+                     f"| {r['predicted_after_ms']:.3f} | {r['error_after_pct']:+.1f} % |")
+    for key, label in (("error_pct", "interleaved"), ("error_after_pct", "profiled after")):
+        errors = [abs(r[key]) for r in rows]
+        if errors:
+            lines.append(f"\n{label}: mean |error| {statistics.mean(errors):.1f} %, max {max(errors):.1f} % "
+                         f"over {len(rows)} rows")
     return "\n".join(lines)
 
 
