@@ -38,6 +38,15 @@ def test_append_infers_dep_kinds():
     assert g.names == ("L1", "K1", "L2", "K2", "L3", "K3")          # insertion order
     assert [t.name for t in g.tasks] == list(g.names)
     assert len(g) == 6 and len(g.deps) == 7                          # 2 + 2 + 3 launches
+
+
+def test_neighbours_in_resource_order_skip_other_resources():
+    g = chain()
+    assert (g.next_on_resource("L1"), g.previous_on_resource("L1")) == ("L2", None)
+    assert (g.next_on_resource("K2"), g.previous_on_resource("K2")) == ("K3", "K1")  # not L2 (a launch)
+    assert g.next_on_resource("K3") is None
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        g.next_on_resource("nope")
     assert g.predecessors("K2") == ("K1", "L2")
     assert set(g.successors("L1")) == {"K1", "L2"}
     assert g.resources == ("cpu:0", "stream:0")

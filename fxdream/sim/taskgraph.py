@@ -209,6 +209,16 @@ class TaskGraph:
         self._check(name)
         return tuple(self._g.successors(name))
 
+    def next_on_resource(self, name: str) -> str | None:
+        """The task after ``name`` in its resource's program order (None: the last one)."""
+        self._check(name)
+        return next(iter(self._seq(name, self._g.successors(name), True)), None)
+
+    def previous_on_resource(self, name: str) -> str | None:
+        """The task before ``name`` in its resource's program order (None: the first one)."""
+        self._check(name)
+        return next(iter(self._seq(name, self._g.predecessors(name), False)), None)
+
     def last_on(self, resource: str) -> str | None:
         """The task ``append`` would chain after on ``resource``."""
         return self._last.get(resource)

@@ -25,7 +25,7 @@ import torch.fx as fx
 from ..sim.cost import is_view, tensor_bytes
 from ..sim.devices import DeviceSpec
 from ..sim.lower import gradient_outputs
-from ..sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
+from ..sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
 from .core import (WhatIf, _finish, _graphs_by_label, _items, _prediction, _Start, _start,
                    _through_views)
 
@@ -233,22 +233,6 @@ def _need_grads(s: _Start, tg: TaskGraph) -> tuple[Gradient, ...]:
     return grads
 
 
-def _seq_successor(tg: TaskGraph, name: str) -> str | None:
-    res = tg.task(name).resource
-    for m in tg.successors(name):
-        if tg.task(m).resource == res and tg.dep_kind(name, m) in SEQUENTIAL_DEPS:
-            return m
-    return None
-
-
-def _seq_predecessor(tg: TaskGraph, name: str) -> str | None:
-    res = tg.task(name).resource
-    for m in tg.predecessors(name):
-        if tg.task(m).resource == res and tg.dep_kind(m, name) in SEQUENTIAL_DEPS:
-            return m
-    return None
-
-
 def _copy_task(name: str, like: Task, nbytes: float, spec: DeviceSpec) -> Task:
     """A memory-bound copy of ``nbytes`` (read + write counted) on ``like``'s resource."""
     us = nbytes / spec.mem_bandwidth * 1e6
@@ -294,7 +278,7 @@ def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float
             continue
         last = max(producers, key=position.__getitem__)
         task = _copy_task(f"ddp:pack:{b}", g.task(last), 2 * sum(gr.nbytes for gr in bucket), spec)
-        nxt = _seq_successor(g, last)
+        nxt = g.next_on_resource(last)
         g = g.insert(task, after=[last], before=[nxt] if nxt else [])
         packs.append(task.name)
     g = g.copy()
@@ -317,7 +301,7 @@ def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float
         like = g.task(update) if update else g.task(grads[0].producer or names[-1])
         task = _copy_task("ddp:unpack", like, 2 * total, spec)
         if update:
-            prev = _seq_predecessor(g, update)
+            prev = g.previous_on_resource(update)
             g = g.insert(task, after=[prev] if prev else [], before=[update])
         else:
             last = max((t for t in g.tasks if t.resource == task.resource and t.phase != "comm"),
