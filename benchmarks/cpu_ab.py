@@ -23,6 +23,7 @@ import torch
 import fxdream
 from fxdream import models
 from fxdream.measure import time_interleaved
+from fxdream.predict import cost_model_for, predict
 
 PEERS = ("eager", "fxdream", "inductor", "inductor_freezing", "optimize_for_inference")
 
@@ -93,13 +94,15 @@ def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: in
                 fn(*inputs)
         return run
     runners = {n: call(fn) for n, fn in built.items()}
-    profiler = _interleaved_profiler(built["fxdream"], block) if "fxdream" in built else None
-    if profiler is not None:
-        runners[PROFILE] = profiler[0]
+    fast = built.get("fxdream")
+    if fast is not None:
+        runners[PROFILE], cost = interleaved_profiler(fast.captured, block, fast.rewritten_graphs)
     times = time_interleaved(runners, rounds=rounds, block=block, desc=f"{model_name} bs{batch}")
     times.pop(PROFILE, None)
-    if profiler is not None:
-        rows["fxdream"].update(profiler[1]())
+    if fast is not None:
+        rows["fxdream"].update(
+            predicted_interleaved_baseline_ms=predict(fast.captured, cost, False).time_ms,
+            predicted_interleaved_ms=predict(fast.captured, cost, False, graphs=fast.rewritten_graphs).time_ms)
     eager_ms = times["eager"].median_ms if "eager" in times else None
     for name, m in times.items():
         rows[name].update(median_ms=m.median_ms, spread_pct=m.spread_pct,
@@ -110,21 +113,17 @@ def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: in
 PROFILE = "(profiling)"
 
 
-def _interleaved_profiler(fn, block: int):
-    """(runner, predict) for profiling fxdream's graphs in context once per timed round (every
-    ``block`` calls) with a fresh cost model: the build-time prediction saw the machine of
-    the build, this one the machine of the measurement (a shared VM drifts by tens of %)."""
-    from fxdream.predict import cost_model_for, predict
+def interleaved_profiler(captured, every: int, graphs: dict | None = None):
+    """(runner, cost model): the runner profiles ``captured`` (and ``graphs``, rewritten) in
+    context on one call in ``every`` into a fresh cost model. Timed beside the runners being
+    measured, its prediction sees the machine of the measurement, not of the build (a shared
+    VM drifts by tens of % within a minute)."""
     cost, calls = cost_model_for("cpu", "profiled"), itertools.count()
 
     def run():
-        if next(calls) % block == 0:
-            cost.profile_in_context(fn.captured, rounds=1, warmup=1, graphs=fn.rewritten_graphs, again=True)
-
-    def predicted() -> dict:
-        return dict(predicted_interleaved_baseline_ms=predict(fn.captured, cost, False).time_ms,
-                    predicted_interleaved_ms=predict(fn.captured, cost, False, graphs=fn.rewritten_graphs).time_ms)
-    return run, predicted
+        if next(calls) % every == 0:
+            cost.profile_in_context(captured, rounds=1, warmup=1, graphs=graphs, again=True)
+    return run, cost
 
 
 def to_markdown(cases: list[dict]) -> str:

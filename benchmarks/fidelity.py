@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import statistics
 import sys
@@ -26,6 +25,8 @@ import fxdream
 from fxdream import models
 from fxdream.measure import time_interleaved
 from fxdream.predict import cost_model_for, predict
+
+from cpu_ab import interleaved_profiler  # benchmarks/ is on sys.path when this script runs
 
 
 def _step(module, inputs, loss_fn, training):
@@ -64,13 +65,8 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
         step()
     once_s = time.perf_counter() - started
     block = max(1, min(20, int(0.25 / max(once_s, 1e-6))))
-    # a fresh cost model profiles the graphs in context once per timed block, interleaved with
-    # the measurement (this VM drifts by tens of % within a minute); ``cost`` profiles after it
-    beside, calls = cost_model_for("cpu", "profiled"), itertools.count()
-
-    def profile():
-        if next(calls) % block == 0:
-            beside.profile_in_context(optimized.captured, rounds=1, warmup=1, again=True)
+    # profiled once per timed block, beside the measurement; ``cost`` profiles after it
+    profile, beside = interleaved_profiler(optimized.captured, block)
     measured = time_interleaved({"run": step, "profile": profile}, rounds=rounds, block=block, warmup=2,
                                 progress=False)["run"]
     prediction = predict(optimized.captured, beside, training)
