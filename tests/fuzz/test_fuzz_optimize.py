@@ -163,15 +163,22 @@ def _other_inputs(inputs, seed):
     return tuple(torch.randn(x.shape, generator=g) for x in inputs)
 
 
-def check_inference(spec: NetSpec, passes, tol: dict, cost=ANALYTIC, resize: bool = False) -> None:
+def _build_and_optimize(spec: NetSpec, passes, training: bool, cost):
+    """(model, inputs, eager reference copy, the model's state before, optimized); checks the
+    report and that optimize() left the model as it was."""
     _note(spec.describe())
     model, inputs = spec.build()
-    model.eval()
+    model.train(training)
     reference = copy.deepcopy(model)
     before = _state(model)
-    optimized = _optimize(model, inputs, passes, training=False, cost=cost)
+    optimized = _optimize(model, inputs, passes, training=training, cost=cost)
     _check_report(optimized, spec)
     _assert_state(model, before, EXACT, "optimize() changed the model")
+    return model, inputs, reference, before, optimized
+
+
+def check_inference(spec: NetSpec, passes, tol: dict, cost=ANALYTIC, resize: bool = False) -> None:
+    model, inputs, reference, before, optimized = _build_and_optimize(spec, passes, False, cost)
     again = _other_inputs(inputs, spec.seed)
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
         expected, actual = reference(*inputs), optimized(*inputs)
@@ -195,14 +202,7 @@ def _loss(output, seed):
 
 
 def check_training(spec: NetSpec, passes, tol: dict, cost=ANALYTIC, steps: int = 2) -> None:
-    _note(spec.describe())
-    model, inputs = spec.build()
-    model.train()
-    reference = copy.deepcopy(model)
-    before = _state(model)
-    optimized = _optimize(model, inputs, passes, training=True, cost=cost)
-    _check_report(optimized, spec)
-    _assert_state(model, before, EXACT, "optimize() changed the model")
+    model, inputs, reference, before, optimized = _build_and_optimize(spec, passes, True, cost)
     assert all(p.grad is None for p in model.parameters()), "optimize() left gradients behind"
     for step in range(steps):
         x = inputs if step == 0 else _other_inputs(inputs, spec.seed + step)
