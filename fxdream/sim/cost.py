@@ -217,9 +217,9 @@ class Profiled:
                 continue
             rewritten = [(graphs or {}).get((part.index, phase)) for phase in ("fw", "bw")]
             todo = [gm for gm in rewritten if gm is not None and not self.measured_in_context(gm)]
-            every = [gm for gm in (part.forward, part.backward, *rewritten) if gm is not None]
-            if not again and all(self.measured_in_context(gm) for gm in every):
-                self._profiled.add(id(part))  # e.g. a pass pipeline timed them all already
+            if not again and id(part) not in self._profiled and all(
+                    self.measured_in_context(gm) for gm in (part.forward, part.backward) if gm is not None):
+                self._profiled.add(id(part))  # e.g. a pass pipeline timed them already
             if id(part) in self._profiled and not todo and not again:
                 continue
             self._profiled.add(id(part))
@@ -248,7 +248,7 @@ class Profiled:
     def measured_in_context(self, gm: fx.GraphModule) -> bool:
         """Whether every compute node of ``gm`` has an in-context measurement."""
         device = self.torch_device.type
-        return all(profile_key(n, device) in self.in_context for n in gm.graph.nodes
+        return all(profile_key(n, device) in self.samples for n in gm.graph.nodes
                    if n.op == "call_function" and not is_view(n))
 
     def backward_inputs(self, bw: fx.GraphModule, fw_values: dict) -> list:
