@@ -345,16 +345,17 @@ def _returns_alias(node: fx.Node) -> bool:
         schema and any(r.alias_info is not None for r in schema.returns))
 
 
-def _variants(ctx: PassContext, device: str) -> tuple[Variant, ...]:
-    """On CPU, prepacked is channels_last minus the per-call weight reorders (a weight that
-    cannot be packed stays channels_last in it): timing both only lets noise pick the worse."""
+def _variants(ctx: PassContext) -> tuple[Variant, ...]:
+    """By the target device (a GPU spec planned from this CPU gets the GPU variants). On CPU,
+    prepacked is channels_last minus the per-call weight reorders (a weight that cannot be
+    packed stays channels_last in it): timing both only lets noise pick the worse."""
     if not ctx.frozen:
         return (NCHW_FUSED,)
-    return (NCHW_FUSED, PREPACKED) if device == "cpu" else (NCHW_FUSED, CHANNELS_LAST)
+    return (NCHW_FUSED, PREPACKED) if ctx.device == "cpu" else (NCHW_FUSED, CHANNELS_LAST)
 
 
-def _default(ctx: PassContext, device: str) -> Variant:
-    return PREPACKED if ctx.frozen and device == "cpu" else NCHW_FUSED
+def _default(ctx: PassContext) -> Variant:
+    return PREPACKED if ctx.frozen and ctx.device == "cpu" else NCHW_FUSED
 
 
 def _summary(sites: list[Site]) -> str:
@@ -376,10 +377,9 @@ class FuseConvBiasAct:
         sites, notes = find_sites(gm.graph, ctx)
         if not sites:
             return PassResult(gm, False, "no conv+bias+relu, conv+add+relu or conv+bn pattern to fuse", tuple(notes))
-        device = ctx.device  # the target: a GPU spec planned from this CPU gets the GPU variants
         candidates, failed, folded = {}, [], {}
         # without a cost model there is nothing to compare: build the default variant only
-        for variant in _variants(ctx, device) if ctx.predict_us is not None else (_default(ctx, device),):
+        for variant in _variants(ctx) if ctx.predict_us is not None else (_default(ctx),):
             try:
                 candidates[variant] = self._build(gm, ctx, variant, folded)
             except Exception as error:  # a variant that cannot be built is reported, not fatal
