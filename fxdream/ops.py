@@ -268,10 +268,10 @@ FUSED_OPS = (torch.ops.fxdream.conv_bias_relu.default, torch.ops.fxdream.conv_bi
              conv_fused_inference, conv_fused_inference_prepacked, ONEDNN_CONV, ONEDNN_CONV_ADD_)
 
 
-def _residual_is_free(node, other) -> bool:
+def _residual_is_free(node, other, order: dict) -> bool:
     """Whether ``node`` may overwrite ``other``: a value computed in this graph (not an input,
     a constant or a view of one), channels_last like the conv's output, and read by nobody
-    after ``node``."""
+    after ``node`` (``order``: node → position in the graph)."""
     value = other.meta.get("val") if isinstance(other, fx.Node) else None
     if other.op != "call_function" or not isinstance(value, Tensor) or value.dim() != 4:
         return False
@@ -284,7 +284,6 @@ def _residual_is_free(node, other) -> bool:
         return False  # may alias an input (a view): never overwrite it
     if _aliases(node.args[0], other):
         return False  # the conv reads it too (y = relu(conv(y) + y))
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
     return all(order[u] < order[node] for u in _readers(other) if u is not node)
 
 
@@ -327,7 +326,7 @@ def call_onednn_directly(gm) -> int:
 
     Each call is tried once on real tensors of its shapes first: oneDNN rejects some layouts
     ("could not create a memory"), and those keep the wrapper, whose fallback handles them."""
-    replaced = 0
+    replaced, order = 0, {n: i for i, n in enumerate(gm.graph.nodes)}  # targets change, not the order
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not conv_fused_inference_prepacked:
             continue
@@ -335,7 +334,7 @@ def call_onednn_directly(gm) -> int:
         attrs = (list(padding), list(stride), list(dilation), groups)
         if other is None:
             target, args = ONEDNN_CONV, (x, w, b, *attrs, act, [], "")
-        elif _residual_is_free(node, other):
+        elif _residual_is_free(node, other, order):
             target, args = ONEDNN_CONV_ADD_, (other, x, w, b, *attrs, "add", None,
                                               None if act == "none" else act, [], None)
         else:
