@@ -56,6 +56,8 @@ class Captured:
     # the real tensors the forward graph received at capture (parameters, buffers, inputs):
     # what in-context profiling runs the graphs on
     example_inputs: tuple = field(default=(), repr=False, compare=False)
+    # positions in ``example_inputs`` that hold the model's parameters or buffers
+    state_positions: frozenset = frozenset()
 
     def graphs(self) -> tuple[tuple[str, fx.GraphModule], ...]:
         pairs = [("fw", self.forward)]
@@ -121,11 +123,12 @@ class _SubgraphRecord:
     unmapped_backward_nodes: int = 0
     compile_seconds: float = 0.0
     example_inputs: tuple = ()
+    state_positions: frozenset = frozenset()
 
     def freeze(self) -> Captured:
         return Captured(self.index, self.forward, self.backward, self.torch_graph,
                         self.training, self.input_shapes, self.unmapped_backward_nodes,
-                        self.example_inputs)
+                        self.example_inputs, self.state_positions)
 
 
 def _shape_of(value) -> tuple | str:
@@ -163,15 +166,19 @@ class CaptureSession:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
                                  _user_input_shapes(gm, example_inputs))
-        record.example_inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in example_inputs)
         self.records.append(record)
         names = self.state_names or _state_names_from_sources(gm, example_inputs)
         prefix = frame_prefix(gm, example_inputs, names)
-        state = [x if id(x) in names else None for x in example_inputs]
-        # aot_module_simplified puts gm's own parameters and buffers before the inputs
-        own = len(dict(gm.named_parameters(remove_duplicate=False))) + len(dict(gm.named_buffers(remove_duplicate=False)))
-        parameter_positions = frozenset(range(own)) | {own + i for i, x in enumerate(state)
-                                                       if isinstance(x, torch.nn.Parameter)}
+        # aot_module_simplified puts gm's own parameters and buffers (a graph traced by torch.fx
+        # holds them; dynamo lifts them to inputs) before the inputs
+        own = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
+               *dict(gm.named_buffers(remove_duplicate=False)).values()]
+        state = own + [x if id(x) in names else None for x in example_inputs]
+        record.example_inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x
+                                      for x in own + list(example_inputs))
+        record.state_positions = frozenset(i for i, x in enumerate(state) if x is not None)
+        parameter_positions = frozenset(range(len(own))) | {i for i, x in enumerate(state)
+                                                            if isinstance(x, torch.nn.Parameter)}
 
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
@@ -334,7 +341,12 @@ def capture(model: torch.nn.Module, example_inputs, training: bool = False):
     model.train(training)
     breaks_before = graph_break_counts()
     try:
-        run_once(compile_with(model, session), model, inputs, training)
+        runner = None
+        if not training:  # inference: torch.fx's trace when the model traces whole (fx_capture)
+            from .fx_capture import trace_and_compile
+            with torch.no_grad(), preserved_state(model):
+                runner, _ = trace_and_compile(model, inputs, session)
+        run_once(runner or compile_with(model, session), model, inputs, training)
     except Exception as error:
         run_once(model, model, inputs, training)  # the model's own error, if eager fails too
         raise CaptureError(f"dynamo could not capture {type(model).__name__}: {describe_error(error)}") from error

@@ -8,6 +8,7 @@ import torch
 
 from .capture import (CaptureError, CaptureSession, compile_with, describe_error, differentiable_scalar,
                       graph_break_counts, new_graph_breaks, preserved_state, run_once)
+from .fx_capture import trace_and_compile
 from .measure import time_interleaved
 from .numerics import max_abs_diff
 from .pass_api import PassContext, available_passes, resolve_passes
@@ -34,6 +35,7 @@ class OptimizedModule(torch.nn.Module):
         self._graph_breaks: tuple[str, ...] = ()
         self._fallback_reason: str | None = None
         self._build_seconds = 0.0
+        self._capture = "dynamo"
         self._extras: dict = {}  # whole-model predictions, verification, measurements
 
     def forward(self, *args, **kwargs):
@@ -63,7 +65,8 @@ class OptimizedModule(torch.nn.Module):
         return Report(model=type(self.model).__name__, training=not self._inference,
                       device=str(self._device), graphs=tuple(GraphReport.of(c) for c in captured),
                       graph_breaks=self._graph_breaks, fallback_reason=self._fallback_reason,
-                      passes=tuple(self._pipeline.rows), build_seconds=self._build_seconds, **self._extras)
+                      passes=tuple(self._pipeline.rows), build_seconds=self._build_seconds,
+                      capture=self._capture, **self._extras)
 
     @property
     def captured(self):
@@ -121,11 +124,13 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
     pipeline = PassPipeline(selected, PassContext(device=target.type, training=training,
                                                   cost_model=cost_model, memory_budget=memory_budget), auto=auto)
     session = CaptureSession(model, transform=pipeline if selected else None)
-    runner = compile_with(model, session)
-    module = OptimizedModule(model, runner, session, pipeline, training, target, strict)
     breaks_before = graph_break_counts()
+    runner, capture_note = _fx_runner(model, inputs, session, training)
+    module = OptimizedModule(model, runner or compile_with(model, session), session, pipeline,
+                             training, target, strict)
+    module._capture = capture_note
     try:
-        run_once(runner, model, inputs, training)
+        run_once(module._runner, model, inputs, training)
     except Exception as error:
         if strict:
             raise CaptureError(f"strict=True: capture of {type(model).__name__} failed: "
@@ -140,6 +145,15 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
                            + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
     return module
+
+
+def _fx_runner(model, inputs, session, training) -> tuple:
+    """Inference: the torch.fx fast path (fx_capture) when the model traces whole; else None."""
+    if training:
+        return None, "dynamo (training)"
+    with torch.no_grad(), preserved_state(model):
+        runner, reason = trace_and_compile(model, inputs, session)
+    return runner, "torch.fx symbolic_trace" if runner is not None else f"dynamo ({reason})"
 
 
 def _whole_model_prediction(module: OptimizedModule, training: bool) -> dict:

@@ -50,6 +50,7 @@ class Report:
     fallback_reason: str | None = None
     passes: tuple[PassReport, ...] = ()
     build_seconds: float = 0.0
+    capture: str = "dynamo"                       # how the graphs were captured (and why not by torch.fx)
     notes: tuple[str, ...] = field(default=())
     predicted_baseline_ms: float | None = None    # predicted: the capture without passes
     predicted_optimized_ms: float | None = None   # predicted: with the passes applied
@@ -74,7 +75,7 @@ class Report:
         lines = [f"## fxdream report: {self.model} ({mode}, {self.device})", ""]
         if self.fallback_reason:
             lines += [f"**Runs eagerly**: {self.fallback_reason}", ""]
-        lines.append(f"Captured {len(self.graphs)} subgraph(s) in {self.build_seconds:.2f} s.")
+        lines.append(f"Captured {len(self.graphs)} subgraph(s) by {self.capture}; built in {self.build_seconds:.2f} s.")
         if self.graph_breaks:
             lines += ["", f"Graph breaks ({len(self.graph_breaks)}):"]
             lines += [f"- {reason}" for reason in self.graph_breaks]

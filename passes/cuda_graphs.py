@@ -219,13 +219,11 @@ def predict_cuda_graph_gain(graph, cost=None, *, training: bool = False, phase: 
 
 
 def captured_static_inputs(captured) -> tuple[str, ...]:
-    """Forward placeholders that receive the model's parameters or buffers (from dynamo's names)."""
-    from fxdream.capture import _MODEL_STATE  # dynamo's naming of lifted module state
-    dynamo = [n.name for n in captured.torch_graph.graph.nodes if n.op == "placeholder"]
+    """Forward placeholders that receive the model's parameters or buffers."""
     forward = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
-    if len(dynamo) != len(forward):
-        return ()
-    return tuple(f for f, d in zip(forward, dynamo) if _MODEL_STATE.search(d))
+    if len(captured.example_inputs) != len(forward):
+        return ()  # aot added or removed inputs: do not guess
+    return tuple(f for i, f in enumerate(forward) if i in captured.state_positions)
 
 
 def annotate_regions(gm: fx.GraphModule, ctx: PassContext, cost=None, min_gain_us: float = 0.0,

@@ -1,0 +1,164 @@
+"""Inference capture without dynamo, for models torch.fx can trace whole.
+
+Dynamo spends ~2.4 s on ResNet-50 before aot_autograd starts; ``torch.fx.symbolic_trace``
+takes ~0.03 s. A symbolic trace, though, is only right where the model's Python does not
+branch on what a Proxy cannot know (``isinstance(x, Tensor)``, ``x is None``), and it guards
+nothing. So the trace is kept only when its output on the example equals eager's (anything
+else falls back to dynamo, with the reason), and the runner checks every call against what
+it was built for (input shapes, dtypes, devices, the modules' train/eval flags, grad mode):
+any other call goes through dynamo, which captures again with the same session.
+
+Inference only: training keeps dynamo (autograd mutations of BN buffers, graph breaks kept
+for RNNs, see ``capture.tracing_config``).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .capture import CaptureSession, compile_with
+
+
+def _signature(args: tuple) -> tuple:
+    return tuple((type(a), a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
+                 if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+
+
+class TracedRunner:
+    """Runs the aot-compiled trace for calls like the example; any other call through dynamo."""
+
+    def __init__(self, model: torch.nn.Module, compiled: Callable, out_spec, example: tuple,
+                 session: CaptureSession):
+        self._model, self._compiled, self._out_spec = model, compiled, out_spec
+        self._signature = _signature(example)
+        self._modes = self._module_modes()
+        self._session = session
+        self._fallback: Callable | None = None
+
+    def _module_modes(self) -> tuple:
+        return tuple(m.training for m in self._model.modules())
+
+    def __call__(self, *args, **kwargs):
+        if (not kwargs and not torch.is_grad_enabled() and _signature(args) == self._signature
+                and self._module_modes() == self._modes):
+            return pytree.tree_unflatten(list(self._compiled(*args)), self._out_spec)
+        if self._fallback is None:
+            self._fallback = compile_with(self._model, self._session)
+        return self._fallback(*args, **kwargs)
+
+
+def trace_and_compile(model: torch.nn.Module, inputs: tuple,
+                      session: CaptureSession) -> tuple[TracedRunner | None, str | None]:
+    """(a runner compiled through ``session``, None), or (None, why dynamo must capture instead).
+
+    Compiles (so the pass pipeline runs) only once the trace is known to match eager on
+    ``inputs``; call under ``torch.no_grad()`` with the model in eval mode. A compilation that
+    fails leaves ``session`` as it was."""
+    if model.training or torch.is_grad_enabled():
+        return None, "training"
+    if getattr(model.forward, "_torchdynamo_disable", False):
+        return None, "forward is excluded from compilation (torch._dynamo.disable)"
+    if not all(isinstance(x, torch.Tensor) for x in inputs):
+        return None, "a non-tensor example input"
+    if any(t.device.type not in ("cpu", "cuda") for t in list(model.parameters()) + list(inputs)):
+        return None, "tensors on a device whose values cannot be compared with eager's (meta)"
+    traced, reason = _trace(model, len(inputs))
+    if traced is None:
+        return None, reason
+    out_spec = _flatten_outputs(traced)
+    if out_spec is None:
+        return None, "an output that is not a tensor"
+    devices = sorted({t.device.index for t in list(model.parameters()) + list(inputs)
+                      if t.device.type == "cuda" and t.device.index is not None})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            expected = model(*inputs)
+            torch.manual_seed(0)
+            actual = pytree.tree_unflatten(list(traced(*inputs)), out_spec)
+    except Exception as error:
+        return None, f"the torch.fx trace does not run ({_headline(error)})"
+    if not _same(expected, actual):
+        return None, "the torch.fx trace's output differs from eager on the example"
+    records = len(session.records)
+    try:
+        compiled = session(traced, list(inputs))
+    except Exception as error:
+        del session.records[records:]
+        return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
+    return TracedRunner(model, compiled, out_spec, inputs, session), None
+
+
+def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None, str | None]:
+    """symbolic_trace with the arguments the example leaves out fixed at their defaults."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None, "forward has no inspectable signature"
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY) for p in parameters):
+        return None, "forward takes *args, **kwargs or keyword-only arguments"
+    rest = parameters[n_inputs:]
+    if any(p.default is p.empty for p in rest):
+        return None, "fewer example inputs than forward requires"
+    try:
+        gm = fx.symbolic_trace(model, concrete_args={p.name: p.default for p in rest} or None)
+    except Exception as error:
+        return None, f"torch.fx cannot trace it ({_headline(error)})"
+    # a fixed argument stays a placeholder guarded by an assert: the runner guards calls instead
+    for placeholder in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
+        for user in list(placeholder.users):
+            if user.op == "call_function" and getattr(user.target, "__name__", "").startswith("_assert"):
+                gm.graph.erase_node(user)
+        if placeholder.users:
+            return None, f"the fixed argument {placeholder.target!r} is still read by the trace"
+        gm.graph.erase_node(placeholder)
+    gm.recompile()
+    return gm, None
+
+
+def _headline(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
+def _flatten_outputs(gm: fx.GraphModule):
+    """Make the graph return a flat tuple of tensors (aot's requirement); the spec rebuilds it."""
+    output = gm.graph.output_node()
+    leaves, spec = pytree.tree_flatten(_plain(output.args[0]))
+    if not leaves or not all(isinstance(leaf, fx.Node) for leaf in leaves):
+        return None
+    output.args = (tuple(leaves),)
+    gm.recompile()
+    return spec
+
+
+def _plain(value):
+    """torch.fx keeps a graph's output in its own immutable dict/list types: the model's are plain."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _same(expected, actual) -> bool:
+    e_leaves, e_spec = pytree.tree_flatten(expected)
+    a_leaves, a_spec = pytree.tree_flatten(actual)
+    if e_spec != a_spec:
+        return False
+    for e, a in zip(e_leaves, a_leaves):
+        if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
+            return False
+        if isinstance(e, torch.Tensor):
+            if e.shape != a.shape or e.dtype != a.dtype or not torch.allclose(e, a, rtol=1e-5, atol=1e-6,
+                                                                               equal_nan=True):
+                return False
+        elif e != a:
+            return False
+    return True

@@ -1,0 +1,140 @@
+"""Inference capture through torch.fx.symbolic_trace (no dynamo), and its fallbacks to dynamo."""
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.capture import CaptureSession
+from fxdream.fx_capture import trace_and_compile
+
+
+class ConvBnNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+class IsinstanceBranch(nn.Module):
+    """A Proxy is not a Tensor: torch.fx silently takes the other branch."""
+    def forward(self, x):
+        if isinstance(x, torch.Tensor):
+            return x * 2
+        return x + 100
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum().item() > 0 else x * 3
+
+
+class OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        y = self.lin(x)
+        if mask is not None:
+            y = y * mask
+        return {"out": y, "pair": (y.sum(), y.relu())}
+
+
+def _eval_optimize(model, x, **kwargs):
+    return fxdream.optimize(model.eval(), (x,), **kwargs)
+
+
+def test_traceable_model_is_captured_by_torch_fx_and_folds_batchnorm():
+    model, x = ConvBnNet(), torch.randn(2, 3, 8, 8)
+    optimized = _eval_optimize(model, x, passes=["fuse_conv_bias_act"])
+    report = optimized.report
+    assert report.capture == "torch.fx symbolic_trace"
+    assert "symbolic_trace" in report.to_markdown()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-5)
+    # the pass saw the model's weights as constants (BN folded), as under dynamo
+    applied = [r for r in report.passes if r.name == "fuse_conv_bias_act"]
+    assert applied and applied[0].applied
+    rewritten = optimized.rewritten_graphs[(0, "fw")]
+    ops = {str(n.target) for n in rewritten.graph.nodes if n.op == "call_function"}
+    assert not any("batch_norm" in op for op in ops), ops
+    # the layer names come from torch.fx's module stack
+    assert {"conv", "fc"} <= {s.layer for s in optimized.captured[0].layers()}
+
+
+def test_parameters_and_buffers_are_the_captured_state():
+    model, x = ConvBnNet().eval(), torch.randn(1, 3, 8, 8)
+    optimized = _eval_optimize(model, x)
+    captured = optimized.captured[0]
+    state = {id(t) for t in list(model.parameters()) + list(model.buffers())}
+    n_state = len(list(model.parameters())) + len(list(model.buffers()))
+    assert captured.state_positions == frozenset(range(n_state))
+    # detached copies that share the model's storage, then the input
+    assert [x.untyped_storage().data_ptr() for x in captured.example_inputs[:n_state]] == \
+           [t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())]
+    assert not any(id(t) in state for t in captured.example_inputs)
+
+
+def test_a_trace_that_disagrees_with_eager_falls_back_to_dynamo():
+    model, x = IsinstanceBranch(), torch.randn(3)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture.startswith("dynamo (the torch.fx trace's output differs from eager")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), x * 2)
+
+
+def test_an_untraceable_model_is_captured_by_dynamo_with_the_reason():
+    model, x = DataDependent(), torch.randn(3)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture.startswith("dynamo (torch.fx cannot trace it (TraceError")
+    assert optimized.report.graph_breaks  # dynamo broke at the data-dependent branch, as before
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(-x.abs()), -x.abs() * 3)
+
+
+def test_defaults_are_fixed_and_nested_outputs_rebuilt():
+    model, x = OptionalMask(), torch.randn(2, 4)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    with torch.no_grad():
+        out, expected = optimized(x), model(x)
+    assert out.keys() == expected.keys() and isinstance(out["pair"], tuple)
+    torch.testing.assert_close(out, expected)
+
+
+def test_other_calls_go_through_dynamo_and_stay_correct():
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 8, 8)
+    optimized = _eval_optimize(model, x)
+    with torch.no_grad():
+        bigger = torch.randn(3, 3, 16, 16)
+        torch.testing.assert_close(optimized(bigger), model(bigger))
+        torch.testing.assert_close(optimized(x + 1), model(x + 1))  # the example's signature: fx
+    assert [g.input_shapes for g in optimized.report.graphs] == [((2, 3, 8, 8),), ((3, 3, 16, 16),)]
+    model.train()  # a flag the trace baked in: dynamo captures again, in training mode
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+    assert len(optimized.report.graphs) == 3
+
+
+def test_training_is_captured_by_dynamo():
+    model, x = ConvBnNet(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), training=True)
+    assert optimized.report.capture == "dynamo (training)"
+
+
+def test_a_failing_compile_leaves_the_session_empty():
+    class Opaque(nn.Module):
+        def forward(self, x):
+            return torch.ops.fxdream_test_fx.no_fake(x)
+
+    lib = torch.library.Library("fxdream_test_fx", "DEF")
+    lib.define("no_fake(Tensor x) -> Tensor")
+    lib.impl("no_fake", lambda x: x * 2, "CPU")
+    session = CaptureSession(None)
+    with torch.no_grad():
+        runner, reason = trace_and_compile(Opaque().eval(), (torch.randn(3),), session)
+    assert runner is None and reason.startswith("aot_autograd failed on the torch.fx trace")
+    assert session.records == []
