@@ -20,6 +20,7 @@ from functorch.compile import aot_module_simplified, make_boxed_func
 
 from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
+from .host_gaps import SubgraphClock
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
@@ -157,6 +158,7 @@ class CaptureSession:
     def __init__(self, model: torch.nn.Module | None, transform: GraphTransform | None = None):
         self.transform = transform
         self.records: list[_SubgraphRecord] = []
+        self.clock = SubgraphClock()  # time-stamps graph calls while host gaps are measured
         self.state_names: dict[int, str] = {}  # a shared tensor keeps its first name
         if model is not None:
             for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
@@ -187,7 +189,7 @@ class CaptureSession:
             runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
                                          record.example_inputs)
             record.compile_seconds += time.perf_counter() - started
-            return make_boxed_func(runnable.forward)
+            return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.fw")
 
         def compile_backward(bw: fx.GraphModule, _inputs):
             started = time.perf_counter()
@@ -196,7 +198,7 @@ class CaptureSession:
             record.backward = bw
             runnable = self._transformed(bw, "bw", record.index, {}, None)
             record.compile_seconds += time.perf_counter() - started
-            return make_boxed_func(runnable.forward)
+            return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
                                      bw_compiler=compile_backward)
@@ -333,6 +335,13 @@ def capture(model: torch.nn.Module, example_inputs, training: bool = False):
     The model's grads, buffers, RNG state and train/eval mode are left as they were.
     Raises ``CaptureError`` when dynamo captured nothing.
     """
+    return capture_with_host_gaps(model, example_inputs, training, measure=False)[0]
+
+
+def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: bool = False,
+                           measure: bool = True) -> tuple:
+    """``capture``, plus (when ``measure`` and it is a training step or the graph broke) the
+    host time outside the graphs measured on a few steps: (captured, gaps or None, notes)."""
     from .validate import check_inputs, check_model
     check_model(model)
     inputs = check_inputs(example_inputs)
@@ -346,14 +355,22 @@ def capture(model: torch.nn.Module, example_inputs, training: bool = False):
             from .fx_capture import trace_and_compile
             with torch.no_grad(), preserved_state(model):
                 runner, _ = trace_and_compile(model, inputs, session)
-        run_once(runner or compile_with(model, session), model, inputs, training)
+        runner = runner or compile_with(model, session)
+        run_once(runner, model, inputs, training)
     except Exception as error:
+        model.train(was_training)
         run_once(model, model, inputs, training)  # the model's own error, if eager fails too
         raise CaptureError(f"dynamo could not capture {type(model).__name__}: {describe_error(error)}") from error
+    captured = session.captured()
+    gaps, notes = None, ()
+    try:
+        if not captured:
+            reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
+            raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
+        if measure and (training or len(captured) > 1):
+            from .host_gaps import describe_gaps, measure_model_gaps
+            gaps, calls = measure_model_gaps(runner, model, inputs, training, session.clock)
+            notes = describe_gaps(gaps, calls, len(captured), training)
     finally:
         model.train(was_training)
-    captured = session.captured()
-    if not captured:
-        reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
-        raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
-    return captured[0] if len(captured) == 1 else captured
+    return (captured[0] if len(captured) == 1 else captured), gaps, notes

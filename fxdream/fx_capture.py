@@ -74,6 +74,7 @@ def trace_and_compile(model: torch.nn.Module, inputs: tuple,
         return None, "an output that is not a tensor"
     devices = sorted({t.device.index for t in list(model.parameters()) + list(inputs)
                       if t.device.type == "cuda" and t.device.index is not None})
+    before = _module_state(model)
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
@@ -82,6 +83,8 @@ def trace_and_compile(model: torch.nn.Module, inputs: tuple,
             actual = pytree.tree_unflatten(list(traced(*inputs)), out_spec)
     except Exception as error:
         return None, f"the torch.fx trace does not run ({_headline(error)})"
+    if _module_state(model) != before:
+        return None, "forward changes the modules' Python attributes (a trace would do it only once)"
     if not _same(expected, actual):
         return None, "the torch.fx trace's output differs from eager on the example"
     records = len(session.records)
@@ -91,6 +94,14 @@ def trace_and_compile(model: torch.nn.Module, inputs: tuple,
         del session.records[records:]
         return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
     return TracedRunner(model, compiled, out_spec, inputs, session), None
+
+
+def _module_state(model: torch.nn.Module) -> list:
+    """Every module's plain attributes (identity of each value): what a forward with Python
+    side effects (a counter, a cache) changes."""
+    skip = {"_parameters", "_buffers", "_modules", "training"}
+    return [(name, key, id(value)) for name, m in model.named_modules()
+            for key, value in vars(m).items() if key not in skip]
 
 
 def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None, str | None]:

@@ -9,11 +9,13 @@ import torch
 from .capture import (CaptureError, CaptureSession, compile_with, describe_error, differentiable_scalar,
                       graph_break_counts, new_graph_breaks, preserved_state, run_once)
 from .fx_capture import trace_and_compile
+from .host_gaps import describe_gaps, measure_model_gaps
 from .measure import time_interleaved
 from .numerics import max_abs_diff
 from .pass_api import PassContext, available_passes, resolve_passes
 from .pass_pipeline import PassPipeline, copy_graph_module  # noqa: F401  (copy_graph_module: public)
 from .predict import cost_model_for, predict, this_machine_device
+from .sim.cost import Profiled
 from .report import GraphReport, Report
 from .validate import check_flag, check_inputs, check_model, resolve_device
 
@@ -109,7 +111,7 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
     module._build_seconds = time.perf_counter() - started
     if module._fallback_reason is None and module._pipeline.base_context.cost_model is not None:
-        module._extras.update(_whole_model_prediction(module, training))
+        module._extras.update(_whole_model_prediction(module, model, inputs, training))
     if verify:
         module._extras["verified_max_abs_diff"] = max_abs_diff(model, module, inputs, training)
     if measure:
@@ -156,14 +158,21 @@ def _fx_runner(model, inputs, session, training) -> tuple:
     return runner, "torch.fx symbolic_trace" if runner is not None else f"dynamo ({reason})"
 
 
-def _whole_model_prediction(module: OptimizedModule, training: bool) -> dict:
-    """Predicted iteration time with and without the passes, and where the time goes."""
+def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bool) -> dict:
+    """Predicted iteration time with and without the passes, and where the time goes.
+
+    With costs measured here, a training step or a model with graph breaks also gets the host
+    time outside its graphs (eager code between subgraphs, autograd), measured on a few steps."""
     cost = module._pipeline.base_context.cost_model
-    before = predict(module.captured, cost, training)
-    after = predict(module.captured, cost, training, graphs=module.rewritten_graphs)
+    gaps, notes = None, ()
+    if isinstance(cost, Profiled) and (training or len(module.captured) > 1):
+        gaps, calls = measure_model_gaps(module, model, inputs, training, module._session.clock)
+        notes = describe_gaps(gaps, calls, len(module.captured), training)
+    before = predict(module.captured, cost, training, host_gaps=gaps)
+    after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, host_gaps=gaps)
     return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,
                 predicted_peak_delta_bytes=after.peak_memory_bytes - before.peak_memory_bytes,
-                top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)))
+                top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)), notes=notes)
 
 
 def _measure_against_capture(model, module, inputs, training, target) -> dict:

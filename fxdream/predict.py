@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture import Captured, capture
+from .capture import Captured, capture_with_host_gaps
 from .sim.cost import Analytic, CostModel, Profiled
 from .sim.devices import DeviceSpec, get_device
 from .sim.lower import OPTIMIZERS, OptimizerModel, lower, lower_captured
@@ -23,6 +23,7 @@ class Prediction:
     timeline: Timeline
     static_bytes: int
     passes: tuple = ()  # PassReport rows when predicted with passes (simulate(..., passes=...))
+    notes: tuple = ()   # e.g. the measured host time outside the graphs it includes
 
     @property
     def time_ms(self) -> float:
@@ -47,6 +48,7 @@ class Prediction:
         total = sum(self.timeline.per_layer_us.values()) or 1.0
         for layer, us in self.top_layers(top):
             lines.append(f"  {layer or '(model)':<40} {us / 1e3:9.3f} ms  {100 * us / total:5.1f} %")
+        lines += [f"note: {n}" for n in self.notes]
         if self.passes:
             lines.append("passes:")
             lines += [f"  {r.name} [{r.graph_index}/{r.phase}] {'applied' if r.applied else 'not applied'}: {r.reason}"
@@ -97,11 +99,12 @@ def graph_prediction(gm, cost: CostModel, phase: str = "fw", contention: bool = 
 
 def predict(captured: Captured | tuple, cost: CostModel, training: bool,
             optimizer: OptimizerModel | None = None, graphs: dict | None = None,
-            contention: bool = True) -> Prediction:
-    """Lower and simulate already-captured graphs (``graphs`` replaces some by (index, phase))."""
+            contention: bool = True, host_gaps: dict | None = None) -> Prediction:
+    """Lower and simulate already-captured graphs (``graphs`` replaces some by (index, phase));
+    ``host_gaps``: measured host time outside the graphs (``fxdream.host_gaps``)."""
     if isinstance(cost, Profiled):
         cost.profile_in_context(captured, graphs=graphs)
-    lowered = lower_captured(captured, cost, optimizer if training else None, graphs)
+    lowered = lower_captured(captured, cost, optimizer if training else None, graphs, host_gaps)
     timeline = simulate_graph(lowered.graph, Contention() if contention else None,
                               initial_memory_bytes=lowered.static_bytes)
     return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes)
@@ -118,11 +121,15 @@ def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = 
     """
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
-    captured = capture(model, example_inputs, training=training)
     model_cost = cost_model_for(device, cost)
+    # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
+    captured, gaps, notes = capture_with_host_gaps(model, example_inputs, training,
+                                                   measure=isinstance(model_cost, Profiled))
     if not passes:
-        return predict(captured, model_cost, training, OPTIMIZERS.get(optimizer), contention=contention)
+        prediction = predict(captured, model_cost, training, OPTIMIZERS.get(optimizer),
+                             contention=contention, host_gaps=gaps)
+        return dataclasses.replace(prediction, notes=notes)
     from .plan import plan  # plan builds on predict
     planned = plan(model, captured, device, training, passes, model_cost, memory_budget,
-                   OPTIMIZERS.get(optimizer), contention)
-    return dataclasses.replace(planned.after, passes=planned.rows)
+                   OPTIMIZERS.get(optimizer), contention, host_gaps=gaps)
+    return dataclasses.replace(planned.after, passes=planned.rows, notes=notes)

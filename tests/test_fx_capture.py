@@ -138,3 +138,23 @@ def test_a_failing_compile_leaves_the_session_empty():
         runner, reason = trace_and_compile(Opaque().eval(), (torch.randn(3),), session)
     assert runner is None and reason.startswith("aot_autograd failed on the torch.fx trace")
     assert session.records == []
+
+
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + 1
+
+
+def test_python_side_effects_in_forward_keep_dynamo():
+    model, x = CountsCalls(), torch.randn(3)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture.startswith("dynamo (forward changes the modules' Python attributes")
+    before = model.calls
+    with torch.no_grad():
+        optimized(x)
+    assert model.calls == before + 1

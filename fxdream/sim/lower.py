@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from ..annotate import LAYER, PARAMETER_GRADIENTS, op_name
+from ..host_gaps import END
 from .cost import CostModel, is_view, tensor_bytes
 from .graph_regions import (CUDA_GRAPH_REGION, GraphRegion, aliases_input, cuda_graph_regions,  # noqa: F401
                             inline_cuda_graph_runners)
@@ -149,8 +150,12 @@ class _Buffers:
 
 
 def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
-          optimizer: OptimizerModel | None = None) -> Lowered:
-    """``graphs`` are (label, GraphModule) in execution order, e.g. [("g0.fw", fw), ("g0.bw", bw)]."""
+          optimizer: OptimizerModel | None = None, host_gaps: Mapping[str, float] | None = None) -> Lowered:
+    """``graphs`` are (label, GraphModule) in execution order, e.g. [("g0.fw", fw), ("g0.bw", bw)].
+
+    ``host_gaps``: µs of host work outside the graphs, measured (``fxdream.host_gaps``), by the
+    label of the graph it precedes or ``END``: one host task each, before that graph's call."""
+    gaps = dict(host_gaps or {})
     on_gpu = cost.device.kind != "cpu"
     tg = TaskGraph()
     buffers = _Buffers()
@@ -164,6 +169,7 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
         launched: dict[object, str] = {}  # region id → its graph-launch task
         current = None                    # the region being lowered (regions are contiguous)
         buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
+        _append_host_gap(tg, label, gaps.pop(label, 0.0), phase)
         call_us = cost.graph_call_us() if hasattr(cost, "graph_call_us") else 0.0
         if call_us:
             tg.append(Task(f"{label}:call", TaskKind.CPU, call_us, "cpu:0", op="graph_call", phase=phase))
@@ -219,10 +225,16 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
             created = buffers.define(node)
             allocs[work] = allocs.get(work, 0) + sum(buffers.size[b] for b in created)
             buffers.use(node, work, graph_index)
+    _append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw")
     if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
         # backwards run in reverse subgraph order; the optimizer's gradients are in subgraph order
         _lower_optimizer(tg, [gm for label, gm in reversed(graphs) if label.endswith("bw")], cost, optimizer, on_gpu)
     return Lowered(_with_memory(tg, allocs, buffers.frees()), static)
+
+
+def _append_host_gap(tg: TaskGraph, before: str, us: float, phase: str) -> None:
+    if us > 0:
+        tg.append(Task(f"host_gap:{before}", TaskKind.CPU, float(us), "cpu:0", op="host_gap", phase=phase))
 
 
 def _wait_for_inputs(tg: TaskGraph, node: fx.Node, work: str, kernel_of: dict, buffers: _Buffers) -> None:
@@ -334,7 +346,7 @@ def _lower_optimizer(tg: TaskGraph, backwards: list[fx.GraphModule], cost: CostM
 
 
 def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None = None,
-                   graphs: dict | None = None) -> Lowered:
+                   graphs: dict | None = None, host_gaps: Mapping[str, float] | None = None) -> Lowered:
     """Lower a Captured (or a tuple of them), optionally with rewritten graphs by (index, phase)."""
     items = captured if isinstance(captured, tuple) else (captured,)
     pairs = []
@@ -343,4 +355,4 @@ def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None =
             pairs.append((f"g{c.index}.{phase}", (graphs or {}).get((c.index, phase), gm)))
     # all forwards run before all backwards (backward visits subgraphs in reverse)
     ordered = [p for p in pairs if p[0].endswith("fw")] + [p for p in reversed(pairs) if p[0].endswith("bw")]
-    return lower(ordered, cost, optimizer)
+    return lower(ordered, cost, optimizer, host_gaps)

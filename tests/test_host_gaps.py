@@ -1,0 +1,99 @@
+"""Host time outside the captured graphs: measured per gap, lowered as host tasks."""
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.capture import capture_with_host_gaps
+from fxdream.host_gaps import END, SubgraphClock, measure_host_gaps, step_gaps
+from fxdream.predict import cost_model_for, predict
+from fxdream.sim.lower import lower
+from fxdream.sim.simulate import simulate
+from conftest import graph_with_values
+from test_sim_lower import CPU, GPU, FixedCost, _relu_view_add
+
+
+def test_gaps_are_the_host_time_before_each_call_and_after_the_last():
+    events = [("g1.fw", 3.0e-6, 4.0e-6), ("g0.fw", 1.0e-6, 2.0e-6)]  # any order
+    gaps = step_gaps(events, started=0.0, ended=10.0e-6)
+    assert gaps == pytest.approx({"g0.fw": 1.0, "g1.fw": 1.0, END: 6.0})
+
+
+def test_a_graph_called_twice_has_its_gaps_summed():
+    events = [("g0.fw", 1e-6, 2e-6), ("g1.fw", 4e-6, 5e-6), ("g0.fw", 7e-6, 8e-6)]
+    gaps = step_gaps(events, started=0.0, ended=8e-6)
+    assert gaps == pytest.approx({"g0.fw": 1.0 + 2.0, "g1.fw": 2.0, END: 0.0})
+
+
+def test_clock_records_only_while_measuring_and_keeps_the_boxed_convention():
+    clock = SubgraphClock()
+    call = clock.wrap(lambda args: [a * 2 for a in args], "g0.fw")
+    assert call._boxed_call and call([1, 2]) == [2, 4] and clock.events is None
+
+    def step():
+        time.sleep(0.002)
+        call([1])
+    gaps, calls = measure_host_gaps(step, clock, rounds=2, warmup=0)
+    assert gaps["g0.fw"] >= 2000 and calls == {"g0.fw": 1} and clock.events is None
+
+
+def test_gaps_lower_to_host_tasks_before_their_graph_and_at_the_end():
+    fw = graph_with_values(_relu_view_add, (4,))
+    graphs = [("g0.fw", fw), ("g1.fw", fw)]
+    lowered = lower(graphs, FixedCost(CPU), host_gaps={"g1.fw": 5.0, END: 7.0})
+    names = [t.name for t in lowered.graph.tasks]
+    assert names.index("host_gap:g1.fw") == names.index("g1.fw:relu") - 1
+    assert names[-1] == f"host_gap:{END}"
+    # two graphs of relu 1+10, view 1, add 1+10 (23 µs each) plus the gaps, all on one thread
+    assert simulate(lowered.graph).makespan_us == pytest.approx(2 * 23.0 + 5.0 + 7.0)
+
+
+def test_on_a_gpu_a_host_gap_overlaps_the_kernels_already_launched():
+    fw = graph_with_values(_relu_view_add, (4,))
+    lowered = lower([("g0.fw", fw)], FixedCost(GPU), host_gaps={END: 5.0})
+    # cpu: relu [0,1] view [1,2] add [2,3] gap [3,8]; stream: relu [1,11] add [11,21]
+    assert simulate(lowered.graph).makespan_us == pytest.approx(21.0)
+
+
+class SlowEagerBetween(nn.Module):
+    """20 ms of eager host work between two captured subgraphs."""
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        time.sleep(0.02)
+        return self.second(h)
+
+
+def test_a_graph_break_costs_its_measured_eager_time_in_the_prediction():
+    model, x = SlowEagerBetween(), torch.randn(3, 4)
+    captured, gaps, notes = capture_with_host_gaps(model, (x,), training=True)
+    assert len(captured) == 2 and "1 graph break(s), autograd" in notes[0]
+    assert gaps["g1.fw"] >= 20000
+    cost = cost_model_for("cpu", "profiled")
+    without = predict(captured, cost, True).time_ms
+    with_gaps = predict(captured, cost, True, host_gaps=gaps).time_ms
+    assert without < 5 and 20 <= with_gaps < 20 + 10 * without + 10
+    prediction = fxdream.simulate(model, (x,), training=True)
+    assert prediction.time_ms >= 20 and any("graph break" in n for n in prediction.notes)
+    assert "note: measured host time" in prediction.summary()
+
+
+def test_predictions_for_another_device_measure_no_gaps():
+    model, x = SlowEagerBetween(), torch.randn(3, 4)
+    prediction = fxdream.simulate(model, (x,), device="h100", training=True)
+    assert prediction.notes == () and prediction.time_ms < 20
+
+
+def test_optimize_reports_the_gaps_of_a_training_step():
+    model, x = SlowEagerBetween(), torch.randn(3, 4)
+    optimized = fxdream.optimize(model, (x,), training=True, passes=["fuse_conv_bias_act"])
+    report = optimized.report
+    assert report.predicted_baseline_ms >= 20
+    assert any("graph break" in n for n in report.notes)
+    assert all(p.grad is None for p in model.parameters())  # measuring left no gradients
