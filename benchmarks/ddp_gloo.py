@@ -4,7 +4,8 @@ Two processes (torch.multiprocessing spawn, MASTER_ADDR=127.0.0.1, a free port),
 each, train an MLP with ~10 MB of gradients under DistributedDataParallel (SGD, momentum,
 DDP's default buckets). Each process, in parallel (so profiling sees the load of the run):
   1. captures the model + loss (one training step) for profiled CPU costs
-     (fxdream.predict.cost_model_for("cpu", "profiled"));
+     (fxdream.predict.cost_model_for("cpu", "profiled")) and the measured host time outside
+     the captured graphs (fxdream.host_gaps: autograd's engine and gradient accumulation);
   2. per round: gloo allreduce of 1-12 MiB (this machine's "network"), a block of plain
      steps, a block of DDP steps (each block after one untimed step: steady state), and one in-context profiling run of the captured step
      (interleaved, so the measurements and the prediction see the same conditions: on a
@@ -114,19 +115,30 @@ def ddp_bucket_sizes(model) -> list[float] | None:
 
 
 def _capture_and_profile(model, inputs, loss_fn) -> tuple:
-    """The captured step and a profiled cost model, warmed up (more samples come per round)."""
-    from fxdream.capture import capture
+    """The captured step (an fxdream module, passes-free) and a profiled cost model, warmed up
+    (more samples come per round)."""
+    import fxdream
     from fxdream.predict import cost_model_for
-    captured = capture(WithLoss(copy.deepcopy(model), loss_fn), inputs, training=True)
+    module = fxdream.optimize(WithLoss(copy.deepcopy(model), loss_fn), inputs, training=True, cost=None)
     cost = cost_model_for("cpu", "profiled")
-    cost.profile_in_context(captured, rounds=1, warmup=3)
-    return captured, cost
+    cost.profile_in_context(module.captured, rounds=1, warmup=3)
+    return module, cost
 
 
-def _predict_local(captured, cost):
+def _sample_host_gaps(module, inputs, samples: dict) -> None:
+    """One step of the captured module with its graph calls time-stamped: the host time outside
+    the graphs (autograd's engine and gradient accumulation), as optimize() measures it."""
+    from fxdream.host_gaps import measure_model_gaps
+    gaps, _ = measure_model_gaps(module, module.model, inputs, True, module._session.clock, rounds=1, warmup=0)
+    for label, us in gaps.items():
+        samples.setdefault(label, []).append(us)
+
+
+def _predict_local(captured, cost, gap_samples: dict):
     from fxdream.predict import predict
     from fxdream.sim.lower import SGD
-    return predict(captured, cost, True, SGD)
+    gaps = {label: statistics.median(v) for label, v in gap_samples.items()} or None
+    return predict(captured, cost, True, SGD, host_gaps=gaps)
 
 
 def _predict_ddp(run: GlooRun, captured, prediction, bandwidth: float, latency_us: float) -> dict:
@@ -162,11 +174,12 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
         out = {"rank": rank, "phase_seconds": phases}
         model, inputs, loss_fn = build_model(run)
         out["gradient_MB"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
-        captured = cost = prediction = None
+        module = cost = prediction = None
+        gap_samples: dict = {}
         predict_seconds = 0.0
         if run.predict:  # every rank profiles at once: the same load as the run
             started = time.perf_counter()
-            captured, cost = _capture_and_profile(model, inputs, loss_fn)
+            module, cost = _capture_and_profile(model, inputs, loss_fn)
             predict_seconds += time.perf_counter() - started
         dist.barrier()
         phases["predict"] = time.perf_counter() - t_start
@@ -203,7 +216,9 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
             if cost is not None:  # profile in every round: the same conditions as the steps
                 dist.barrier()
                 started = time.perf_counter()
-                cost.profile_in_context(captured, rounds=1, warmup=3, again=True)  # steady state: see Profiled
+                if r:
+                    _sample_host_gaps(module, inputs, gap_samples)  # right after the steps: as warm
+                cost.profile_in_context(module.captured, rounds=1, warmup=3, again=True)  # steady state: see Profiled
                 predict_seconds += time.perf_counter() - started
         phases["measure"] = time.perf_counter() - t_start
         times = [statistics.median(ar_samples[size]) for size in run.sizes_bytes]
@@ -219,10 +234,11 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
         out["ddp_bucket_MB"] = ddp_bucket_sizes(ddp_model)
         if cost is not None:
             started = time.perf_counter()
-            prediction = _predict_local(captured, cost)
+            prediction = _predict_local(module.captured, cost, gap_samples)
             out["predict_seconds"] = predict_seconds + time.perf_counter() - started
             out["predicted_local_ms"] = prediction.time_ms
-            out.update(_predict_ddp(run, captured, prediction, bandwidth, latency_us))
+            out["host_gaps_ms"] = sum(statistics.median(v) for v in gap_samples.values()) / 1e3
+            out.update(_predict_ddp(run, module.captured, prediction, bandwidth, latency_us))
         phases["done"] = time.perf_counter() - t_start
         results.put(out)
         dist.destroy_process_group()
@@ -354,7 +370,7 @@ def main(argv=None) -> int:
                   model=("predicted: fxdream.whatif.ddp(profiled one-process prediction, "
                          "Cluster(2, 1, network = gloo allreduce fit), overlap=False: communication "
                          "takes host time (2 cores, both computing)); overlap=True reported beside. "
-                         "Profiling is interleaved with the measured rounds."),
+                         "Profiling and the host-gap samples are interleaved with the measured rounds."),
                   repeats=len(runs),
                   **{f"errors_{k}_pct": v for k, v in errors.items()},
                   **{f"median_error_{k}_pct": statistics.median(v) for k, v in errors.items()},

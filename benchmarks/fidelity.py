@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import sys
@@ -23,6 +24,8 @@ import torch
 
 import fxdream
 from fxdream import models
+from fxdream.capture import preserved_state
+from fxdream.host_gaps import measure_host_gaps
 from fxdream.measure import time_interleaved
 from fxdream.predict import cost_model_for, predict
 
@@ -67,13 +70,30 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
     block = max(1, min(20, int(0.25 / max(once_s, 1e-6))))
     # profiled once per timed block, beside the measurement; ``cost`` profiles after it
     profile, beside = interleaved_profiler(optimized.captured, block)
-    measured = time_interleaved({"run": step, "profile": profile}, rounds=rounds, block=block, warmup=2,
-                                progress=False)["run"]
-    prediction = predict(optimized.captured, beside, training)
-    after = predict(optimized.captured, cost, training)
     graphs = len(optimized.report.graphs)
+    # host time outside the graphs (graph breaks, autograd), as optimize() and simulate() add
+    # it; measured on one step per timed block, beside the measurement too
+    gap_samples: dict[str, list[float]] = {}
+    calls = itertools.count()
+
+    def profile_and_gaps():  # the gaps first: right after the timed block, as warm as it
+        if (training or graphs > 1) and next(calls) % block == 0:
+            gaps, _ = measure_host_gaps(step, optimized._session.clock, rounds=1, warmup=0)
+            for label, us in gaps.items():
+                gap_samples.setdefault(label, []).append(us)
+        profile()
+    with preserved_state(model):
+        measured = time_interleaved({"run": step, "profile": profile_and_gaps}, rounds=rounds, block=block,
+                                    warmup=2, progress=False)["run"]
+    gaps = {label: statistics.median(v) for label, v in gap_samples.items()} or None
+    prediction = predict(optimized.captured, beside, training, host_gaps=gaps)
+    after = predict(optimized.captured, cost, training, host_gaps=gaps)
+    without_gaps = predict(optimized.captured, beside, training)
     return dict(model=name, batch=batch, training=training, tiny=tiny, subgraphs=graphs,
-                graph_breaks=len(optimized.report.graph_breaks),
+                graph_breaks=len(optimized.report.graph_breaks), capture=optimized.report.capture,
+                host_gaps_ms=sum(gaps.values()) / 1e3 if gaps else 0.0,
+                predicted_without_gaps_ms=without_gaps.time_ms,
+                error_without_gaps_pct=100 * (without_gaps.time_ms / measured.median_ms - 1),
                 measured_ms=measured.median_ms, spread_pct=measured.spread_pct,
                 predicted_ms=prediction.time_ms, error_pct=100 * (prediction.time_ms / measured.median_ms - 1),
                 predicted_after_ms=after.time_ms,
@@ -82,16 +102,18 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
 
 def to_markdown(rows: list[dict]) -> str:
     """Predicted from costs profiled interleaved with the measurement, and (after) once it ended."""
-    lines = ["| model | batch | mode | config | subgraphs | measured ms | predicted ms | error "
-             "| predicted after ms | error after |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | batch | mode | config | subgraphs | measured ms | host gaps ms (measured) "
+             "| predicted ms | error | error without host gaps | predicted after ms | error after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['batch']} | {'train' if r['training'] else 'infer'} "
                      f"| {'tiny' if r['tiny'] else 'full'} | {r['subgraphs']} | {r['measured_ms']:.3f} "
-                     f"| {r['predicted_ms']:.3f} | {r['error_pct']:+.1f} % "
+                     f"| {r.get('host_gaps_ms', 0.0):.3f} | {r['predicted_ms']:.3f} | {r['error_pct']:+.1f} % "
+                     f"| {r.get('error_without_gaps_pct', r['error_pct']):+.1f} % "
                      f"| {r['predicted_after_ms']:.3f} | {r['error_after_pct']:+.1f} % |")
-    for key, label in (("error_pct", "interleaved"), ("error_after_pct", "profiled after")):
-        errors = [abs(r[key]) for r in rows]
+    for key, label in (("error_pct", "interleaved"), ("error_without_gaps_pct", "interleaved, without host gaps"),
+                       ("error_after_pct", "profiled after")):
+        errors = [abs(r[key]) for r in rows if key in r]
         if errors:
             lines.append(f"\n{label}: mean |error| {statistics.mean(errors):.1f} %, max {max(errors):.1f} % "
                          f"over {len(rows)} rows")

@@ -73,7 +73,7 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
 
 
 def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
-                       rounds: int = 3) -> tuple[dict[str, float], dict[str, int]]:
+                       rounds: int = 3, warmup: int = 1) -> tuple[dict[str, float], dict[str, int]]:
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
     gradients, buffers and RNG are left as they were."""
@@ -92,7 +92,7 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
             scalar.backward()
 
     with preserved_state(model):
-        return measure_host_gaps(step, clock, rounds)
+        return measure_host_gaps(step, clock, rounds, warmup)
 
 
 def describe_gaps(gaps: dict[str, float], calls: dict[str, int], subgraphs: int, training: bool) -> tuple[str, ...]:
