@@ -15,11 +15,14 @@ from typing import Callable
 
 import torch
 
+from .capture import preserved_state
+from .host_gaps import measure_host_gaps
 from .measure import Measurement, time_interleaved
 from .numerics import max_abs_diff
 from .pass_api import resolve_passes
 from .pipeline import optimize
 from .predict import cost_model_for, predict, this_machine_device
+from .sim.cost import Profiled
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,10 @@ class ABResult:
 
 def _step(module, inputs, loss_fn, training):
     if not training:
-        with torch.no_grad():
-            return lambda: module(*inputs)
+        def infer():
+            with torch.no_grad():
+                return module(*inputs)
+        return infer
 
     def train_step():
         for p in module.parameters():
@@ -118,8 +123,10 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
         model.train(training)
         baseline = optimize(model, inputs, training=training, device=device)
         optimized = optimize(model, inputs, passes=selected, training=training, device=device)
-        before = predict(baseline.captured, cost, training)
-        after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs)
+        before = predict(baseline.captured, cost, training,
+                         host_gaps=_host_gaps(baseline, model, inputs, loss_fn, training, cost))
+        after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs,
+                        host_gaps=_host_gaps(optimized, model, inputs, loss_fn, training, cost))
         measured = time_interleaved(
             {"eager": _step(model, inputs, loss_fn, training), "baseline": _step(baseline, inputs, loss_fn, training),
              "optimized": _step(optimized, inputs, loss_fn, training)},
@@ -130,6 +137,15 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
                           measured["optimized"], before.time_ms, after.time_ms,
                           max_abs_diff(model, optimized, inputs, training, loss_fn), reasons))
     return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
+
+
+def _host_gaps(module, model, inputs, loss_fn, training, cost) -> dict | None:
+    """The measured host time outside the graphs of this very step (training, graph breaks),
+    as optimize() adds it to its predictions; None where costs are not measured here."""
+    if not isinstance(cost, Profiled) or not (training or len(module.captured) > 1):
+        return None
+    with preserved_state(model):
+        return measure_host_gaps(_step(module, inputs, loss_fn, training), module._session.clock)[0]
 
 
 def plot_ab(result: ABResult, path: str) -> None:
