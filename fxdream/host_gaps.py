@@ -97,9 +97,9 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
 
 def describe_gaps(gaps: dict[str, float], calls: dict[str, int], subgraphs: int, training: bool) -> tuple[str, ...]:
     """Report lines: how much host time was measured outside the graphs, and repeated graphs."""
-    lines = (f"measured host time outside the graphs ({subgraphs - 1} graph break(s)"
-             f"{', autograd' if training else ''}): {sum(gaps.values()) / 1e3:.3f} ms per step, "
-             "simulated as host tasks",)
+    causes = ([f"{subgraphs - 1} graph break(s)"] if subgraphs > 1 else []) + (["autograd"] if training else [])
+    lines = (f"measured host time outside the graphs ({', '.join(causes)}): "
+             f"{sum(gaps.values()) / 1e3:.3f} ms per step, simulated as host tasks",)
     repeated = {label: n for label, n in calls.items() if n > 1}
     if repeated:
         lines += (f"graphs called more than once per step, simulated once: {repeated}",)

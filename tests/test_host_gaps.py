@@ -97,3 +97,12 @@ def test_optimize_reports_the_gaps_of_a_training_step():
     assert report.predicted_baseline_ms >= 20
     assert any("graph break" in n for n in report.notes)
     assert all(p.grad is None for p in model.parameters())  # measuring left no gradients
+
+
+def test_the_note_names_the_causes_and_graphs_run_twice():
+    from fxdream.host_gaps import describe_gaps
+    one, twice = describe_gaps({"g0.fw": 1500.0, END: 500.0}, {"g0.fw": 2, "g0.bw": 1}, 1, True)
+    assert one == "measured host time outside the graphs (autograd): 2.000 ms per step, simulated as host tasks"
+    assert twice == "graphs called more than once per step, simulated once: {'g0.fw': 2}"
+    (only,) = describe_gaps({END: 0.0}, {"g0.fw": 1, "g1.fw": 1}, 2, False)
+    assert "(1 graph break(s))" in only
