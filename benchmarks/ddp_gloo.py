@@ -125,20 +125,19 @@ def _capture_and_profile(model, inputs, loss_fn) -> tuple:
     return module, cost
 
 
-def _sample_host_gaps(module, inputs, samples: dict) -> None:
+def _sample_host_gaps(module, inputs, samples: list) -> None:
     """One step of the captured module with its graph calls time-stamped: the host time outside
     the graphs (autograd's engine and gradient accumulation), as optimize() measures it."""
     from fxdream.host_gaps import measure_model_gaps
-    gaps, _ = measure_model_gaps(module, module.model, inputs, True, module._session.clock, rounds=1, warmup=0)
-    for label, us in gaps.items():
-        samples.setdefault(label, []).append(us)
+    samples.append(measure_model_gaps(module, module.model, inputs, True, module._session.clock,
+                                      rounds=1, warmup=0))
 
 
-def _predict_local(captured, cost, gap_samples: dict):
+def _predict_local(captured, cost, step_samples: list):
+    from fxdream.host_gaps import StepCalls
     from fxdream.predict import predict
     from fxdream.sim.lower import SGD
-    gaps = {label: statistics.median(v) for label, v in gap_samples.items()} or None
-    return predict(captured, cost, True, SGD, host_gaps=gaps)
+    return predict(captured, cost, True, SGD, step=StepCalls.median(step_samples) if step_samples else None)
 
 
 def _predict_ddp(run: GlooRun, captured, prediction, bandwidth: float, latency_us: float) -> dict:
@@ -175,7 +174,7 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
         model, inputs, loss_fn = build_model(run)
         out["gradient_MB"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
         module = cost = prediction = None
-        gap_samples: dict = {}
+        gap_samples: list = []
         predict_seconds = 0.0
         if run.predict:  # every rank profiles at once: the same load as the run
             started = time.perf_counter()
@@ -237,7 +236,7 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
             prediction = _predict_local(module.captured, cost, gap_samples)
             out["predict_seconds"] = predict_seconds + time.perf_counter() - started
             out["predicted_local_ms"] = prediction.time_ms
-            out["host_gaps_ms"] = sum(statistics.median(v) for v in gap_samples.values()) / 1e3
+            out["host_gaps_ms"] = sum(t.duration_us for t in prediction.task_graph.tasks if t.op == "host_gap") / 1e3
             out.update(_predict_ddp(run, module.captured, prediction, bandwidth, latency_us))
         phases["done"] = time.perf_counter() - t_start
         results.put(out)

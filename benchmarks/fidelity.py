@@ -25,7 +25,7 @@ import torch
 import fxdream
 from fxdream import models
 from fxdream.capture import preserved_state
-from fxdream.host_gaps import measure_host_gaps
+from fxdream.host_gaps import StepCalls, measure_host_gaps
 from fxdream.measure import time_interleaved
 from fxdream.predict import cost_model_for, predict
 
@@ -73,25 +73,23 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
     graphs = len(optimized.report.graphs)
     # host time outside the graphs (graph breaks, autograd), as optimize() and simulate() add
     # it; measured on one step per timed block, beside the measurement too
-    gap_samples: dict[str, list[float]] = {}
+    step_samples = []
     calls = itertools.count()
 
     def profile_and_gaps():  # the gaps first: right after the timed block, as warm as it
         if (training or graphs > 1) and next(calls) % block == 0:
-            gaps, _ = measure_host_gaps(step, optimized._session.clock, rounds=1, warmup=0)
-            for label, us in gaps.items():
-                gap_samples.setdefault(label, []).append(us)
+            step_samples.append(measure_host_gaps(step, optimized._session.clock, rounds=1, warmup=0))
         profile()
     with preserved_state(model):
         measured = time_interleaved({"run": step, "profile": profile_and_gaps}, rounds=rounds, block=block,
                                     warmup=2, progress=False)["run"]
-    gaps = {label: statistics.median(v) for label, v in gap_samples.items()} or None
-    prediction = predict(optimized.captured, beside, training, host_gaps=gaps)
-    after = predict(optimized.captured, cost, training, host_gaps=gaps)
+    measured_step = StepCalls.median(step_samples) if step_samples else None
+    prediction = predict(optimized.captured, beside, training, step=measured_step)
+    after = predict(optimized.captured, cost, training, step=measured_step)
     without_gaps = predict(optimized.captured, beside, training)
     return dict(model=name, batch=batch, training=training, tiny=tiny, subgraphs=graphs,
                 graph_breaks=len(optimized.report.graph_breaks), capture=optimized.report.capture,
-                host_gaps_ms=sum(gaps.values()) / 1e3 if gaps else 0.0,
+                host_gaps_ms=measured_step.total_us / 1e3 if measured_step else 0.0,
                 predicted_without_gaps_ms=without_gaps.time_ms,
                 error_without_gaps_pct=100 * (without_gaps.time_ms / measured.median_ms - 1),
                 measured_ms=measured.median_ms, spread_pct=measured.spread_pct,

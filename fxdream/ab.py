@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .capture import preserved_state
-from .host_gaps import measure_host_gaps
+from .host_gaps import StepCalls, measure_host_gaps
 from .measure import Measurement, time_interleaved
 from .numerics import max_abs_diff
 from .pass_api import resolve_passes
@@ -124,9 +124,9 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
         baseline = optimize(model, inputs, training=training, device=device)
         optimized = optimize(model, inputs, passes=selected, training=training, device=device)
         before = predict(baseline.captured, cost, training,
-                         host_gaps=_host_gaps(baseline, model, inputs, loss_fn, training, cost))
+                         step=_measured_step(baseline, model, inputs, loss_fn, training, cost))
         after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs,
-                        host_gaps=_host_gaps(optimized, model, inputs, loss_fn, training, cost))
+                        step=_measured_step(optimized, model, inputs, loss_fn, training, cost))
         measured = time_interleaved(
             {"eager": _step(model, inputs, loss_fn, training), "baseline": _step(baseline, inputs, loss_fn, training),
              "optimized": _step(optimized, inputs, loss_fn, training)},
@@ -139,13 +139,13 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
     return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
 
 
-def _host_gaps(module, model, inputs, loss_fn, training, cost) -> dict | None:
-    """The measured host time outside the graphs of this very step (training, graph breaks),
-    as optimize() adds it to its predictions; None where costs are not measured here."""
+def _measured_step(module, model, inputs, loss_fn, training, cost) -> StepCalls | None:
+    """The graph calls and host time outside the graphs of this very step (training, graph
+    breaks), as optimize() adds them to its predictions; None where costs are not measured here."""
     if not isinstance(cost, Profiled) or not (training or len(module.captured) > 1):
         return None
     with preserved_state(model):
-        return measure_host_gaps(_step(module, inputs, loss_fn, training), module._session.clock)[0]
+        return measure_host_gaps(_step(module, inputs, loss_fn, training), module._session.clock)
 
 
 def plot_ab(result: ABResult, path: str) -> None:

@@ -341,7 +341,7 @@ def capture(model: torch.nn.Module, example_inputs, training: bool = False):
 def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: bool = False,
                            measure: bool = True) -> tuple:
     """``capture``, plus (when ``measure`` and it is a training step or the graph broke) the
-    host time outside the graphs measured on a few steps: (captured, gaps or None, notes)."""
+    graph calls and host time outside the graphs of a few steps: (captured, StepCalls or None, notes)."""
     from .validate import check_inputs, check_model
     check_model(model)
     inputs = check_inputs(example_inputs)
@@ -362,15 +362,15 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
         run_once(model, model, inputs, training)  # the model's own error, if eager fails too
         raise CaptureError(f"dynamo could not capture {type(model).__name__}: {describe_error(error)}") from error
     captured = session.captured()
-    gaps, notes = None, ()
+    step, notes = None, ()
     try:
         if not captured:
             reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
             raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
         if measure and (training or len(captured) > 1):
             from .host_gaps import describe_gaps, measure_model_gaps
-            gaps, calls = measure_model_gaps(runner, model, inputs, training, session.clock)
-            notes = describe_gaps(gaps, calls, len(captured), training)
+            step = measure_model_gaps(runner, model, inputs, training, session.clock)
+            notes = describe_gaps(step, len(captured), training)
     finally:
         model.train(was_training)
-    return (captured[0] if len(captured) == 1 else captured), gaps, notes
+    return (captured[0] if len(captured) == 1 else captured), step, notes

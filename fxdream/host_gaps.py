@@ -1,22 +1,53 @@
-"""Host time outside the captured graphs, measured: what a graph break (and autograd) costs.
+"""The step as it ran: which compiled graphs it called, in what order, and the host time around them.
 
 After a graph break the model runs eager Python and eager ops between its compiled
-subgraphs (dynamo breaks at every ``nn.LSTM`` in training, say); in training, autograd's
-engine and its gradient accumulation run around the backward graphs. The simulator sees
-only the graphs, so without this a prediction misses that time (GNMT training: -77..-96 %).
+subgraphs (dynamo breaks at every ``nn.LSTM`` in training, say), and a subgraph compiled for
+a block that repeats (a layer with a graph break inside, called once per layer) runs several
+times per step; in training, autograd's engine and its gradient accumulation run around the
+backward graphs. The simulator sees the graphs only, each once, so without this a prediction
+misses all of that (GNMT training: -77..-96 %).
 
-``SubgraphClock`` time-stamps every call of a compiled graph while a step runs; the host time
-before each call (and after the last) is kept under the label of the graph that follows
-(``"g1.fw"``, ``"g0.bw"``, or ``END``), median over runs, and ``lower`` adds it as a host task
-there. It is measured on this machine, so it only joins predictions for this machine.
+``SubgraphClock`` time-stamps every call of a compiled graph while a step runs;
+``measure_host_gaps`` keeps the sequence of calls and the host time before each call and
+after the last (``StepCalls``, medians over runs), and ``lower_captured`` lowers the graphs in
+that sequence, each call once, with one host task per gap. It is measured on this machine,
+so it only joins predictions for this machine.
 """
 from __future__ import annotations
 
+import collections
 import statistics
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 END = "end"
+
+
+@dataclass(frozen=True)
+class StepCalls:
+    """One step: graph labels ("g0.fw", "g1.bw") in call order, µs of host time before each
+    call, and after the last."""
+    calls: tuple[str, ...]
+    gaps_us: tuple[float, ...]
+    end_us: float
+
+    @property
+    def total_us(self) -> float:
+        return sum(self.gaps_us) + self.end_us
+
+    def counts(self) -> dict[str, int]:
+        return dict(collections.Counter(self.calls))
+
+    @classmethod
+    def median(cls, samples: Sequence["StepCalls"]) -> "StepCalls":
+        """The most frequent call sequence (the latest on a tie), with per-position medians of
+        the samples that ran it (a data-dependent branch can call other graphs)."""
+        order = collections.Counter(s.calls for s in samples)
+        calls = max(order, key=lambda c: (order[c], max(i for i, s in enumerate(samples) if s.calls == c)))
+        same = [s for s in samples if s.calls == calls]
+        gaps = tuple(statistics.median(s.gaps_us[i] for s in same) for i in range(len(calls)))
+        return cls(calls, gaps, statistics.median(s.end_us for s in same))
 
 
 class SubgraphClock:
@@ -40,40 +71,35 @@ class SubgraphClock:
         return call
 
 
-def step_gaps(events: list[tuple[str, float, float]], started: float, ended: float) -> dict[str, float]:
-    """µs of host time before each labelled call (summed when a label runs twice) and after the last."""
-    gaps: dict[str, float] = {}
-    cursor = started
+def step_calls(events: list[tuple[str, float, float]], started: float, ended: float) -> StepCalls:
+    """The calls in start order and the µs of host time before each and after the last."""
+    calls, gaps, cursor = [], [], started
     for label, start, end in sorted(events, key=lambda e: e[1]):
-        gaps[label] = gaps.get(label, 0.0) + max(0.0, start - cursor) * 1e6
+        calls.append(label)
+        gaps.append(max(0.0, start - cursor) * 1e6)
         cursor = max(cursor, end)
-    gaps[END] = max(0.0, ended - cursor) * 1e6
-    return gaps
+    return StepCalls(tuple(calls), tuple(gaps), max(0.0, ended - cursor) * 1e6)
 
 
 def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: int = 3,
-                      warmup: int = 1) -> tuple[dict[str, float], dict[str, int]]:
-    """(median µs of host time before each graph and after the last, calls per step by label)."""
-    samples: dict[str, list[float]] = {}
-    calls: dict[str, int] = {}
+                      warmup: int = 1) -> StepCalls:
+    """Run ``step`` ``warmup + rounds`` times with the graph calls time-stamped; the median step."""
+    samples = []
     try:
         for i in range(warmup + rounds):
             clock.events = []
             started = time.perf_counter()
             step()
             ended = time.perf_counter()
-            if i < warmup:
-                continue
-            for label, us in step_gaps(clock.events, started, ended).items():
-                samples.setdefault(label, []).append(us)
-            calls = {label: sum(e[0] == label for e in clock.events) for label in {e[0] for e in clock.events}}
+            if i >= warmup:
+                samples.append(step_calls(clock.events, started, ended))
     finally:
         clock.events = None
-    return {label: statistics.median(v) for label, v in samples.items()}, calls
+    return StepCalls.median(samples)
 
 
 def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
-                       rounds: int = 3, warmup: int = 1) -> tuple[dict[str, float], dict[str, int]]:
+                       rounds: int = 3, warmup: int = 1) -> StepCalls:
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
     gradients, buffers and RNG are left as they were."""
@@ -95,12 +121,12 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
         return measure_host_gaps(step, clock, rounds, warmup)
 
 
-def describe_gaps(gaps: dict[str, float], calls: dict[str, int], subgraphs: int, training: bool) -> tuple[str, ...]:
+def describe_gaps(step: StepCalls, subgraphs: int, training: bool) -> tuple[str, ...]:
     """Report lines: how much host time was measured outside the graphs, and repeated graphs."""
     causes = ([f"{subgraphs - 1} graph break(s)"] if subgraphs > 1 else []) + (["autograd"] if training else [])
     lines = (f"measured host time outside the graphs ({', '.join(causes)}): "
-             f"{sum(gaps.values()) / 1e3:.3f} ms per step, simulated as host tasks",)
-    repeated = {label: n for label, n in calls.items() if n > 1}
+             f"{step.total_us / 1e3:.3f} ms per step, simulated as host tasks",)
+    repeated = {label: n for label, n in step.counts().items() if n > 1}
     if repeated:
-        lines += (f"graphs called more than once per step, simulated once: {repeated}",)
+        lines += (f"graphs called more than once per step, simulated once per call: {repeated}",)
     return lines

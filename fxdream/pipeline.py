@@ -164,12 +164,12 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     With costs measured here, a training step or a model with graph breaks also gets the host
     time outside its graphs (eager code between subgraphs, autograd), measured on a few steps."""
     cost = module._pipeline.base_context.cost_model
-    gaps, notes = None, ()
+    step, notes = None, ()
     if isinstance(cost, Profiled) and (training or len(module.captured) > 1):
-        gaps, calls = measure_model_gaps(module, model, inputs, training, module._session.clock)
-        notes = describe_gaps(gaps, calls, len(module.captured), training)
-    before = predict(module.captured, cost, training, host_gaps=gaps)
-    after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, host_gaps=gaps)
+        step = measure_model_gaps(module, model, inputs, training, module._session.clock)
+        notes = describe_gaps(step, len(module.captured), training)
+    before = predict(module.captured, cost, training, step=step)
+    after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)
     return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,
                 predicted_peak_delta_bytes=after.peak_memory_bytes - before.peak_memory_bytes,
                 top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)), notes=notes)

@@ -51,9 +51,9 @@ def _alias_key(t: torch.Tensor) -> tuple:
 
 def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu", training: bool = False,
          passes="auto", cost: str | CostModel = "auto", memory_budget: int | None = None,
-         optimizer: OptimizerModel | None = None, contention: bool = True, host_gaps: dict | None = None) -> Plan:
+         optimizer: OptimizerModel | None = None, contention: bool = True, step=None) -> Plan:
     """Run ``passes`` ("auto" or names) over ``captured`` for ``device`` and simulate before/after
-    (a training step with ``optimizer``'s step when given; ``host_gaps`` as ``predict`` takes)."""
+    (a training step with ``optimizer``'s step when given; ``step`` as ``predict`` takes it)."""
     cost_model = cost_model_for(device, cost) if isinstance(cost, str) else cost
     if isinstance(cost_model, Profiled):
         cost_model.profile_in_context(captured)
@@ -70,7 +70,7 @@ def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu"
         for phase, gm in part.graphs():
             params = _model_state_of(gm, state) if phase == "fw" else {}
             pipeline(gm, phase, part.index, params, None)
-    before = predict(captured, cost_model, training, optimizer, contention=contention, host_gaps=host_gaps)
+    before = predict(captured, cost_model, training, optimizer, contention=contention, step=step)
     after = predict(captured, cost_model, training, optimizer, graphs=pipeline.rewritten, contention=contention,
-                    host_gaps=host_gaps)
+                    step=step)
     return Plan(cost_model.device.name, training, tuple(pipeline.rows), before, after, dict(pipeline.rewritten))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .capture import Captured, capture_with_host_gaps
+from .host_gaps import StepCalls
 from .sim.cost import Analytic, CostModel, Profiled
 from .sim.devices import DeviceSpec, get_device
 from .sim.lower import OPTIMIZERS, OptimizerModel, lower, lower_captured
@@ -99,12 +100,12 @@ def graph_prediction(gm, cost: CostModel, phase: str = "fw", contention: bool = 
 
 def predict(captured: Captured | tuple, cost: CostModel, training: bool,
             optimizer: OptimizerModel | None = None, graphs: dict | None = None,
-            contention: bool = True, host_gaps: dict | None = None) -> Prediction:
+            contention: bool = True, step: StepCalls | None = None) -> Prediction:
     """Lower and simulate already-captured graphs (``graphs`` replaces some by (index, phase));
-    ``host_gaps``: measured host time outside the graphs (``fxdream.host_gaps``)."""
+    ``step``: the graph calls and host time of a measured step (``fxdream.host_gaps``)."""
     if isinstance(cost, Profiled):
         cost.profile_in_context(captured, graphs=graphs)
-    lowered = lower_captured(captured, cost, optimizer if training else None, graphs, host_gaps)
+    lowered = lower_captured(captured, cost, optimizer if training else None, graphs, step)
     timeline = simulate_graph(lowered.graph, Contention() if contention else None,
                               initial_memory_bytes=lowered.static_bytes)
     return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes)
@@ -123,13 +124,13 @@ def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = 
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
     model_cost = cost_model_for(device, cost)
     # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
-    captured, gaps, notes = capture_with_host_gaps(model, example_inputs, training,
+    captured, step, notes = capture_with_host_gaps(model, example_inputs, training,
                                                    measure=isinstance(model_cost, Profiled))
     if not passes:
         prediction = predict(captured, model_cost, training, OPTIMIZERS.get(optimizer),
-                             contention=contention, host_gaps=gaps)
+                             contention=contention, step=step)
         return dataclasses.replace(prediction, notes=notes)
     from .plan import plan  # plan builds on predict
     planned = plan(model, captured, device, training, passes, model_cost, memory_budget,
-                   OPTIMIZERS.get(optimizer), contention, host_gaps=gaps)
+                   OPTIMIZERS.get(optimizer), contention, step=step)
     return dataclasses.replace(planned.after, passes=planned.rows, notes=notes)

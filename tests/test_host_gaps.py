@@ -7,24 +7,28 @@ import torch.nn as nn
 
 import fxdream
 from fxdream.capture import capture_with_host_gaps
-from fxdream.host_gaps import END, SubgraphClock, measure_host_gaps, step_gaps
+from fxdream.host_gaps import END, StepCalls, SubgraphClock, measure_host_gaps, step_calls
 from fxdream.predict import cost_model_for, predict
-from fxdream.sim.lower import lower
+from fxdream.sim.lower import SGD, lower
 from fxdream.sim.simulate import simulate
 from conftest import graph_with_values
 from test_sim_lower import CPU, GPU, FixedCost, _relu_view_add
 
 
-def test_gaps_are_the_host_time_before_each_call_and_after_the_last():
-    events = [("g1.fw", 3.0e-6, 4.0e-6), ("g0.fw", 1.0e-6, 2.0e-6)]  # any order
-    gaps = step_gaps(events, started=0.0, ended=10.0e-6)
-    assert gaps == pytest.approx({"g0.fw": 1.0, "g1.fw": 1.0, END: 6.0})
+def test_a_step_is_its_calls_in_order_with_the_host_time_around_them():
+    events = [("g1.fw", 3.0e-6, 4.0e-6), ("g0.fw", 1.0e-6, 2.0e-6), ("g0.fw", 5.0e-6, 7.0e-6)]  # any order
+    step = step_calls(events, started=0.0, ended=10.0e-6)
+    assert step.calls == ("g0.fw", "g1.fw", "g0.fw")
+    assert step.gaps_us == pytest.approx((1.0, 1.0, 1.0)) and step.end_us == pytest.approx(3.0)
+    assert step.total_us == pytest.approx(6.0) and step.counts() == {"g0.fw": 2, "g1.fw": 1}
 
 
-def test_a_graph_called_twice_has_its_gaps_summed():
-    events = [("g0.fw", 1e-6, 2e-6), ("g1.fw", 4e-6, 5e-6), ("g0.fw", 7e-6, 8e-6)]
-    gaps = step_gaps(events, started=0.0, ended=8e-6)
-    assert gaps == pytest.approx({"g0.fw": 1.0 + 2.0, "g1.fw": 2.0, END: 0.0})
+def test_the_median_step_keeps_the_most_frequent_sequence():
+    a = StepCalls(("g0.fw", "g1.fw"), (1.0, 2.0), 3.0)
+    b = StepCalls(("g0.fw", "g1.fw"), (3.0, 4.0), 5.0)
+    other = StepCalls(("g0.fw", "g2.fw"), (100.0, 100.0), 100.0)  # the other branch, once
+    median = StepCalls.median([a, other, b])
+    assert median == StepCalls(("g0.fw", "g1.fw"), (2.0, 3.0), 4.0)
 
 
 def test_clock_records_only_while_measuring_and_keeps_the_boxed_convention():
@@ -35,8 +39,18 @@ def test_clock_records_only_while_measuring_and_keeps_the_boxed_convention():
     def step():
         time.sleep(0.002)
         call([1])
-    gaps, calls = measure_host_gaps(step, clock, rounds=2, warmup=0)
-    assert gaps["g0.fw"] >= 2000 and calls == {"g0.fw": 1} and clock.events is None
+    measured = measure_host_gaps(step, clock, rounds=2, warmup=0)
+    assert measured.calls == ("g0.fw",) and measured.gaps_us[0] >= 2000 and clock.events is None
+
+
+def test_repeated_calls_are_lowered_once_each_and_backwards_pair_last_in_first_out():
+    from fxdream.sim.lower import _as_called
+    fw, bw = object(), object()
+    step = StepCalls(("g0.fw", "g0.fw", "g0.bw", "g0.bw", "g9.fw"), (1.0, 2.0, 3.0, 4.0, 5.0), 6.0)
+    ordered, gaps = _as_called({"g0.fw": fw, "g0.bw": bw}, step)
+    assert ordered == [("g0.fw", fw), ("g0#1.fw", fw), ("g0#1.bw", bw), ("g0.bw", bw)]
+    # a call of a graph not captured here (g9) adds its gap to the end
+    assert gaps == {"g0.fw": 1.0, "g0#1.fw": 2.0, "g0#1.bw": 3.0, "g0.bw": 4.0, END: 11.0}
 
 
 def test_gaps_lower_to_host_tasks_before_their_graph_and_at_the_end():
@@ -72,12 +86,12 @@ class SlowEagerBetween(nn.Module):
 
 def test_a_graph_break_costs_its_measured_eager_time_in_the_prediction():
     model, x = SlowEagerBetween(), torch.randn(3, 4)
-    captured, gaps, notes = capture_with_host_gaps(model, (x,), training=True)
+    captured, step, notes = capture_with_host_gaps(model, (x,), training=True)
     assert len(captured) == 2 and "1 graph break(s), autograd" in notes[0]
-    assert gaps["g1.fw"] >= 20000
+    assert step.calls == ("g0.fw", "g1.fw", "g1.bw", "g0.bw") and step.gaps_us[1] >= 20000
     cost = cost_model_for("cpu", "profiled")
     without = predict(captured, cost, True).time_ms
-    with_gaps = predict(captured, cost, True, host_gaps=gaps).time_ms
+    with_gaps = predict(captured, cost, True, step=step).time_ms
     assert without < 5 and 20 <= with_gaps < 20 + 10 * without + 10
     prediction = fxdream.simulate(model, (x,), training=True)
     assert prediction.time_ms >= 20 and any("graph break" in n for n in prediction.notes)
@@ -101,8 +115,46 @@ def test_optimize_reports_the_gaps_of_a_training_step():
 
 def test_the_note_names_the_causes_and_graphs_run_twice():
     from fxdream.host_gaps import describe_gaps
-    one, twice = describe_gaps({"g0.fw": 1500.0, END: 500.0}, {"g0.fw": 2, "g0.bw": 1}, 1, True)
+    step = StepCalls(("g0.fw", "g0.fw", "g0.bw"), (1000.0, 500.0, 0.0), 500.0)
+    one, twice = describe_gaps(step, 1, True)
     assert one == "measured host time outside the graphs (autograd): 2.000 ms per step, simulated as host tasks"
-    assert twice == "graphs called more than once per step, simulated once: {'g0.fw': 2}"
-    (only,) = describe_gaps({END: 0.0}, {"g0.fw": 1, "g1.fw": 1}, 2, False)
+    assert twice == "graphs called more than once per step, simulated once per call: {'g0.fw': 2}"
+    (only,) = describe_gaps(StepCalls(("g0.fw", "g1.fw"), (0.0, 0.0), 0.0), 2, False)
     assert "(1 graph break(s))" in only
+
+
+class BreakingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.linear(x))
+        torch._dynamo.graph_break()
+        return y * 2
+
+
+class RepeatedBreak(nn.Module):
+    """One block class, three instances, a graph break in each: dynamo compiles the block's
+    pieces once and calls those graphs three times per step."""
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(BreakingBlock() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_graph_called_per_block_is_simulated_per_call():
+    model, x = RepeatedBreak(), torch.randn(4, 8)
+    captured, step, notes = capture_with_host_gaps(model, (x,), training=True)
+    fw_calls = [c for c in step.calls if c.endswith(".fw")]
+    assert len(fw_calls) > len(captured)  # some graph ran more than once
+    assert "simulated once per call" in notes[1]
+    prediction = predict(captured, cost_model_for("cpu", "profiled"), True, SGD, step=step)
+    labels = {t.name.split(":")[0] for t in prediction.task_graph.tasks if ":" in t.name}
+    assert len({lb for lb in labels if lb.endswith(".fw")}) == len(fw_calls)
+    # every call's backward returns its own block's gradients: 3 weights + 3 biases updated
+    assert len(prediction.task_graph.select(phase="optim")) == 6

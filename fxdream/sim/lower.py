@@ -20,6 +20,7 @@ are ignored (there are no CUDA graphs).
 """
 from __future__ import annotations
 
+import collections
 import operator
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -29,7 +30,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from ..annotate import LAYER, PARAMETER_GRADIENTS, op_name
-from ..host_gaps import END
+from ..host_gaps import END, StepCalls
 from .cost import CostModel, is_view, tensor_bytes
 from .graph_regions import (CUDA_GRAPH_REGION, GraphRegion, aliases_input, cuda_graph_regions,  # noqa: F401
                             inline_cuda_graph_runners)
@@ -346,13 +347,46 @@ def _lower_optimizer(tg: TaskGraph, backwards: list[fx.GraphModule], cost: CostM
 
 
 def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None = None,
-                   graphs: dict | None = None, host_gaps: Mapping[str, float] | None = None) -> Lowered:
-    """Lower a Captured (or a tuple of them), optionally with rewritten graphs by (index, phase)."""
+                   graphs: dict | None = None, step: StepCalls | None = None) -> Lowered:
+    """Lower a Captured (or a tuple of them), optionally with rewritten graphs by (index, phase).
+
+    Without ``step``: every forward in subgraph order, then every backward in reverse. With a
+    measured ``step`` (``fxdream.host_gaps``): the graphs in the order that step called them,
+    each call once (a repeated call is labelled "g0#1.fw"; the j-th backward call of a subgraph
+    pairs with its forwards last-in first-out, for liveness), and its host gaps between."""
     items = captured if isinstance(captured, tuple) else (captured,)
     pairs = []
     for c in items:
         for phase, gm in c.graphs():
             pairs.append((f"g{c.index}.{phase}", (graphs or {}).get((c.index, phase), gm)))
-    # all forwards run before all backwards (backward visits subgraphs in reverse)
-    ordered = [p for p in pairs if p[0].endswith("fw")] + [p for p in reversed(pairs) if p[0].endswith("bw")]
-    return lower(ordered, cost, optimizer, host_gaps)
+    if step is None:
+        # all forwards run before all backwards (backward visits subgraphs in reverse)
+        ordered = [p for p in pairs if p[0].endswith("fw")] + [p for p in reversed(pairs) if p[0].endswith("bw")]
+        return lower(ordered, cost, optimizer)
+    ordered, gaps = _as_called(dict(pairs), step)
+    return lower(ordered, cost, optimizer, gaps)
+
+
+def _as_called(by_label: dict, step: StepCalls) -> tuple[list, dict]:
+    """(label, graph) per call of ``step`` (calls of graphs not captured here are skipped) and the
+    host gaps by those labels."""
+    forwards = collections.Counter(label.rsplit(".", 1)[0] for label in step.calls if label.endswith(".fw"))
+    seen: collections.Counter = collections.Counter()
+    used, ordered, gaps = set(), [], {END: step.end_us}
+    for label, gap_us in zip(step.calls, step.gaps_us):
+        if label not in by_label:
+            gaps[END] += gap_us
+            continue
+        scope, phase = label.rsplit(".", 1)
+        k = seen[label]
+        seen[label] += 1
+        if phase == "bw" and forwards[scope]:
+            k = max(0, forwards[scope] - 1 - k)  # backward runs its forwards' calls in reverse
+        name = label if k == 0 else f"{scope}#{k}.{phase}"
+        while name in used:  # more backward than forward calls: never reuse a label
+            k += 1
+            name = f"{scope}#{k}.{phase}"
+        used.add(name)
+        ordered.append((name, by_label[label]))
+        gaps[name] = gap_us
+    return ordered, gaps
