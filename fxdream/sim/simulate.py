@@ -38,7 +38,8 @@ from heapq import heappop, heappush
 from types import MappingProxyType
 from typing import Mapping
 
-from .taskgraph import TaskGraph, TaskKind, _Arrays
+from .task_arrays import TaskArrays
+from .taskgraph import TaskGraph, TaskKind
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class _TimesView(Mapping):
         return f"TimesView({len(self)} tasks)"
 
 
-def _run_plain(c: _Arrays):
+def _run_plain(c: TaskArrays):
     """Hot loop without contention: one event per task, a tiny event heap."""
     n, dur, res, succ, alloc, free = len(c.names), c.dur, c.res, c.succ, c.alloc, c.free
     has_mem = any(alloc) or any(free)
@@ -163,7 +164,7 @@ def _run_plain(c: _Arrays):
     return start, end, rprev, trig, mem, done
 
 
-def _run_shared(c: _Arrays, capacity: float):
+def _run_shared(c: TaskArrays, capacity: float):
     """General loop: GPU tasks progress at a shared rate (processor sharing)."""
     n, dur, res, succ, alloc, free = len(c.names), c.dur, c.res, c.succ, c.alloc, c.free
     shared, util = c.gpu, [t.utilization for t in c.tasks]
@@ -269,7 +270,7 @@ def simulate(graph: TaskGraph, contention: Contention | bool | None = None, *,
     return _timeline(c, start, end, rprev, trig, mem, int(initial_memory_bytes))
 
 
-def _timeline(c: _Arrays, start, end, rprev, trig, mem, init) -> Timeline:
+def _timeline(c: TaskArrays, start, end, rprev, trig, mem, init) -> Timeline:
     names, tasks, res = c.names, c.tasks, c.res
     makespan = max(end, default=0.0)
     busy = [0.0] * len(c.resources)
