@@ -82,17 +82,24 @@ def step_calls(events: list[tuple[str, float, float]], started: float, ended: fl
 
 
 def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: int = 3,
-                      warmup: int = 1) -> StepCalls:
-    """Run ``step`` ``warmup + rounds`` times with the graph calls time-stamped; the median step."""
+                      warmup: int = 1, budget_s: float = 1.0) -> StepCalls:
+    """Run ``step`` ``warmup + rounds`` times with the graph calls time-stamped; the median step.
+
+    Stops early once ``budget_s`` is spent (with one sample at least), and keeps a warm-up step
+    that alone took longer than the budget: on a large model the gaps are a small share of a
+    long step, and more steps would cost seconds of build time."""
     samples = []
+    begun = time.perf_counter()
     try:
         for i in range(warmup + rounds):
             clock.events = []
             started = time.perf_counter()
             step()
             ended = time.perf_counter()
-            if i >= warmup:
+            if i >= warmup or ended - started > budget_s:
                 samples.append(step_calls(clock.events, started, ended))
+            if samples and ended - begun > budget_s:
+                break
     finally:
         clock.events = None
     return StepCalls.median(samples)

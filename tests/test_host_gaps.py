@@ -158,3 +158,19 @@ def test_a_graph_called_per_block_is_simulated_per_call():
     assert len({lb for lb in labels if lb.endswith(".fw")}) == len(fw_calls)
     # every call's backward returns its own block's gradients: 3 weights + 3 biases updated
     assert len(prediction.task_graph.select(phase="optim")) == 6
+
+
+def test_measuring_stops_when_the_budget_is_spent_and_keeps_a_long_warm_up_step():
+    clock = SubgraphClock()
+    call = clock.wrap(lambda args: args, "g0.fw")
+    runs = []
+
+    def slow_step():
+        runs.append(1)
+        time.sleep(0.03)
+        call([])
+    measured = measure_host_gaps(slow_step, clock, rounds=5, warmup=1, budget_s=0.01)
+    assert len(runs) == 1 and measured.gaps_us[0] >= 30000  # the warm-up step alone was over budget
+    runs.clear()
+    measured = measure_host_gaps(slow_step, clock, rounds=2, warmup=1, budget_s=60.0)
+    assert len(runs) == 3 and measured.calls == ("g0.fw",)  # within budget: warm-up + every round
