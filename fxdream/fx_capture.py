@@ -57,7 +57,18 @@ def trace_and_compile(model: torch.nn.Module, inputs: tuple,
 
     Compiles (so the pass pipeline runs) only once the trace is known to match eager on
     ``inputs``; call under ``torch.no_grad()`` with the model in eval mode. A compilation that
-    fails leaves ``session`` as it was."""
+    fails leaves ``session`` as it was; so does anything else that goes wrong on this path."""
+    records = len(session.records)
+    try:
+        runner, reason = _trace_and_compile(model, inputs, session)
+    except Exception as error:  # this path is an optimization: never the reason a model fails
+        runner, reason = None, f"the torch.fx path failed ({_headline(error)})"
+    if runner is None:
+        del session.records[records:]
+    return runner, reason
+
+
+def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str | None]:
     if model.training or torch.is_grad_enabled():
         return None, "training"
     if getattr(model.forward, "_torchdynamo_disable", False):
@@ -87,11 +98,9 @@ def trace_and_compile(model: torch.nn.Module, inputs: tuple,
         return None, "forward changes the modules' Python attributes (a trace would do it only once)"
     if not _same(expected, actual):
         return None, "the torch.fx trace's output differs from eager on the example"
-    records = len(session.records)
     try:
         compiled = session(traced, list(inputs))
     except Exception as error:
-        del session.records[records:]
         return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
     return TracedRunner(model, compiled, out_spec, inputs, session), None
 
@@ -158,6 +167,9 @@ def _plain(value):
     return value
 
 
+_TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
+
+
 def _same(expected, actual) -> bool:
     e_leaves, e_spec = pytree.tree_flatten(expected)
     a_leaves, a_spec = pytree.tree_flatten(actual)
@@ -167,8 +179,16 @@ def _same(expected, actual) -> bool:
         if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
             return False
         if isinstance(e, torch.Tensor):
-            if e.shape != a.shape or e.dtype != a.dtype or not torch.allclose(e, a, rtol=1e-5, atol=1e-6,
-                                                                               equal_nan=True):
+            # loose enough for kernels that differ call to call (cuDNN's autotuner, TF32), far
+            # tighter than a wrong branch
+            if e.shape != a.shape or e.dtype != a.dtype:
+                return False
+            if not (e.is_floating_point() or e.is_complex()):
+                if not torch.equal(e, a):
+                    return False
+                continue
+            rtol, atol = _TOLERANCE.get(e.dtype, (1e-4, 1e-5))
+            if not torch.allclose(e, a, rtol=rtol, atol=atol, equal_nan=True):
                 return False
         elif e != a:
             return False

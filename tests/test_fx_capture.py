@@ -158,3 +158,30 @@ def test_python_side_effects_in_forward_keep_dynamo():
     with torch.no_grad():
         optimized(x)
     assert model.calls == before + 1
+
+
+class ScoresAndMask(nn.Module):
+    def forward(self, x):
+        return x.softmax(-1), x.argmax(-1), x > 0
+
+
+def test_integer_and_bool_outputs_are_compared_exactly():
+    model, x = ScoresAndMask(), torch.randn(3, 5)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    with torch.no_grad():
+        for got, want in zip(optimized(x), model(x)):
+            assert torch.equal(got, want) if not got.is_floating_point() else torch.allclose(got, want)
+
+
+def test_anything_failing_on_the_fx_path_falls_back_to_dynamo(monkeypatch):
+    import fxdream.fx_capture as fx_capture
+
+    def broken(*args):
+        raise RuntimeError("simulated bug")
+    monkeypatch.setattr(fx_capture, "_flatten_outputs", broken)
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 8, 8)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "dynamo (the torch.fx path failed (RuntimeError: simulated bug))"
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
