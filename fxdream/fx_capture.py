@@ -3,10 +3,12 @@
 Dynamo spends ~2.4 s on ResNet-50 before aot_autograd starts; ``torch.fx.symbolic_trace``
 takes ~0.03 s. A symbolic trace, though, is only right where the model's Python does not
 branch on what a Proxy cannot know (``isinstance(x, Tensor)``, ``x is None``), and it guards
-nothing. So the trace is kept only when its output on the example equals eager's (anything
-else falls back to dynamo, with the reason), and the runner checks every call against what
-it was built for (input shapes, dtypes, devices, the modules' train/eval flags, grad mode):
-any other call goes through dynamo, which captures again with the same session.
+nothing, and Python side effects in forward run once, at trace time. So the trace is kept
+only when its output on the example equals eager's and forward left the modules' Python
+attributes as they were (anything else falls back to dynamo, with the reason), and the runner
+checks every call against what it was built for (input shapes, strides, dtypes, devices, the
+modules' train/eval flags, grad mode): any other call goes through dynamo, which captures
+again with the same session.
 
 Inference only: training keeps dynamo (autograd mutations of BN buffers, graph breaks kept
 for RNNs, see ``capture.tracing_config``).
