@@ -123,10 +123,11 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
         model.train(training)
         baseline = optimize(model, inputs, training=training, device=device)
         optimized = optimize(model, inputs, passes=selected, training=training, device=device)
-        before = predict(baseline.captured, cost, training,
-                         step=_measured_step(baseline, model, inputs, loss_fn, training, cost))
-        after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs,
-                        step=_measured_step(optimized, model, inputs, loss_fn, training, cost))
+        # one measured step for both: passes rewrite the graphs, not the eager code around them
+        # (two measurements would differ by noise and give an unchanged graph a predicted delta)
+        step = _measured_step(baseline, model, inputs, loss_fn, training, cost)
+        before = predict(baseline.captured, cost, training, step=step)
+        after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs, step=step)
         measured = time_interleaved(
             {"eager": _step(model, inputs, loss_fn, training), "baseline": _step(baseline, inputs, loss_fn, training),
              "optimized": _step(optimized, inputs, loss_fn, training)},

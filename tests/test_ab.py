@@ -81,3 +81,10 @@ def test_training_predictions_include_the_measured_host_gaps_and_inference_runs_
     step = _measured_step(training, model, inputs, loss_fn, True, cost)
     assert step.calls == ("g0.fw", "g0.bw") and all(us >= 0 for us in step.gaps_us + (step.end_us,))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_pass_that_changes_nothing_is_predicted_to_change_nothing_in_training():
+    (row,) = ab(build, ["fuse_conv_bias_act"], batch_sizes=(2,), training=True, rounds=1, block=1,
+                progress=False).rows
+    assert not any(": applied:" in reason for reason in row.pass_reasons)
+    assert row.predicted_delta_pct == 0.0  # one measured step serves both predictions
