@@ -358,8 +358,10 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
         runner = runner or compile_with(model, session)
         run_once(runner, model, inputs, training)
     except Exception as error:
-        model.train(was_training)
-        run_once(model, model, inputs, training)  # the model's own error, if eager fails too
+        try:
+            run_once(model, model, inputs, training)  # the model's own error, if eager fails too
+        finally:
+            model.train(was_training)
         raise CaptureError(f"dynamo could not capture {type(model).__name__}: {describe_error(error)}") from error
     captured = session.captured()
     step, notes = None, ()

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import torch
+
 END = "end"
 
 
@@ -110,9 +112,7 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
     gradients, buffers and RNG are left as they were."""
-    import torch
-
-    from .capture import differentiable_scalar, preserved_state
+    from .capture import differentiable_scalar, preserved_state  # capture imports this module
 
     def step():
         if not training:

@@ -15,8 +15,8 @@ from .numerics import max_abs_diff
 from .pass_api import PassContext, available_passes, resolve_passes
 from .pass_pipeline import PassPipeline, copy_graph_module  # noqa: F401  (copy_graph_module: public)
 from .predict import cost_model_for, predict, this_machine_device
-from .sim.cost import Profiled
 from .report import GraphReport, Report
+from .sim.cost import Profiled
 from .validate import check_flag, check_inputs, check_model, resolve_device
 
 
