@@ -95,7 +95,7 @@ def test_a_graph_break_costs_its_measured_eager_time_in_the_prediction():
     cost = cost_model_for("cpu", "profiled")
     without = predict(captured, cost, True).time_ms
     with_gaps = predict(captured, cost, True, step=step).time_ms
-    assert without < 5 and with_gaps - without >= 19.5  # the sleep is in, once
+    assert without < 5 and with_gaps - without >= 19.5  # the 20 ms sleep is in the prediction
     prediction = fxdream.simulate(model, (x,), training=True)
     assert prediction.time_ms >= 20 and any("graph break" in n for n in prediction.notes)
     assert "note: measured host time" in prediction.summary()
