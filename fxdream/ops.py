@@ -35,6 +35,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
+from .sim.graph_regions import aliases_input
+
 Tensor = torch.Tensor
 _ACTS = ("relu", "none")
 
@@ -278,9 +280,8 @@ def _residual_is_free(node, other, order: dict) -> bool:
     if not value.is_contiguous(memory_format=torch.channels_last):
         return False
     source = other.args[0] if other.target is operator.getitem else other  # max_pool's (values, indices)
-    schema = getattr(source.target, "_schema", None) if isinstance(source, fx.Node) else None
     if source.target is not ONEDNN_CONV_ADD_ and (  # that one's own residual was checked likewise
-            schema is None or any(r.alias_info is not None for r in schema.returns)):
+            getattr(source.target, "_schema", None) is None or aliases_input(source)):
         return False  # may alias an input (a view): never overwrite it
     if _aliases(node.args[0], other):
         return False  # the conv reads it too (y = relu(conv(y) + y))
@@ -289,9 +290,7 @@ def _residual_is_free(node, other, order: dict) -> bool:
 
 def _may_alias_input(n) -> bool:
     """Whether ``n``'s result may share memory with one of its inputs (a view, getitem, in-place)."""
-    schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-    return n.target is operator.getitem or (schema is not None and any(r.alias_info is not None
-                                                                       for r in schema.returns))
+    return n.target is operator.getitem or (n.op == "call_function" and aliases_input(n))
 
 
 def _readers(other) -> set:

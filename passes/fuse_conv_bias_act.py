@@ -31,6 +31,7 @@ from fxdream import ops
 from fxdream.annotate import LAYER
 from fxdream.pass_api import PassContext, PassResult, register_pass
 from fxdream.pass_pipeline import copy_graph_module
+from fxdream.sim.graph_regions import aliases_input
 
 aten = torch.ops.aten
 CONV, RELU, ADD = aten.convolution.default, aten.relu.default, aten.add.Tensor
@@ -307,7 +308,7 @@ class _Builder:
                 continue
             if self.variant.channels_last and node.target in ops.INFERENCE_OPS:
                 node.args = (self._convert(node.args[0], CL, node, converted),) + tuple(node.args[1:])
-            elif _returns_alias(node):
+            elif aliases_input(node):  # e.g. the view before a classifier: depends on the input's strides
                 node.args = tree_map(lambda a: self._restore(a, node, converted) if isinstance(a, fx.Node) else a,
                                      node.args)
             if node.op == "call_function":
@@ -336,13 +337,6 @@ class _Builder:
             node.meta["val"] = self._fake_run(node)
             converted[key] = node
         return converted[key]
-
-
-def _returns_alias(node: fx.Node) -> bool:
-    """A view (its result depends on the input's strides), e.g. the view before a classifier."""
-    schema = getattr(node.target, "_schema", None)
-    return node.target is not operator.getitem and bool(
-        schema and any(r.alias_info is not None for r in schema.returns))
 
 
 def _variants(ctx: PassContext) -> tuple[Variant, ...]:

@@ -377,12 +377,10 @@ def mark_incompatible(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, str
 
 def _is_alias(node: fx.Node) -> bool:
     from fxdream.sim.cost import is_view
+    from fxdream.sim.graph_regions import aliases_input
     if node.op != "call_function":
         return False
-    if is_view(node):
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and any(r.alias_info is not None for r in schema.returns))
+    return is_view(node) or aliases_input(node)
 
 
 def marked_notes(marked: dict[fx.Node, str]) -> tuple[str, ...]:
