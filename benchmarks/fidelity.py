@@ -25,7 +25,7 @@ import torch
 import fxdream
 from fxdream import models
 from fxdream.capture import preserved_state
-from fxdream.host_gaps import StepCalls, measure_host_gaps
+from fxdream.host_gaps import StepCalls, measure_host_gaps, worth_measuring
 from fxdream.measure import time_interleaved
 from fxdream.predict import cost_model_for, predict
 
@@ -77,7 +77,7 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
     calls = itertools.count()
 
     def profile_and_gaps():  # the gaps first: right after the timed block, as warm as it
-        if (training or graphs > 1) and next(calls) % block == 0:
+        if worth_measuring(training, graphs) and next(calls) % block == 0:
             step_samples.append(measure_host_gaps(step, optimized._session.clock, rounds=1, warmup=0))
         profile()
     with preserved_state(model):

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .capture import preserved_state
-from .host_gaps import StepCalls, measure_host_gaps
+from .host_gaps import StepCalls, measure_host_gaps, worth_measuring
 from .measure import Measurement, time_interleaved
 from .numerics import max_abs_diff
 from .pass_api import resolve_passes
@@ -143,7 +143,7 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
 def _measured_step(module, model, inputs, loss_fn, training, cost) -> StepCalls | None:
     """The graph calls and host time outside the graphs of this very step (training, graph
     breaks), as optimize() adds them to its predictions; None where costs are not measured here."""
-    if not isinstance(cost, Profiled) or not (training or len(module.captured) > 1):
+    if not isinstance(cost, Profiled) or not worth_measuring(training, len(module.captured)):
         return None
     with preserved_state(model):
         return measure_host_gaps(_step(module, inputs, loss_fn, training), module._session.clock)

@@ -20,7 +20,7 @@ from functorch.compile import aot_module_simplified, make_boxed_func
 
 from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
-from .host_gaps import SubgraphClock
+from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
@@ -369,8 +369,7 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
         if not captured:
             reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
             raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
-        if measure and (training or len(captured) > 1):
-            from .host_gaps import describe_gaps, measure_model_gaps
+        if measure and worth_measuring(training, len(captured)):
             step = measure_model_gaps(runner, model, inputs, training, session.clock)
             notes = describe_gaps(step, len(captured), training)
     finally:

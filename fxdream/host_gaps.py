@@ -52,6 +52,12 @@ class StepCalls:
         return cls(calls, gaps, statistics.median(s.end_us for s in same))
 
 
+def worth_measuring(training: bool, subgraphs: int) -> bool:
+    """Only training steps (autograd) and graph breaks have host time outside the graphs that
+    matters; one inference graph is one call with next to nothing around it."""
+    return training or subgraphs > 1
+
+
 class SubgraphClock:
     """Records (label, start, end) of each compiled-graph call while ``events`` is a list."""
 

@@ -9,7 +9,7 @@ import torch
 from .capture import (CaptureError, CaptureSession, compile_with, describe_error, differentiable_scalar,
                       graph_break_counts, new_graph_breaks, preserved_state, run_once)
 from .fx_capture import trace_and_compile
-from .host_gaps import describe_gaps, measure_model_gaps
+from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
 from .numerics import max_abs_diff
 from .pass_api import PassContext, available_passes, resolve_passes
@@ -165,7 +165,7 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     time outside its graphs (eager code between subgraphs, autograd), measured on a few steps."""
     cost = module._pipeline.base_context.cost_model
     step, notes = None, ()
-    if isinstance(cost, Profiled) and (training or len(module.captured) > 1):
+    if isinstance(cost, Profiled) and worth_measuring(training, len(module.captured)):
         step = measure_model_gaps(module, model, inputs, training, module._session.clock)
         notes = describe_gaps(step, len(module.captured), training)
     before = predict(module.captured, cost, training, step=step)
