@@ -80,6 +80,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         return None, "a non-tensor example input"
     if any(t.device.type not in ("cpu", "cuda") for t in list(model.parameters()) + list(inputs)):
         return None, "tensors on a device whose values cannot be compared with eager's (meta)"
+    versions = _state_versions(model)
     traced, reason = _trace(model, len(inputs))
     if traced is None:
         return None, reason
@@ -99,6 +100,8 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         return None, f"the torch.fx trace does not run ({_headline(error)})"
     if _module_state(model) != before:
         return None, "forward changes the modules' Python attributes (a trace would do it only once)"
+    if _state_versions(model) != versions:
+        return None, "forward updates a parameter or buffer in place (a trace would do it only once)"
     if not _same(expected, actual):
         return None, "the torch.fx trace's output differs from eager on the example"
     try:
@@ -114,6 +117,12 @@ def _module_state(model: torch.nn.Module) -> list:
     skip = {"_parameters", "_buffers", "_modules", "training"}
     return [(name, key, id(value)) for name, m in model.named_modules()
             for key, value in vars(m).items() if key not in skip]
+
+
+def _state_versions(model: torch.nn.Module) -> list:
+    """Version counters of the parameters and buffers: an in-place update (``self.steps += 1``)
+    bumps them. A trace runs such an update once, at trace time, and records nothing."""
+    return [t._version for t in list(model.parameters()) + list(model.buffers())]
 
 
 def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None, str | None]:

@@ -161,6 +161,33 @@ def test_python_side_effects_in_forward_keep_dynamo():
     assert model.calls == before + 1
 
 
+class CountsInABuffer(nn.Module):
+    """The trace runs ``+= 1`` once, on the real buffer, and records only the multiply."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.lin(x) * self.steps
+
+
+def test_a_buffer_updated_in_place_keeps_dynamo_and_matches_eager():
+    torch.manual_seed(0)
+    model, x = CountsInABuffer().eval(), torch.randn(2, 4)
+    reference = CountsInABuffer().eval()
+    reference.load_state_dict(model.state_dict())
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == ("dynamo (forward updates a parameter or buffer in place "
+                                        "(a trace would do it only once))")
+    assert model.steps.item() == 0  # building left the state as it was
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(optimized(x), reference(x), rtol=0, atol=0)
+    assert model.steps.item() == reference.steps.item() == 3
+
+
 class ScoresAndMask(nn.Module):
     def forward(self, x):
         return x.softmax(-1), x.argmax(-1), x > 0
