@@ -86,7 +86,8 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
              memory_budget: int | None = None, verify: bool = False, measure: bool = False) -> OptimizedModule:
     """Capture ``model`` at ``example_inputs``, apply ``passes``, and return a module equal to eager.
 
-    The module runs through the captured graphs; ``.report`` tells what was captured,
+    The module runs through the captured graphs (with ``training=False`` always under
+    ``torch.no_grad()``: folded weights are constants); ``.report`` tells what was captured,
     where dynamo broke the graph, and what each pass did. When dynamo cannot trace the
     model it runs eagerly and the report says why; ``strict=True`` raises instead
     (also on graph breaks, where parts of the model would run eagerly).
