@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
+from .rnn_op import rnn_inference
+
 LAYER = "layer"              # qualified module name; "" is the model itself
 PHASE = "fxdream.phase"      # "fw" | "bw"
 ROOT_LAYER_LABEL = "(model)"  # how the root layer "" is shown in tables
@@ -169,7 +171,7 @@ def node_flops(node: fx.Node) -> int:
 
 
 _RNN_OPS = {getattr(torch.ops.aten, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer",
-                                                      "_cudnn_rnn") if hasattr(torch.ops.aten, name)}
+                                                      "_cudnn_rnn") if hasattr(torch.ops.aten, name)} | {rnn_inference.overloadpacket}
 
 
 def _rnn_flops(node: fx.Node) -> int:
@@ -182,3 +184,22 @@ def _rnn_flops(node: fx.Node) -> int:
     weights = [w for w in torch.utils._pytree.tree_leaves(torch.utils._pytree.tree_map(_val, node.args[1:]))
                if isinstance(w, torch.Tensor) and w.dim() == 2 and w is not x]
     return int(sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights))
+
+
+# (index of num_layers, index of batch_first) in each RNN op's arguments
+_RNN_LAYOUT_ARGS = {**{getattr(torch.ops.aten, name): (4, 8) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
+                    rnn_inference.overloadpacket: (5, 7), torch.ops.aten._cudnn_rnn: (9, 10)}
+
+
+def rnn_sequential_steps(node: fx.Node) -> int:
+    """Time steps × layers of an RNN op: the recurrence runs them one after another, whatever
+    the FLOPs (0 for other ops, and for oneDNN's per-layer op, timed on the CPU anyway)."""
+    where = _RNN_LAYOUT_ARGS.get(getattr(node.target, "overloadpacket", None))
+    x = _val(node.args[0]) if node.args else None
+    if where is None or not isinstance(x, torch.Tensor) or len(node.args) <= max(where):
+        return 0
+    layers, batch_first = node.args[where[0]], node.args[where[1]]
+    if not isinstance(layers, int) or x.dim() not in (2, 3):
+        return 0
+    steps = x.shape[1] if x.dim() == 3 and batch_first else x.shape[0]
+    return int(steps) * layers

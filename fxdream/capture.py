@@ -21,6 +21,7 @@ from functorch.compile import aot_module_simplified, make_boxed_func
 from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
+from .rnn_op import keep_rnns_whole
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
@@ -200,8 +201,9 @@ class CaptureSession:
             record.compile_seconds += time.perf_counter() - started
             return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
-                                     bw_compiler=compile_backward)
+        with keep_rnns_whole():
+            return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
+                                         bw_compiler=compile_backward)
 
     def _transformed(self, gm: fx.GraphModule, phase: str, index: int, state: dict, inputs) -> fx.GraphModule:
         if self.transform is None:

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..annotate import VIEW_OPS, node_flops, op_name
+from ..annotate import VIEW_OPS, node_flops, op_name, rnn_sequential_steps
 from .devices import DeviceSpec
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -84,7 +84,9 @@ class Analytic:
         peak = self.device.peak_flops.get(node_dtype(node)) or self.device.peak_flops["float32"]
         flops = node_flops(node)
         seconds = max(flops / peak, node_bytes(node) / self.device.mem_bandwidth)
-        return max(seconds * 1e6, self.device.kernel_min_us)
+        # a recurrence runs its steps in sequence: at least a GEMM and a pointwise kernel each
+        sequential = 2 * rnn_sequential_steps(node) * self.device.kernel_min_us
+        return max(seconds * 1e6, sequential, self.device.kernel_min_us)
 
     def dispatch_us(self, node: fx.Node) -> float:
         launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us

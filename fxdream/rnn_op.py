@@ -1,0 +1,62 @@
+"""GRU and vanilla-RNN layers as one op in inference graphs.
+
+aot_autograd traces ``torch._VF.gru`` (what ``nn.GRU.forward`` calls) through its
+CompositeImplicit definition: on CPU, where there is no fused kernel, that is a handful of
+ATen ops per time step and layer (a 32-step bidirectional GRU: ~1500 nodes), and running
+them from Python took 3.5x eager's C++ loop (measured here, batch 8). ``nn.LSTM`` does not
+need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to cuDNN's.
+
+``keep_rnns_whole()`` is active while a capture traces an inference graph: it sends those
+calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
+(so values are bit-identical to eager) and that the cost model times as one node.
+Inference only: no autograd formula (training keeps dynamo's graph break at the RNN).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_FUNCTIONS = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu}
+_MODES = {fn: mode for mode, fn in _FUNCTIONS.items()}
+
+_LIB = torch.library.Library("fxdream", "FRAGMENT")
+_LIB.define("rnn_inference(Tensor input, Tensor hx, Tensor[] params, str mode, bool has_biases, "
+            "int num_layers, bool bidirectional, bool batch_first) -> (Tensor, Tensor)")
+
+
+def _rnn_inference(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first):
+    return _FUNCTIONS[mode](input, hx, params, has_biases, num_layers, 0.0, False, bidirectional, batch_first)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("rnn_inference", _rnn_inference, _key)
+
+
+@torch.library.register_fake("fxdream::rnn_inference", lib=_LIB)
+def _(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first):
+    # output: the input's shape with features = directions × hidden; the state: hx's shape
+    features = (2 if bidirectional else 1) * hx.shape[-1]
+    return input.new_empty((*input.shape[:-1], features)), hx.new_empty(hx.shape)
+
+
+rnn_inference = torch.ops.fxdream.rnn_inference.default
+
+
+class _KeepRNNsWhole(TorchFunctionMode):
+    """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        mode = _MODES.get(func)
+        if mode is not None and not kwargs and len(args) == 9 and args[6] is False \
+                and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor):
+            input, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
+            return tuple(rnn_inference(input, hx, list(params), mode, has_biases, num_layers,
+                                       bidirectional, batch_first))
+        return func(*args, **(kwargs or {}))
+
+
+def keep_rnns_whole():
+    """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node."""
+    return contextlib.nullcontext() if torch.is_grad_enabled() else _KeepRNNsWhole()

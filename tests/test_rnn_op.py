@@ -1,0 +1,85 @@
+"""GRU / vanilla-RNN layers stay one op in inference graphs (fxdream.rnn_op), equal to eager."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.annotate import node_flops
+from fxdream.rnn_op import rnn_inference
+from conftest import assert_same_training_step
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.emb = nn.Linear(6, 8)
+        if kind == "gru":
+            self.rnn = nn.GRU(8, 12, num_layers=2, batch_first=True, bidirectional=True)
+        else:
+            self.rnn = nn.RNN(8, 12, nonlinearity=kind, batch_first=True)
+        self.fc = nn.Linear(self.rnn.hidden_size * (2 if self.rnn.bidirectional else 1), 3)
+
+    def forward(self, x):
+        y, h = self.rnn(self.emb(x))
+        return self.fc(y[:, -1]) + h.sum(0).mean()
+
+
+class RecurrentWithKwargs(Recurrent):
+    """**kwargs keep torch.fx off: the dynamo path."""
+    def forward(self, x, **unused):
+        return super().forward(x)
+
+
+def _call_functions(optimized):
+    return [n for c in optimized.captured for n in c.forward.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("kind", ["gru", "tanh", "relu"])
+@pytest.mark.parametrize("cls", [Recurrent, RecurrentWithKwargs], ids=["torch.fx", "dynamo"])
+def test_an_rnn_layer_is_one_op_in_inference_and_exact(kind, cls):
+    torch.manual_seed(0)
+    model, x = cls(kind).eval(), torch.randn(3, 16, 6)
+    optimized = fxdream.optimize(model, (x,), passes="auto")
+    assert optimized.report.capture.startswith("torch.fx" if cls is Recurrent else "dynamo")
+    nodes = _call_functions(optimized)
+    rnn = [n for n in nodes if n.target is rnn_inference]
+    assert len(rnn) == 1 and node_flops(rnn[0]) > 0
+    assert len(nodes) < 30  # not one group of ops per time step (16 steps × 2 layers × 2 directions)
+    with torch.no_grad():
+        assert torch.equal(optimized(x), model(x))
+        x2 = torch.randn(5, 9, 6)  # another batch and length: recompiles, still exact
+        assert torch.equal(optimized(x2), model(x2))
+
+
+def test_training_with_an_rnn_is_unchanged():
+    torch.manual_seed(0)
+    model, x = Recurrent("gru").train(), torch.randn(3, 5, 6)
+    optimized = fxdream.optimize(model, (x,), training=True)
+    assert not any(n.target is rnn_inference for n in _call_functions(optimized))
+    assert_same_training_step(model, optimized, (x,))
+
+
+def test_the_op_matches_torch_vf_and_its_fake_shapes():
+    gru = nn.GRU(4, 5, num_layers=2, bidirectional=True).eval()
+    x, hx = torch.randn(7, 2, 4), torch.zeros(4, 2, 5)
+    out, h = rnn_inference(x, hx, list(gru._flat_weights), "gru", True, 2, True, False)
+    ref_out, ref_h = gru(x, hx)
+    assert torch.equal(out, ref_out) and torch.equal(h, ref_h)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = rnn_inference(mode.from_tensor(x), mode.from_tensor(hx),
+                             [mode.from_tensor(w) for w in gru._flat_weights], "gru", True, 2, True, False)
+    assert [tuple(t.shape) for t in fake] == [(7, 2, 10), (4, 2, 5)]
+
+
+def test_the_analytic_cost_of_a_recurrence_is_at_least_its_steps_in_sequence():
+    from fxdream.annotate import rnn_sequential_steps
+    from fxdream.sim.cost import Analytic
+    from fxdream.sim.devices import get_device
+    model, x = Recurrent("gru").eval(), torch.randn(3, 16, 6)
+    captured = fxdream.capture(model, (x,))
+    (rnn,) = [n for n in captured.forward.graph.nodes if n.target is rnn_inference]
+    assert rnn_sequential_steps(rnn) == 16 * 2  # batch_first: steps from dim 1; two layers
+    h100 = get_device("h100")
+    # a few kFLOPs per step: the roofline says ~1 µs, the recurrence 32 steps of two kernels
+    assert Analytic(h100).kernel_us(rnn) == pytest.approx(2 * 32 * h100.kernel_min_us)
