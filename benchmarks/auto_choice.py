@@ -67,6 +67,7 @@ def run_case(name: str, batch: int, training: bool, passes: list[str], rounds: i
     best = min((k for k in measured if k != "auto"), key=lambda k: measured[k].median_ms)
     auto_ms, best_ms = measured["auto"].median_ms, measured[best].median_ms
     return {"model": name, "tiny": tiny, "batch": batch, "training": training, "auto_chose": label(chosen),
+            "auto_ran_eagerly": auto.report.ran_eagerly,  # eager_check: eager measured faster
             "best_measured": best, "auto_vs_best_pct": 100.0 * (auto_ms - best_ms) / best_ms,
             "auto_build_s": auto_build_s,
             "predicted_ms": {"baseline": auto.report.predicted_baseline_ms, "auto": auto.report.predicted_optimized_ms},

@@ -83,7 +83,8 @@ class OptimizedModule(torch.nn.Module):
 
 def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool = False,
              device=None, strict: bool = False, cost: str | None = "auto",
-             memory_budget: int | None = None, verify: bool = False, measure: bool = False) -> OptimizedModule:
+             memory_budget: int | None = None, verify: bool = False, measure: bool = False,
+             eager_check: bool | None = None) -> OptimizedModule:
     """Capture ``model`` at ``example_inputs``, apply ``passes``, and return a module equal to eager.
 
     The module runs through the captured graphs (with ``training=False`` always under
@@ -98,6 +99,11 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     passes are judged with: "auto" (measured on this machine), "profiled", "analytic",
     or None for no predictions. ``verify`` runs the module once against eager and
     reports the max error; ``measure`` times it against the passes-free capture.
+
+    ``eager_check`` (default: with ``passes="auto"`` and measured costs) times the built module
+    against eager when one eager call is short (≤ 20 ms: there the wrappers around the graphs
+    can cost more than the passes save); measured more than 5 % slower, it runs eagerly and
+    the report says so, with both times.
     """
     check_model(model)
     inputs = check_inputs(example_inputs)
@@ -105,6 +111,7 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     strict, verify, measure = (check_flag(n, v) for n, v in (("strict", strict), ("verify", verify),
                                                               ("measure", measure)))
     auto = isinstance(passes, str) and passes == "auto"
+    eager_check = auto and cost == "auto" if eager_check is None else check_flag("eager_check", eager_check)
     selected = resolve_passes(available_passes() if auto else passes)
     target = resolve_device(device, model, inputs)
 
@@ -117,6 +124,8 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
         module._extras["verified_max_abs_diff"] = max_abs_diff(model, module, inputs, training)
     if measure:
         module._extras.update(_measure_against_capture(model, module, inputs, training, target))
+    if eager_check and module._fallback_reason is None:
+        module._extras.update(_check_against_eager(model, module, inputs, training))
     return module
 
 
@@ -176,14 +185,40 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
                 top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)), notes=notes)
 
 
+EAGER_CHECK_MAX_CALL_MS = 20.0
+EAGER_CHECK_TOLERANCE = 1.05
+
+
+def _step(m, inputs, training: bool) -> Callable[[], object]:
+    if not training:
+        return lambda: m(*inputs)
+    return lambda: differentiable_scalar(m(*inputs)).backward()
+
+
+def _check_against_eager(model, module: OptimizedModule, inputs, training: bool) -> dict:
+    """Time the module against eager (short calls only); run eagerly where eager is faster."""
+    eager = _step(model, inputs, training)
+    with preserved_state(model), torch.set_grad_enabled(training):
+        started = time.perf_counter()
+        eager()
+        first_ms = (time.perf_counter() - started) * 1e3
+        if first_ms > EAGER_CHECK_MAX_CALL_MS:
+            return {}
+        block = max(1, min(20, int(10.0 / max(first_ms, 1e-3))))  # ~10 ms per block
+        times = time_interleaved({"eager": eager, "built": _step(module, inputs, training)},
+                                 rounds=7, block=block, warmup=2, desc="eager check")
+    eager_ms, built_ms = times["eager"].median_ms, times["built"].median_ms
+    if built_ms > EAGER_CHECK_TOLERANCE * eager_ms:
+        module._fall_back(f"measured slower than eager ({built_ms:.3f} vs {eager_ms:.3f} ms per call): "
+                          f"at this size the Python around and inside the captured graphs (aot_autograd's "
+                          f"wrappers, one call per op) costs more than the passes save")
+    return dict(measured_eager_ms=eager_ms, measured_built_ms=built_ms)
+
+
 def _measure_against_capture(model, module, inputs, training, target) -> dict:
     """Time the optimized module against the same capture without passes, interleaved."""
     baseline = _build(model, inputs, (), False, training, target, False, None, None)
-
-    def step(m):
-        if not training:
-            return lambda: m(*inputs)
-        return lambda: differentiable_scalar(m(*inputs)).backward()
     with preserved_state(model):
-        times = time_interleaved({"baseline": step(baseline), "optimized": step(module)}, desc="measure")
+        times = time_interleaved({"baseline": _step(baseline, inputs, training),
+                                  "optimized": _step(module, inputs, training)}, desc="measure")
     return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms)

@@ -59,6 +59,8 @@ class Report:
     verified_max_abs_diff: float | None = None    # verify=True: vs eager, outputs (and grads)
     measured_baseline_ms: float | None = None     # measure=True: median ms per call, interleaved
     measured_optimized_ms: float | None = None
+    measured_eager_ms: float | None = None        # eager_check: eager and the built module, interleaved
+    measured_built_ms: float | None = None
 
     @property
     def ran_eagerly(self) -> bool:
@@ -101,6 +103,11 @@ class Report:
         if self.measured_baseline_ms is not None:
             lines.append(f"Measured: {self.measured_baseline_ms:.3f} ms → {self.measured_optimized_ms:.3f} ms "
                          f"({_pct(self.measured_optimized_ms, self.measured_baseline_ms)}).")
+        if self.measured_eager_ms is not None:
+            lines.append(f"Timed against eager: {self.measured_eager_ms:.3f} ms eager, "
+                         f"{self.measured_built_ms:.3f} ms built "
+                         f"({_pct(self.measured_built_ms, self.measured_eager_ms)}"
+                         f"{'; runs eagerly' if self.fallback_reason else ''}).")
         if self.verified_max_abs_diff is not None:
             lines.append(f"Verified against eager: max abs diff {self.verified_max_abs_diff:.2e}.")
         if self.top_layers:

@@ -1,4 +1,5 @@
 """passes="auto": every subset simulated, the best predicted one applied (under a memory budget)."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -118,3 +119,46 @@ def test_optimize_verify_and_measure_fill_the_report():
     assert report.top_layers and report.top_layers[0][0] == "lin"
     text = report.to_markdown()
     assert "Predicted:" in text and "Measured:" in text and "Verified against eager" in text
+
+
+def _timed(eager_ms, built_ms):
+    from fxdream.measure import Measurement
+
+    def fake_time_interleaved(runners, **kwargs):
+        for run in runners.values():
+            run()  # the runners work (the built module runs its graphs)
+        return {"eager": Measurement(eager_ms, eager_ms, eager_ms, 1, 1),
+                "built": Measurement(built_ms, built_ms, built_ms, 1, 1)}
+    return fake_time_interleaved
+
+
+def test_auto_runs_eagerly_when_the_built_module_is_measured_slower(monkeypatch):
+    import fxdream.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=1.2))
+    model, x = Net().eval(), torch.randn(8, 64)
+    optimized = fxdream.optimize(model, (x,), passes="auto")
+    report = optimized.report
+    assert report.ran_eagerly and report.fallback_reason.startswith(
+        "measured slower than eager (1.200 vs 1.000 ms per call)")
+    assert (report.measured_eager_ms, report.measured_built_ms) == (1.0, 1.2)
+    assert report.predicted_optimized_ms is not None  # the predictions stay in the report
+    assert "Timed against eager: 1.000 ms eager, 1.200 ms built (+20.0 %; runs eagerly)" in report.to_markdown()
+    with torch.no_grad():
+        assert torch.equal(optimized(x), model(x))
+
+
+def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off(monkeypatch):
+    import fxdream.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=1.04))  # within 5 %
+    model, x = Net().eval(), torch.randn(8, 64)
+    kept = fxdream.optimize(model, (x,), passes="auto")
+    assert not kept.report.ran_eagerly and kept.report.measured_built_ms == 1.04
+    monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=9.0))
+    for unchecked in (fxdream.optimize(model, (x,), passes="auto", eager_check=False),
+                      fxdream.optimize(model, (x,), passes=[FoldMulByOne()]),  # named passes: forced
+                      fxdream.optimize(model, (x,), passes="auto", cost="analytic")):  # nothing measured
+        assert not unchecked.report.ran_eagerly and unchecked.report.measured_eager_ms is None
+    monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 0.0)  # a long call: not checked
+    assert fxdream.optimize(model, (x,), passes="auto").report.measured_eager_ms is None
+    with pytest.raises(TypeError, match="eager_check must be True or False"):
+        fxdream.optimize(model, (x,), eager_check="yes")

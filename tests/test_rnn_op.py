@@ -39,7 +39,7 @@ def _call_functions(optimized):
 def test_an_rnn_layer_is_one_op_in_inference_and_exact(kind, cls):
     torch.manual_seed(0)
     model, x = cls(kind).eval(), torch.randn(3, 16, 6)
-    optimized = fxdream.optimize(model, (x,), passes="auto")
+    optimized = fxdream.optimize(model, (x,), passes="auto", eager_check=False)  # the graph is under test
     assert optimized.report.capture.startswith("torch.fx" if cls is Recurrent else "dynamo")
     nodes = _call_functions(optimized)
     rnn = [n for n in nodes if n.target is rnn_inference]
