@@ -19,12 +19,16 @@ def check_inputs(example_inputs) -> tuple:
         raise TypeError("example_inputs must be a torch.Tensor or a tuple/list of them, "
                         f"got {type(example_inputs).__name__}")
     inputs = tuple(example_inputs)
-    allowed = (torch.Tensor, bool, int, float, type(None))
+    allowed = (torch.Tensor, bool, int, float, str, type(None))
+    leaves = []
     for i, value in enumerate(inputs):
-        if not isinstance(value, allowed):
-            raise TypeError(f"example_inputs[{i}] is a {type(value).__name__}; "
-                            "expected a torch.Tensor (or a Python number, bool or None)")
-    if not any(isinstance(v, torch.Tensor) for v in inputs):
+        for leaf in torch.utils._pytree.tree_leaves(value):  # an argument may be a list/dict of tensors
+            if not isinstance(leaf, allowed):
+                raise TypeError(f"example_inputs[{i}] holds a {type(leaf).__name__}; expected "
+                                "torch.Tensors (or Python numbers, strings, bools, None), possibly "
+                                "in tuples, lists or dicts")
+            leaves.append(leaf)
+    if not any(isinstance(v, torch.Tensor) for v in leaves):
         raise TypeError("example_inputs holds no torch.Tensor; pass the model's tensor arguments")
     return inputs
 

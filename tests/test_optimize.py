@@ -139,12 +139,43 @@ def test_bad_arguments_get_one_clear_line(kwargs, error, message):
 def test_bad_model_and_inputs_are_named():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
         fxdream.optimize(lambda x: x, (torch.randn(2),))
-    with pytest.raises(TypeError, match=r"example_inputs\[1\] is a str; expected a torch.Tensor"):
-        fxdream.optimize(Small(), (torch.randn(2, 3, 8, 8), "x"))
+    with pytest.raises(TypeError, match=r"example_inputs\[1\] holds a object; expected torch.Tensors"):
+        fxdream.optimize(Small(), (torch.randn(2, 3, 8, 8), [torch.randn(2), object()]))
     with pytest.raises(TypeError, match="example_inputs holds no torch.Tensor"):
         fxdream.optimize(Small(), (1, 2))
     with pytest.raises(TypeError, match="example_inputs must be a torch.Tensor or a tuple/list"):
         fxdream.optimize(Small(), {"x": torch.randn(2)})
+
+
+class DictAndListInputs(nn.Module):
+    """A batch as a dict and a list of differently sized images, plus a string option."""
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, batch, extra, reduce="mean"):
+        y = torch.relu(self.bn(self.conv(batch["image"]))).mean((2, 3)) + self.lin(batch["feats"])
+        z = torch.stack([self.conv(im[None]).mean() for im in extra])
+        return {"y": y, "z": z.sum() if reduce == "sum" else z.mean()}
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_nested_example_inputs_are_captured_and_equal_to_eager(training):
+    torch.manual_seed(0)
+    model = DictAndListInputs().train(training)
+    inputs = ({"image": torch.randn(2, 3, 8, 8), "feats": torch.randn(2, 4)},
+              [torch.randn(3, 6, 6), torch.randn(3, 9, 9)], "sum")
+    optimized = fxdream.optimize(model, inputs, passes="auto", training=training, eager_check=False)
+    assert optimized.report.graphs and not optimized.report.ran_eagerly
+    if training:
+        assert_same_training_step(model, optimized, inputs)
+    else:
+        with torch.no_grad():
+            expected, actual = model(*inputs), optimized(*inputs)
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device to mismatch")
