@@ -69,6 +69,18 @@ def test_graphs_a_pipeline_timed_already_are_not_profiled_again():
     predict(captured, cost, training=False)  # profiles in context unless it has every node already
     assert {k: len(v) for k, v in cost.samples.items()} == counts
 
+def test_profiling_a_graph_stops_after_its_time_budget_but_not_before_three_rounds():
+    from fxdream.sim.cost import MIN_ROUNDS
+    model, x = Small().eval(), torch.randn(2, 3, 8, 8)
+    captured = fxdream.capture(model, (x,))
+    counts = {}
+    for budget in (0.0, float("inf")):
+        cost = cost_model_for("cpu", "profiled")
+        cost.profile_graph(captured.forward, captured.example_inputs, rounds=6, warmup=1, budget_s=budget)
+        counts[budget] = {len(v) for v in cost.samples.values()}
+    assert counts == {0.0: {MIN_ROUNDS}, float("inf"): {6}}
+
+
 def test_profile_round_trips_through_json(tmp_path):
     cost = cost_model_for("cpu", "profiled")
     model, x = Small(), torch.randn(2, 3, 8, 8)
