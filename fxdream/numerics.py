@@ -28,11 +28,12 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
         actual = optimized(*inputs)
     diffs = [(a.float() - e.float()).abs().max().item() for a, e in zip(tree_leaves(actual), tree_leaves(expected))
              if isinstance(a, torch.Tensor) and a.numel()]
-    if training:
+    losses = (loss_fn(expected), loss_fn(actual)) if training else ()
+    if losses and all(isinstance(loss, torch.Tensor) and loss.requires_grad for loss in losses):
         for m in (reference, optimized):
             m.zero_grad(set_to_none=True)
-        loss_fn(expected).backward()
-        loss_fn(actual).backward()
+        for loss in losses:
+            loss.backward()
         optimized_params = optimized.model.parameters() if hasattr(optimized, "model") else optimized.parameters()
         diffs += [(p.grad - q.grad).abs().max().item() for p, q in zip(optimized_params, reference.parameters())
                   if p.grad is not None and q.grad is not None]

@@ -190,9 +190,15 @@ EAGER_CHECK_TOLERANCE = 1.05
 
 
 def _step(m, inputs, training: bool) -> Callable[[], object]:
+    """One call (inference) or forward + backward (training; none where nothing needs a gradient)."""
     if not training:
         return lambda: m(*inputs)
-    return lambda: differentiable_scalar(m(*inputs)).backward()
+
+    def forward_backward():
+        scalar = differentiable_scalar(m(*inputs))
+        if scalar is not None:
+            scalar.backward()
+    return forward_backward
 
 
 def _check_against_eager(model, module: OptimizedModule, inputs, training: bool) -> dict:

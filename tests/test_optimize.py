@@ -182,3 +182,23 @@ def test_nested_example_inputs_are_captured_and_equal_to_eager(training):
 def test_inputs_on_another_device_are_named():
     with pytest.raises(ValueError, match=r"example_inputs\[0\] is on cuda"):
         fxdream.optimize(Small(), (torch.randn(2, 3, 8, 8, device="cuda"),))
+
+
+class ArgMaxOnly(nn.Module):
+    """Trained elsewhere (a loss on an auxiliary head, say): this output needs no gradient."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x).argmax(-1)
+
+
+def test_a_training_step_with_no_differentiable_output_is_built_verified_and_timed():
+    model, x = ArgMaxOnly().train(), torch.randn(5, 4)
+    optimized = fxdream.optimize(model, (x,), passes="auto", training=True, verify=True, measure=True,
+                                 eager_check=True)
+    report = optimized.report
+    assert report.verified_max_abs_diff == 0.0
+    assert report.measured_eager_ms > 0 and report.measured_optimized_ms > 0
+    assert torch.equal(optimized(x), model(x))
