@@ -21,7 +21,7 @@ from functorch.compile import aot_module_simplified, make_boxed_func
 from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
-from .rnn_op import keep_rnns_whole
+from .rnn_op import keep_rnns_whole, outside_keep_rnns_whole
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
@@ -183,6 +183,7 @@ class CaptureSession:
         parameter_positions = frozenset(range(len(own))) | {i for i, x in enumerate(state)
                                                             if isinstance(x, torch.nn.Parameter)}
 
+        @outside_keep_rnns_whole()
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
             record.forward_layers = annotate_forward(fw, prefix)
@@ -192,6 +193,7 @@ class CaptureSession:
             record.compile_seconds += time.perf_counter() - started
             return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.fw")
 
+        @outside_keep_rnns_whole()
         def compile_backward(bw: fx.GraphModule, _inputs):
             started = time.perf_counter()
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)

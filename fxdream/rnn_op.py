@@ -60,3 +60,14 @@ class _KeepRNNsWhole(TorchFunctionMode):
 def keep_rnns_whole():
     """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node."""
     return contextlib.nullcontext() if torch.is_grad_enabled() else _KeepRNNsWhole()
+
+
+@contextlib.contextmanager
+def outside_keep_rnns_whole():
+    """For aot's compiler callbacks (passes, in-context profiling): without the mode, whose
+    Python hook on every torch call (~10-40 µs here) the profile would count as op time."""
+    if isinstance(torch.overrides._get_current_function_mode(), _KeepRNNsWhole):  # private, isolated
+        with torch.overrides._pop_mode_temporarily():
+            yield
+    else:
+        yield

@@ -83,3 +83,21 @@ def test_the_analytic_cost_of_a_recurrence_is_at_least_its_steps_in_sequence():
     h100 = get_device("h100")
     # a few kFLOPs per step: the roofline says ~1 µs, the recurrence 32 steps of two kernels
     assert Analytic(h100).kernel_us(rnn) == pytest.approx(2 * 32 * h100.kernel_min_us)
+
+
+def test_passes_and_profiling_run_outside_the_tracing_mode():
+    # the mode's Python hook on every torch call would be counted as op time by the profile
+    from fxdream.capture import CaptureSession, run_once
+    from fxdream.fx_capture import trace_and_compile
+    seen = []
+
+    def transform(gm, phase, index, params, inputs):
+        seen.append(type(torch.overrides._get_current_function_mode()).__name__)
+        return gm
+    model, x = Recurrent("gru").eval(), torch.randn(2, 5, 6)
+    session = CaptureSession(model, transform=transform)
+    with torch.no_grad():
+        runner, reason = trace_and_compile(model, (x,), session)
+        assert reason is None
+        run_once(runner, model, (x,), False)
+    assert seen == ["NoneType"]
