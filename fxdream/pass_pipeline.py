@@ -77,7 +77,7 @@ class PassPipeline:
         if isinstance(cost, Profiled) and inputs is not None and not cost.measured_in_context(gm):
             # warm-up 3: a new variant's first calls build oneDNN primitives (cold, a prepacked ResNet-50
             # measured 1.6x slower and flipped the choice); medians of 5 rounds: one noisy round cannot
-            cost.profile_graph(gm, inputs, rounds=5, warmup=3)
+            cost.profile_graph(gm, inputs, rounds=5, warmup=3, new_keys_only=True)
 
     # --- the transform -----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict, inputs=None) -> fx.GraphModule:

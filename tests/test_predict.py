@@ -81,6 +81,23 @@ def test_profiling_a_graph_stops_after_its_time_budget_but_not_before_three_roun
     assert counts == {0.0: {MIN_ROUNDS}, float("inf"): {6}}
 
 
+def test_a_rewrites_profile_adds_only_its_new_ops():
+    # a rewrite's run must not move the medians the prediction before it used
+    from fxdream.pass_pipeline import copy_graph_module
+    model, x = Small().eval(), torch.randn(2, 3, 8, 8)
+    captured = fxdream.capture(model, (x,))
+    cost = cost_model_for("cpu", "profiled")
+    cost.profile_graph(captured.forward, captured.example_inputs, rounds=3, warmup=0)
+    before = {k: list(v) for k, v in cost.samples.items()}
+    rewritten = copy_graph_module(captured.forward)
+    relu = next(n for n in rewritten.graph.nodes if n.target is torch.ops.aten.relu.default)
+    relu.target = torch.ops.aten.sigmoid.default  # one new op, the rest as before
+    rewritten.recompile()
+    cost.profile_graph(rewritten, captured.example_inputs, rounds=3, warmup=0, new_keys_only=True)
+    assert {k: v for k, v in cost.samples.items() if k in before} == before
+    assert [k for k in cost.samples if k not in before] == [profile_key(relu, "cpu")]
+
+
 def test_profile_round_trips_through_json(tmp_path):
     cost = cost_model_for("cpu", "profiled")
     model, x = Small(), torch.randn(2, 3, 8, 8)

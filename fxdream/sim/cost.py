@@ -229,22 +229,28 @@ class Profiled:
                 self._profiled.add(id(part))  # e.g. a pass pipeline timed them already
             if id(part) in self._profiled and not todo and not again:
                 continue
+            # only a pass's new ops, unless ``again``: a key's median must not move between the
+            # prediction before a rewrite and the one after it (noise would become a delta)
+            base_new_only = id(part) in self._profiled and not again
             self._profiled.add(id(part))
-            fw_values = self.profile_graph(part.forward, part.example_inputs, rounds, warmup)
+            fw_values = self.profile_graph(part.forward, part.example_inputs, rounds, warmup,
+                                           new_keys_only=base_new_only)
             if rewritten[0] is not None and (again or rewritten[0] in todo):
-                self.profile_graph(rewritten[0], part.example_inputs, rounds, warmup)
+                self.profile_graph(rewritten[0], part.example_inputs, rounds, warmup, new_keys_only=not again)
             if part.backward is not None and fw_values is not None:
                 bw_inputs = self.backward_inputs(part.backward, fw_values)
-                for gm in (part.backward, rewritten[1]):
+                for gm, new_only in ((part.backward, base_new_only), (rewritten[1], not again)):
                     if gm is not None:
-                        self.profile_graph(gm, bw_inputs, rounds, warmup)
+                        self.profile_graph(gm, bw_inputs, rounds, warmup, new_keys_only=new_only)
 
     def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 3,
-                      budget_s: float = PROFILE_BUDGET_S) -> dict | None:
+                      budget_s: float = PROFILE_BUDGET_S, new_keys_only: bool = False) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
         Past ``MIN_ROUNDS`` timed rounds, no new round starts once they took ``budget_s``: a
-        large graph (ResNet-50 at batch 8: 0.55 s a run here) stops at 3 rounds, not 5."""
+        large graph (ResNet-50 at batch 8: 0.55 s a run here) stops at 3 rounds, not 5.
+        ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
+        the costs a prediction of the unrewritten graph used stay as they were."""
         with real_tensors():  # the graph may update buffers in place: not the model's
             inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
                       for x in inputs]
@@ -252,6 +258,8 @@ class Profiled:
         with real_tensors():
             values = _time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s)
         for key, times in samples.items():
+            if new_keys_only and key in self.samples:
+                continue
             self.samples.setdefault(key, []).extend(times)
             self.measurements[key] = statistics.median(self.samples[key])
         return values
