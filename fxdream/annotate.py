@@ -159,6 +159,8 @@ def node_flops(node: fx.Node) -> int:
     packet = getattr(node.target, "overloadpacket", None)
     if packet in _RNN_OPS:
         return _rnn_flops(node)
+    if packet in _SDPA_OPS:
+        return _sdpa_flops(node)
     formula = flop_registry.get(packet) if packet is not None else None
     if formula is None:
         return 0
@@ -168,6 +170,21 @@ def node_flops(node: fx.Node) -> int:
         return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:  # a formula that cannot read symbolic or missing shapes
         return 0
+
+
+_SDPA_OPS = {getattr(torch.ops.aten, name) for name in ("scaled_dot_product_attention",
+                                                       "_scaled_dot_product_flash_attention_for_cpu")
+             if hasattr(torch.ops.aten, name)}
+
+
+def _sdpa_flops(node: fx.Node) -> int:
+    """SDPA forward (no formula in flop_counter for the composite op and the CPU kernel): q·kᵀ
+    and probs·v, 2·b·h·s·t·(d + dv) FLOPs (the softmax is left out, as flop_counter does)."""
+    q, k, v = (_val(a) for a in node.args[:3])
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (q, k, v)):
+        return 0
+    batch = q.numel() // (q.shape[-2] * q.shape[-1])
+    return int(2 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1]))
 
 
 _RNN_OPS = {getattr(torch.ops.aten, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer",

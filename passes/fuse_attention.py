@@ -1,0 +1,194 @@
+"""Fuse attention spelled out as matmul → scale → (+ mask) → softmax → matmul into one SDPA call.
+
+Models written before ``F.scaled_dot_product_attention`` (BERT as Hugging Face wrote it, most
+seq2seq code) materialise the [batch, heads, seq, seq] scores, their scaled copy and the
+softmax: three passes over an S² tensor that a fused kernel (flash attention on CPU and
+CUDA) never writes to memory. On this CPU, BERT-base inference at seq 128 took 6-7 % less
+time with SDPA (256 → 238 ms at bs1, 1847 → 1744 ms at bs8, eager, side by side); the gain
+grows with the sequence length, and on a GPU the simulator says how much.
+
+Matched in inference forward graphs (aot's ATen spelling of ``torch.matmul`` on 4-D tensors:
+expand → clone → _unsafe_view → bmm → view), scale by a Python number (``div`` or ``mul``),
+an optional additive float mask after the scale, ``_softmax`` over the last dim, an optional
+``clone`` (dropout in eval), the second matmul. Every intermediate must have no other user.
+Replaced by ``aten.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, False, scale=...)``.
+Values change in the last bits (another summation order): max abs diff ~1e-7 on BERT.
+Training is left alone: its backward graph holds the unfused gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+import fxdream
+from fxdream.annotate import LAYER
+from fxdream.pass_api import PassContext, PassResult
+from fxdream.pass_pipeline import copy_graph_module
+
+aten = torch.ops.aten
+_PLUMBING = {aten.expand.default, aten.clone.default, aten._unsafe_view.default, aten.view.default,
+             aten.reshape.default}
+_SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One match: the 4-D query, key, value, the mask (or None), the scale, and the nodes."""
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    mask: fx.Node | None
+    scale: float
+    output: fx.Node          # the [b, h, s, dv] result the fused call replaces
+    replaced: tuple          # the nodes between the inputs and the output, in graph order
+
+
+def _shape(node) -> tuple | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _origin(node: fx.Node, batched: tuple) -> tuple[fx.Node, list] | None:
+    """The 4-D tensor a bmm operand was flattened from: through expands to its own shape,
+    clones and views only, ending in [b·h, m, n] from [b, h, m, n]."""
+    chain = []
+    while node.target in _PLUMBING:
+        if len(node.users) != 1:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    shape = _shape(node)
+    if shape is None or len(shape) != 4 or (shape[0] * shape[1], *shape[2:]) != batched:
+        return None
+    if any(n.target is aten.expand.default and tuple(n.args[1]) != shape for n in chain):
+        return None  # a broadcast (e.g. grouped heads): not what SDPA computes
+    return node, chain
+
+
+def _key_of(transposed: fx.Node) -> fx.Node | None:
+    """k from kᵀ = transpose(k, -1, -2) or permute(k, [0, 1, 3, 2])."""
+    if len(transposed.users) != 1:
+        return None
+    if transposed.target is aten.transpose.int and sorted(d % 4 for d in transposed.args[1:3]) == [2, 3]:
+        return transposed.args[0]
+    if transposed.target is aten.permute.default and list(transposed.args[1]) == [0, 1, 3, 2]:
+        return transposed.args[0]
+    return None
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def match(softmax: fx.Node) -> Attention | None:
+    """The attention block around one ``_softmax`` node, or None."""
+    if softmax.target is not aten._softmax.default or softmax.args[1] not in (-1, 3) or softmax.args[2]:
+        return None
+    node, mask, replaced = softmax.args[0], None, [softmax]
+    if node.target is aten.add.Tensor and isinstance(node.args[1], fx.Node) and len(node.users) == 1:
+        mask_val = node.args[1].meta.get("val")
+        scores_val = node.meta.get("val")
+        if not (isinstance(mask_val, torch.Tensor) and mask_val.dtype == scores_val.dtype):
+            return None
+        mask, node = node.args[1], node.args[0]
+        replaced.append(softmax.args[0])
+    scale_of = _SCALES.get(node.target)
+    if scale_of is None or not isinstance(node.args[1], (int, float)) or len(node.users) != 1 or not node.args[1]:
+        return None
+    scale, replaced = scale_of(float(node.args[1])), replaced + [node]
+    scores = node.args[0]
+    if scores.target is not aten.view.default or len(scores.users) != 1:
+        return None
+    bmm = scores.args[0]
+    if bmm.target is not aten.bmm.default or len(bmm.users) != 1 or len(_shape(scores) or ()) != 4:
+        return None
+    q, k_t = _origin(bmm.args[0], _shape(bmm.args[0])), _origin(bmm.args[1], _shape(bmm.args[1]))
+    if q is None or k_t is None:
+        return None
+    key = _key_of(k_t[0])
+    if key is None:
+        return None
+    replaced += [scores, bmm, *q[1], *k_t[1], k_t[0]]
+    # downstream: (clone) → expand → view → bmm(·, v) → view [b, h, s, dv]
+    node = softmax
+    while True:
+        user = _single_user(node)
+        if user is None:
+            return None
+        if user.target is aten.bmm.default and user.args[0] is node:
+            break
+        if user.target not in _PLUMBING:
+            return None
+        replaced.append(user)
+        node = user
+    bmm2, output = user, _single_user(user)
+    if output is None or output.target is not aten.view.default or len(_shape(output) or ()) != 4:
+        return None
+    value = _origin(bmm2.args[1], _shape(bmm2.args[1]))
+    if value is None:
+        return None
+    replaced += [bmm2, *value[1]]
+    shapes = {n: _shape(n) for n in (q[0], key, value[0], output)}
+    (b, h, s, d), (_, _, t, _), (_, _, _, dv) = shapes[q[0]], shapes[key], shapes[value[0]]
+    if shapes[key] != (b, h, t, d) or shapes[value[0]] != (b, h, t, dv) or shapes[output] != (b, h, s, dv):
+        return None
+    order = {n: i for i, n in enumerate(softmax.graph.nodes)}
+    return Attention(q[0], key, value[0], mask, scale, output,
+                     tuple(sorted(set(replaced), key=order.__getitem__)))
+
+
+def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
+    """Replace each matched block by one SDPA call (in place)."""
+    graph = gm.graph
+    for site in sites:
+        with graph.inserting_before(site.output):
+            fused = graph.call_function(aten.scaled_dot_product_attention.default,
+                                        (site.query, site.key, site.value, site.mask, 0.0, False),
+                                        {"scale": site.scale})
+        fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(fused)})
+        site.output.replace_all_uses_with(fused)
+        for node in (site.output, *reversed(site.replaced)):
+            if not node.users:
+                graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _fake_run(node: fx.Node):
+    vals = [a.meta["val"] for a in node.all_input_nodes]
+    mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    if mode is None:
+        return None
+    with mode:
+        return node.target(*args, **kwargs)
+
+
+@fxdream.register_pass
+class FuseAttention:
+    name = "fuse_attention"
+
+    def applies_to(self, ctx: PassContext):
+        if ctx.training or ctx.phase != "fw":
+            return "inference forward graphs only (a training graph's backward holds the unfused gradients)"
+        return None
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        judged = not ctx.forced and ctx.predict_us is not None
+        # judged: keep gm unchanged to predict it (predictions are memoized per graph object)
+        fused = copy_graph_module(gm) if judged else gm
+        sites = [a for a in map(match, list(fused.graph.nodes)) if a is not None]
+        if not sites:
+            return PassResult(gm, False, "no matmul → softmax → matmul attention block")
+        layers = tuple(dict.fromkeys(s.output.meta.get(LAYER) or s.output.name for s in sites))
+        fuse(fused, sites)
+        if judged:
+            before, after = ctx.predict_us(gm), ctx.predict_us(fused)
+            if after >= before:
+                return PassResult(gm, False, f"{len(sites)} attention block(s) found; fusing them is "
+                                  f"predicted slower ({before:.0f} → {after:.0f} µs)", notes=layers)
+        return PassResult(fused, True, f"{len(sites)} attention block(s) → scaled_dot_product_attention",
+                          notes=layers)

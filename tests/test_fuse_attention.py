@@ -1,0 +1,90 @@
+"""fuse_attention: matmul → scale → (+ mask) → softmax → matmul becomes one SDPA call in inference."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream import models
+from fxdream.annotate import node_flops
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+class Attention(nn.Module):
+    """Attention as pre-SDPA code wrote it; the variants the pass must (not) match."""
+
+    def __init__(self, variant="div", heads=2, dim=16):
+        super().__init__()
+        self.variant, self.heads = variant, heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, mask=None):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        if self.variant == "mul":
+            scores = scores * (1 / math.sqrt(d // self.heads))
+        elif self.variant == "unscaled_mask_first":
+            scores = (scores + mask) / math.sqrt(d // self.heads)  # the mask is scaled too: not SDPA
+        else:
+            scores = scores / math.sqrt(d // self.heads)
+        if mask is not None and self.variant != "unscaled_mask_first":
+            scores = scores + mask
+        probs = self.drop(scores.softmax(-1))
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, d)
+        return (out, probs) if self.variant == "weights" else out
+
+
+def _fused(model, inputs):
+    optimized = fxdream.optimize(model.eval(), inputs, passes=["fuse_attention"], cost=None)
+    graph = optimized.rewritten_graphs.get((0, "fw"))
+    count = 0 if graph is None else sum(n.target is SDPA for n in graph.graph.nodes)
+    return optimized, count
+
+
+@pytest.mark.parametrize("variant,with_mask,fused", [
+    ("div", False, 1), ("mul", False, 1), ("div", True, 1),
+    ("weights", False, 0),              # the probabilities are an output too
+    ("unscaled_mask_first", True, 0),   # (scores + mask) / c is not SDPA's scale·scores + mask
+])
+def test_matched_blocks_are_fused_and_every_variant_equals_eager(variant, with_mask, fused):
+    torch.manual_seed(0)
+    model, x = Attention(variant), torch.randn(2, 5, 16)
+    inputs = (x, torch.randn(2, 1, 5, 5)) if with_mask else (x,)
+    optimized, count = _fused(model, inputs)
+    assert count == fused
+    (row,) = optimized.report.passes
+    assert row.applied == bool(fused)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_bert_blocks_are_fused_with_their_layers_named():
+    model, inputs, _ = models.build("bert_base", 2, tiny=True)
+    optimized, count = _fused(model, inputs)
+    (row,) = optimized.report.passes
+    assert count == 2 and row.reason == "2 attention block(s) → scaled_dot_product_attention"
+    assert row.notes == ("bert.encoder.layer.0.attention.self", "bert.encoder.layer.1.attention.self")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_training_is_left_alone():
+    model, inputs, _ = models.build("bert_base", 2, tiny=True)
+    optimized = fxdream.optimize(model, inputs, passes=["fuse_attention"], training=True, cost=None)
+    assert not any(r.applied for r in optimized.report.passes)
+    assert optimized.report.passes[0].reason.startswith("inference forward graphs only")
+
+
+def test_the_fused_op_has_the_two_matmuls_flops_and_a_gpu_prediction_gains():
+    model, inputs, _ = models.build("bert_base", 2, tiny=True)
+    optimized, _ = _fused(model, inputs)
+    (sdpa,) = [n for n in optimized.rewritten_graphs[(0, "fw")].graph.nodes if n.target is SDPA][:1]
+    b, h, s, d = sdpa.args[0].meta["val"].shape
+    assert node_flops(sdpa) == 2 * b * h * s * s * (d + d)
+    before = fxdream.simulate(model.eval(), inputs, device="h100", training=False)
+    after = fxdream.simulate(model.eval(), inputs, device="h100", training=False, passes=["fuse_attention"])
+    assert after.time_ms < before.time_ms  # predicted: fewer kernels and no [s, s] round trips
