@@ -8,10 +8,12 @@ time with SDPA (256 → 238 ms at bs1, 1847 → 1744 ms at bs8, eager, side by s
 grows with the sequence length, and on a GPU the simulator says how much.
 
 Matched in inference forward graphs (aot's ATen spelling of ``torch.matmul`` on 4-D tensors:
-expand → clone → _unsafe_view → bmm → view), scale by a Python number (``div`` or ``mul``),
-an optional additive float mask after the scale, ``_softmax`` over the last dim, an optional
-``clone`` (dropout in eval), the second matmul. Every intermediate must have no other user.
-Replaced by ``aten.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, False, scale=...)``.
+expand → clone → _unsafe_view → bmm → view), an optional scale by a positive Python number
+(``div`` or ``mul``), an optional additive float mask after the scale or a
+``masked_fill(mask, -inf)`` (a causal mask, GPT style), ``_softmax`` over the last dim, an
+optional ``clone`` (dropout in eval), the second matmul. Every intermediate must have no
+other user. Replaced by ``aten.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, False,
+scale=...)`` (a filled mask becomes its negation: SDPA's boolean mask says what takes part).
 Values change in the last bits (another summation order): max abs diff ~1e-7 on BERT.
 Training is left alone: its backward graph holds the unfused gradients.
 """
@@ -44,6 +46,7 @@ class Attention:
     scale: float
     output: fx.Node          # the [b, h, s, dv] result the fused call replaces
     replaced: tuple          # the nodes between the inputs and the output, in graph order
+    excludes: bool = False   # mask is masked_fill's (True = left out): SDPA wants its negation
 
 
 def _shape(node) -> tuple | None:
@@ -83,23 +86,39 @@ def _single_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
+def _scores_to_softmax(node: fx.Node):
+    """Walk up from the softmax input through at most a scale by a number (÷ or ×), an additive
+    float mask after it, and a masked_fill(-inf); (scores, scale, mask, fill mask, nodes)."""
+    scale, mask, fill_mask, between = None, None, None, []
+    while len(node.users) == 1:
+        args = node.args
+        if node.target is aten.add.Tensor and isinstance(args[1], fx.Node) and mask is None \
+                and fill_mask is None and scale is None:  # added after the scale: SDPA's order
+            mask_val, scores_val = args[1].meta.get("val"), node.meta.get("val")
+            if not (isinstance(mask_val, torch.Tensor) and mask_val.dtype == scores_val.dtype):
+                return None
+            mask = args[1]
+        elif node.target is aten.masked_fill.Scalar and args[2] == float("-inf") and fill_mask is None \
+                and mask is None:  # -inf: where SDPA's boolean mask excludes, in either order with the scale
+            fill_mask = args[1]
+        elif node.target in _SCALES and isinstance(args[1], (int, float)) and args[1] > 0 and scale is None:
+            scale = _SCALES[node.target](float(args[1]))
+        else:
+            break
+        between.append(node)
+        node = args[0]
+    return node, 1.0 if scale is None else scale, mask, fill_mask, between
+
+
 def match(softmax: fx.Node) -> Attention | None:
     """The attention block around one ``_softmax`` node, or None."""
     if softmax.target is not aten._softmax.default or softmax.args[1] not in (-1, 3) or softmax.args[2]:
         return None
-    node, mask, replaced = softmax.args[0], None, [softmax]
-    if node.target is aten.add.Tensor and isinstance(node.args[1], fx.Node) and len(node.users) == 1:
-        mask_val = node.args[1].meta.get("val")
-        scores_val = node.meta.get("val")
-        if not (isinstance(mask_val, torch.Tensor) and mask_val.dtype == scores_val.dtype):
-            return None
-        mask, node = node.args[1], node.args[0]
-        replaced.append(softmax.args[0])
-    scale_of = _SCALES.get(node.target)
-    if scale_of is None or not isinstance(node.args[1], (int, float)) or len(node.users) != 1 or not node.args[1]:
+    upstream = _scores_to_softmax(softmax.args[0])
+    if upstream is None:
         return None
-    scale, replaced = scale_of(float(node.args[1])), replaced + [node]
-    scores = node.args[0]
+    scores, scale, mask, fill_mask, between = upstream
+    replaced = [softmax, *between]
     if scores.target is not aten.view.default or len(scores.users) != 1:
         return None
     bmm = scores.args[0]
@@ -136,8 +155,8 @@ def match(softmax: fx.Node) -> Attention | None:
     if shapes[key] != (b, h, t, d) or shapes[value[0]] != (b, h, t, dv) or shapes[output] != (b, h, s, dv):
         return None
     order = {n: i for i, n in enumerate(softmax.graph.nodes)}
-    return Attention(q[0], key, value[0], mask, scale, output,
-                     tuple(sorted(set(replaced), key=order.__getitem__)))
+    return Attention(q[0], key, value[0], mask if fill_mask is None else fill_mask, scale, output,
+                     tuple(sorted(set(replaced), key=order.__getitem__)), fill_mask is not None)
 
 
 def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
@@ -145,8 +164,12 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
     graph = gm.graph
     for site in sites:
         with graph.inserting_before(site.output):
+            mask = site.mask
+            if site.excludes:
+                mask = graph.call_function(aten.logical_not.default, (site.mask,))
+                mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(mask)})
             fused = graph.call_function(aten.scaled_dot_product_attention.default,
-                                        (site.query, site.key, site.value, site.mask, 0.0, False),
+                                        (site.query, site.key, site.value, mask, 0.0, False),
                                         {"scale": site.scale})
         fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(fused)})
         site.output.replace_all_uses_with(fused)

@@ -62,6 +62,32 @@ def test_matched_blocks_are_fused_and_every_variant_equals_eager(variant, with_m
         torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
 
 
+class CausalPrescaled(nn.Module):
+    """GPT style: q scaled before the matmul, a causal tril buffer, masked_fill(-inf)."""
+    def __init__(self, dim=16, heads=2, fill=float("-inf")):
+        super().__init__()
+        self.heads, self.fill = heads, fill
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.register_buffer("tril", torch.tril(torch.ones(8, 8, dtype=torch.bool)))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        scores = (q * (d // self.heads) ** -0.5) @ k.transpose(-2, -1)
+        scores = scores.masked_fill(~self.tril[:s, :s], self.fill)
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+
+
+@pytest.mark.parametrize("fill,fused", [(float("-inf"), 1), (-1e4, 0)])  # -1e4: not what SDPA's mask does
+def test_a_causal_masked_fill_becomes_a_boolean_mask(fill, fused):
+    torch.manual_seed(0)
+    model, x = CausalPrescaled(fill=fill), torch.randn(2, 6, 16)
+    optimized, count = _fused(model, (x,))
+    assert count == fused
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), rtol=1e-5, atol=1e-6)
+
+
 def test_bert_blocks_are_fused_with_their_layers_named():
     model, inputs, _ = models.build("bert_base", 2, tiny=True)
     optimized, count = _fused(model, inputs)
