@@ -31,8 +31,9 @@ from fxdream.pass_api import PassContext, PassResult
 from fxdream.pass_pipeline import copy_graph_module
 
 aten = torch.ops.aten
-_PLUMBING = {aten.expand.default, aten.clone.default, aten._unsafe_view.default, aten.view.default,
-             aten.reshape.default}
+_FLATTEN = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
+_COPIES = {aten.expand.default, aten.clone.default}
+_PLUMBING = _FLATTEN | _COPIES
 _SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
 
 
@@ -55,14 +56,16 @@ def _shape(node) -> tuple | None:
 
 
 def _origin(node: fx.Node, batched: tuple) -> tuple[fx.Node, list] | None:
-    """The 4-D tensor a bmm operand was flattened from: through expands to its own shape,
-    clones and views only, ending in [b·h, m, n] from [b, h, m, n]."""
+    """The 4-D tensor a bmm operand was flattened from: one view from [b, h, m, n] to
+    [b·h, m, n], then only clones and expands to its own shape (a view further up belongs to
+    whatever made the tensor, e.g. the block before)."""
     chain = []
-    while node.target in _PLUMBING:
-        if len(node.users) != 1:
-            return None
-        chain.append(node)
-        node = node.args[0]
+    for allowed in (_FLATTEN, _COPIES):
+        while node.target in allowed and len(node.users) == 1:
+            chain.append(node)
+            node = node.args[0]
+            if allowed is _FLATTEN:
+                break
     shape = _shape(node)
     if shape is None or len(shape) != 4 or (shape[0] * shape[1], *shape[2:]) != batched:
         return None
@@ -162,15 +165,16 @@ def match(softmax: fx.Node) -> Attention | None:
 def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
     """Replace each matched block by one SDPA call (in place)."""
     graph = gm.graph
+    now = {}  # a block's output that an earlier fusion replaced (one block feeding the next)
     for site in sites:
+        query, key, value, mask = (now.get(n, n) for n in (site.query, site.key, site.value, site.mask))
         with graph.inserting_before(site.output):
-            mask = site.mask
             if site.excludes:
-                mask = graph.call_function(aten.logical_not.default, (site.mask,))
+                mask = graph.call_function(aten.logical_not.default, (mask,))
                 mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(mask)})
             fused = graph.call_function(aten.scaled_dot_product_attention.default,
-                                        (site.query, site.key, site.value, mask, 0.0, False),
-                                        {"scale": site.scale})
+                                        (query, key, value, mask, 0.0, False), {"scale": site.scale})
+        now[site.output] = fused
         fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(fused)})
         site.output.replace_all_uses_with(fused)
         for node in (site.output, *reversed(site.replaced)):

@@ -114,3 +114,19 @@ def test_the_fused_op_has_the_two_matmuls_flops_and_a_gpu_prediction_gains():
     before = fxdream.simulate(model.eval(), inputs, device="h100", training=False)
     after = fxdream.simulate(model.eval(), inputs, device="h100", training=False, passes=["fuse_attention"])
     assert after.time_ms < before.time_ms  # predicted: fewer kernels and no [s, s] round trips
+
+
+class TwoStacked(nn.Module):
+    """The first block's [b, h, s, d] output is the second block's query, as it is."""
+    def forward(self, q, k, v):
+        first = torch.matmul((torch.matmul(q, k.transpose(-2, -1)) / 4.0).softmax(-1), v)
+        return torch.matmul((torch.matmul(first, k.transpose(-2, -1)) / 4.0).softmax(-1), v)
+
+
+def test_a_block_feeding_the_next_is_fused_in_both():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
+    optimized, count = _fused(TwoStacked(), (q, k, v))
+    assert count == 2
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(q, k, v), TwoStacked()(q, k, v), rtol=1e-5, atol=1e-6)
