@@ -14,7 +14,8 @@ conv→add→relu pattern), forks (a conv whose output is used twice), a conv sh
 two call sites, max/avg/adaptive pooling, dropout (also 2d, functional, in-place),
 in-place arithmetic, and a head (mean/amax/flatten → Linear). MLP nets use Linear,
 BatchNorm1d, LayerNorm, activations, residuals, dropout and in-place ops on 2-D or
-3-D inputs. Either kind sometimes has a graph break (``.item()``, ``print``,
+3-D inputs, and on 3-D inputs attention as matmul / softmax / matmul (tests/fuzz/attention.py).
+Either kind sometimes has a graph break (``.item()``, ``print``,
 ``torch._dynamo.graph_break()``).
 
 Every drawn net runs in eager mode: in-place ops are only drawn where autograd allows
@@ -30,6 +31,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
+
+from .attention import Attention, attention_layer
+from .attention import describe as describe_attention
 
 MAX_CHANNELS = 16
 MAX_SPATIAL = 16
@@ -398,6 +402,8 @@ def mlp_nets(draw, training: bool):
     layers = []
     for i in range(draw(st.integers(1, 5))):
         kinds = ["linear", "act", "res", "ln", "dropout"]
+        if len(state.shape) == 2:
+            kinds.append("attn")
         if _bn_ok(state):
             kinds.append("bn")
         if state.inplace_ok:
@@ -409,6 +415,8 @@ def mlp_nets(draw, training: bool):
             layer = L("linear", fin=state.shape[-1], out=draw(st.integers(1, MAX_FEATURES)), bias=draw(st.booleans()))
         elif kind == "ln":
             layer = L("ln", f=state.shape[-1], affine=draw(st.booleans()))
+        elif kind == "attn":
+            layer = L(**draw(attention_layer(state.shape[-1], state.shape[0])))
         else:
             layer = draw({"act": lambda: act_layer(state), "res": lambda: res_block(state),
                           "bn": lambda: bn_layer(state), "dropout": lambda: dropout_layer(state),
@@ -601,6 +609,8 @@ def _make(layer: L, shape) -> nn.Module:
         return InPlace(layer)
     if kind == "break":
         return Break(layer.how)
+    if kind == "attn":
+        return Attention(layer)
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
@@ -692,6 +702,8 @@ def _describe(layer: L) -> str:
     if k == "break":
         return {"item": "graph break: x / (1 + x.abs().max().item())", "print": "graph break: print()",
                 "graph_break": "graph break: torch._dynamo.graph_break()"}[layer.how]
+    if k == "attn":
+        return describe_attention(layer)
     if k == "head":
         pool = {"mean": "mean(2,3) → ", "amax": "amax(2,3) → ", "flatten": "flatten → ", "none": ""}[layer.pool]
         return f"{pool}Linear(→{layer.out}{'' if layer.bias else ', bias=False'})"
