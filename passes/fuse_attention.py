@@ -14,7 +14,9 @@ expand → clone → _unsafe_view → bmm → view), an optional scale by a posi
 optional ``clone`` (dropout in eval), the second matmul. Every intermediate must have no
 other user. Replaced by ``aten.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, False,
 scale=...)`` (a filled mask becomes its negation: SDPA's boolean mask says what takes part).
-Values change in the last bits (another summation order): max abs diff ~1e-7 on BERT.
+Values change in the last bits (another summation order): max abs diff ~1e-7 on BERT; and a
+query row a filled mask excludes entirely gives 0 where eager's softmax gives NaN (said in the
+pass's notes; a causal mask never excludes a whole row).
 Training is left alone: its backward graph holds the unfused gradients.
 """
 from __future__ import annotations
@@ -35,6 +37,10 @@ _FLATTEN = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
 _COPIES = {aten.expand.default, aten.clone.default}
 _PLUMBING = _FLATTEN | _COPIES
 _SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
+
+
+FULLY_MASKED_ROWS = ("a query row that masked_fill(-inf) masks entirely gives 0 with SDPA where eager "
+                     "softmax gives NaN (a causal mask never does)")
 
 
 @dataclass(frozen=True)
@@ -185,11 +191,11 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
 
 
 def _fake_run(node: fx.Node):
-    vals = [a.meta["val"] for a in node.all_input_nodes]
+    vals = [a.meta.get("val") for a in node.all_input_nodes]
     mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
-    args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
     if mode is None:
         return None
+    args, kwargs = tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
     with mode:
         return node.target(*args, **kwargs)
 
@@ -217,5 +223,7 @@ class FuseAttention:
             if after >= before:
                 return PassResult(gm, False, f"{len(sites)} attention block(s) found; fusing them is "
                                   f"predicted slower ({before:.0f} → {after:.0f} µs)", notes=layers)
+        if any(s.excludes for s in sites):
+            layers += (FULLY_MASKED_ROWS,)
         return PassResult(fused, True, f"{len(sites)} attention block(s) → scaled_dot_product_attention",
                           notes=layers)

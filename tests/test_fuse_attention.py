@@ -8,6 +8,7 @@ import torch.nn as nn
 import fxdream
 from fxdream import models
 from fxdream.annotate import node_flops
+from fxdream.passes.fuse_attention import FULLY_MASKED_ROWS
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
@@ -84,6 +85,7 @@ def test_a_causal_masked_fill_becomes_a_boolean_mask(fill, fused):
     model, x = CausalPrescaled(fill=fill), torch.randn(2, 6, 16)
     optimized, count = _fused(model, (x,))
     assert count == fused
+    assert (FULLY_MASKED_ROWS in optimized.report.passes[0].notes) == bool(fused)
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x), rtol=1e-5, atol=1e-6)
 
