@@ -160,6 +160,7 @@ class CaptureSession:
         self.transform = transform
         self.records: list[_SubgraphRecord] = []
         self.clock = SubgraphClock()  # time-stamps graph calls while host gaps are measured
+        self.notes: list[str] = []    # what the report should say about the capture itself
         self.state_names: dict[int, str] = {}  # a shared tensor keeps its first name
         if model is not None:
             for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
@@ -236,17 +237,31 @@ def _model_state_of(fw: fx.GraphModule, state: list) -> dict:
 
 def compile_with(model: torch.nn.Module, session: CaptureSession) -> Callable:
     """torch.compile with static shapes (one capture per input shape, as CUDA graphs need)."""
-    _raise_recompile_limit()
+    limit = _raise_recompile_limit()
+    forward = getattr(type(model).forward, "__code__", None)
+    if forward is not None and len(_cache_entries(forward)) >= limit:
+        # each optimize() is a new backend: the 65th of one class in a process ran eagerly, silently
+        torch._dynamo.eval_frame.remove_from_cache(forward)  # private, isolated
+        session.notes.append(f"dynamo's cache for {type(model).__name__}.forward was full ({limit} "
+                             f"compilations earlier in this process); cleared it to capture this one")
     return torch.compile(model, backend=session, dynamic=False)
 
 
-def _raise_recompile_limit(at_least: int = 64) -> None:
+def _cache_entries(code) -> list:
+    try:
+        return torch._dynamo.eval_frame._debug_get_cache_entry_list(code)  # private, isolated
+    except Exception:
+        return []
+
+
+def _raise_recompile_limit(at_least: int = 64) -> int:
     # Every optimize() call is a distinct backend, and dynamo counts one cache entry per
     # backend against a per-function limit (default 8) after which it silently runs eager.
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     if getattr(config, name) < at_least:
         setattr(config, name, at_least)
+    return getattr(config, name)
 
 
 def graph_break_counts() -> dict[str, int]:

@@ -64,11 +64,12 @@ class OptimizedModule(torch.nn.Module):
     def report(self) -> Report:
         """A snapshot of what was captured and what the passes did (complete after one step)."""
         captured = self._session.captured()
+        extras = dict(self._extras, notes=tuple(self._session.notes) + tuple(self._extras.get("notes", ())))
         return Report(model=type(self.model).__name__, training=not self._inference,
                       device=str(self._device), graphs=tuple(GraphReport.of(c) for c in captured),
                       graph_breaks=self._graph_breaks, fallback_reason=self._fallback_reason,
                       passes=tuple(self._pipeline.rows), build_seconds=self._build_seconds,
-                      capture=self._capture, **self._extras)
+                      capture=self._capture, **extras)
 
     @property
     def captured(self):

@@ -202,3 +202,26 @@ def test_a_training_step_with_no_differentiable_output_is_built_verified_and_tim
     assert report.verified_max_abs_diff == 0.0
     assert report.measured_eager_ms > 0 and report.measured_optimized_ms > 0
     assert torch.equal(optimized(x), model(x))
+
+
+def test_a_full_dynamo_cache_for_the_models_forward_is_cleared_and_said(monkeypatch):
+    import sys
+    capture = sys.modules["fxdream.capture"]  # the package exports a function of the same name
+
+    class Fresh(nn.Module):  # a class of its own: no cache entries from other tests
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+    monkeypatch.setattr(capture, "_raise_recompile_limit", lambda: 2)  # dynamo's real limit: 64
+    x = torch.randn(2, 4)
+    notes = []
+    for _ in range(3):
+        optimized = fxdream.optimize(Fresh(), (x,), training=True, cost=None)
+        assert optimized.report.graphs and not optimized.report.ran_eagerly
+        notes.append(optimized.report.notes)
+    assert notes[:2] == [(), ()]
+    assert notes[2] == ("dynamo's cache for Fresh.forward was full (2 compilations earlier in this "
+                        "process); cleared it to capture this one",)
