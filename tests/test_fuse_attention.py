@@ -132,3 +132,13 @@ def test_a_block_feeding_the_next_is_fused_in_both():
     assert count == 2
     with torch.no_grad():
         torch.testing.assert_close(optimized(q, k, v), TwoStacked()(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bert_attention_is_fused_on_cuda_and_equals_eager():
+    model, inputs, _ = models.build("bert_base", 4, tiny=True, device="cuda")
+    optimized, count = _fused(model, inputs)
+    assert count == 2
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)  # TF32 / flash

@@ -101,3 +101,14 @@ def test_passes_and_profiling_run_outside_the_tracing_mode():
         assert reason is None
         run_once(runner, model, (x,), False)
     assert seen == ["NoneType"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gru_on_cuda_is_one_op_and_equal_to_eager():
+    torch.manual_seed(0)
+    model, x = Recurrent("gru").eval().cuda(), torch.randn(3, 16, 6, device="cuda")
+    optimized = fxdream.optimize(model, (x,), eager_check=False)
+    assert sum(n.target is rnn_inference for n in _call_functions(optimized)) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-5)
