@@ -9,10 +9,55 @@ import torch
 
 
 def _build(name: str, batch: int, tiny: bool, training: bool):
-    from fxdream import models
-    model, inputs, loss_fn = models.build(name, batch, tiny=tiny)
+    user = user_model(name)
+    if user is not None:
+        if tiny:
+            raise ValueError(f"--tiny is for zoo models; {name!r} builds what its function returns")
+        model, inputs, loss_fn = user(batch)
+    else:
+        from fxdream import models
+        model, inputs, loss_fn = models.build(name, batch, tiny=tiny)
     model.train(training)
     return model, inputs, loss_fn
+
+
+def user_model(spec: str, device: str = "cpu"):
+    """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` → ``build(batch) -> (model, inputs, loss_fn)``
+    on ``device``; None for a zoo name. FUNCTION(batch_size) returns (model, inputs) or (model,
+    inputs, loss_fn); inputs a tensor or a tuple; without a loss, training sums the outputs."""
+    import importlib
+    import importlib.util
+    import os
+    where, colon, name = spec.rpartition(":")
+    if not colon:
+        return None
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ValueError(f"model {spec!r}: no file {where!r}")
+        loader = importlib.util.spec_from_file_location(f"fxdream_model_{abs(hash(where))}", where)
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as error:
+            raise ValueError(f"model {spec!r}: {error}") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"model {spec!r}: {where} has no function {name!r}")
+
+    def build(batch: int):
+        from fxdream.capture import differentiable_scalar
+        built = function(batch)
+        if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
+            raise TypeError(f"model {spec!r}: {name}({batch}) must return (model, inputs) or "
+                            f"(model, inputs, loss_fn), got {type(built).__name__}")
+        model, inputs = built[:2]
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        inputs = torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
+        return model.to(device), inputs, built[2] if len(built) == 3 else differentiable_scalar
+    build.__name__ = name
+    return build
 
 
 def cmd_capture(args) -> int:
@@ -137,8 +182,11 @@ def cmd_ab(args) -> int:
     from fxdream.ab import ab, plot_ab
     _load_plugins(args.load)
     batches = [int(b) for b in args.batch.split(",") if b]
-    result = ab(args.model, args.passes, batch_sizes=batches, training=args.training, device=args.device,
-                tiny=args.tiny, rounds=args.rounds, block=args.block)
+    user = user_model(args.model, args.device)
+    if user is not None and args.tiny:
+        raise ValueError(f"--tiny is for zoo models; {args.model!r} builds what its function returns")
+    result = ab(user or args.model, args.passes, batch_sizes=batches, training=args.training,
+                device=args.device, tiny=args.tiny, rounds=args.rounds, block=args.block)
     print(result.to_markdown())
     for row in result.rows:
         for reason in row.pass_reasons:
@@ -191,11 +239,15 @@ def _print_crossover(captured, args) -> None:
 
 def _model_args(parser, batch: int = 1, training: bool = True) -> None:
     """The arguments every per-model command takes."""
-    parser.add_argument("model", help="a zoo model: " + ", ".join(_zoo_names()))
+    parser.add_argument("model", help=MODEL_HELP.format(", ".join(_zoo_names())))
     parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--tiny", action="store_true", help="the tiny config of the zoo model (fast)")
     if training:
         parser.add_argument("--training", action="store_true")
+
+
+MODEL_HELP = ("a zoo model ({}), or your own: FILE.py:FUNCTION or MODULE:FUNCTION, where "
+              "FUNCTION(batch_size) returns (model, inputs) or (model, inputs, loss_fn)")
 
 
 def _zoo_names() -> tuple[str, ...]:
@@ -240,7 +292,7 @@ def main(argv=None) -> int:
     wif.set_defaults(run=cmd_whatif)
 
     abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
-    abp.add_argument("model")
+    abp.add_argument("model", help=MODEL_HELP.format(", ".join(_zoo_names())))
     abp.add_argument("--pass", dest="passes", required=True, help="pass name(s), comma-separated")
     abp.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8,32")
     abp.add_argument("--training", action="store_true")

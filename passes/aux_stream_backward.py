@@ -279,7 +279,7 @@ class AuxStreamBackward:
         cost, device_name = self._cost(ctx) if (ctx.cost_model is not None or on_cpu) else (None, None)
         if cost is None:
             if not forced:
-                return PassResult(gm, False, "not applied: no cost model to predict the gain", tuple(notes))
+                return PassResult(gm, False, "no cost model to predict the gain", tuple(notes))
             return PassResult(candidate, True, f"{what}; no cost model: applied as asked", tuple(notes))
         (before_us, before_peak), (after_us, after_peak) = (graph_prediction(gm, cost, "bw"),
                                                             graph_prediction(candidate, cost, "bw"))
@@ -290,7 +290,7 @@ class AuxStreamBackward:
                      f"({-pct:+.1f} %), peak {grow / 2**20:+.2f} MiB")
         notes = [predicted] + self._site_notes(candidate, sites, cost) + notes
         if ctx.memory_budget is not None and after_peak > ctx.memory_budget:
-            return PassResult(gm, False, f"not applied: predicted peak {after_peak / 2**20:.1f} MiB exceeds "
+            return PassResult(gm, False, f"predicted peak {after_peak / 2**20:.1f} MiB exceeds "
                               f"memory_budget {ctx.memory_budget / 2**20:.1f} MiB (the overlap keeps "
                               f"{grow / 2**20:+.2f} MiB more alive; {predicted})", tuple(notes))
         if on_cpu:
@@ -304,7 +304,7 @@ class AuxStreamBackward:
         if forced:
             return PassResult(candidate, True, f"{what} (forced: predicted gain {gain_us:.1f} µs is not beyond "
                               f"noise, {noise:.1f} µs); {predicted}", tuple(notes))
-        return PassResult(gm, False, f"not applied: predicted gain {gain_us:.1f} µs ({pct:.1f} %) is not beyond noise "
+        return PassResult(gm, False, f"predicted gain {gain_us:.1f} µs ({pct:.1f} %) is not beyond noise "
                           f"(> {self.min_gain_pct:g} % and > {self.min_gain_us:g} µs); force it with "
                           f"passes=['{self.name}'] ({predicted})", tuple(notes))
 

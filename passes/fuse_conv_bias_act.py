@@ -397,7 +397,7 @@ class FuseConvBiasAct:
             listing = ", ".join([f"unfused {base / 1e3:.3f} ms"]
                                 + [f"{v.name} {t / 1e3:.3f} ms" for v, t in times.items()])
             if times[chosen] >= base:
-                return PassResult(gm, False, f"not applied: every fused variant is predicted slower than unfused "
+                return PassResult(gm, False, f"every fused variant is predicted slower than unfused "
                                   f"({listing})", tuple([f"predicted: {listing} → unfused"] + notes + failed))
             notes.insert(0, f"predicted: {listing} → {chosen.name}")
             how = f"{chosen.name} (predicted {base / times[chosen]:.2f}x)"

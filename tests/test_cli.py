@@ -58,3 +58,44 @@ def test_demo_on_a_tiny_model_reports_and_times(capsys):
     assert "fxdream, auto" in out
     diff = float(out.split("max abs diff of the outputs vs eager: ")[1].split(")")[0])
     assert diff < 1e-4
+
+
+USER_MODEL = '''
+import torch, torch.nn as nn
+
+def build(batch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
+    return model, torch.randn(batch, 3, 8, 8)
+
+def not_a_pair(batch):
+    return 42
+'''
+
+
+def test_your_own_model_from_a_file_in_ab_simulate_and_explain(tmp_path, capsys):
+    path = tmp_path / "mine.py"
+    path.write_text(USER_MODEL)
+    out_json = tmp_path / "ab.json"
+    assert main(["ab", f"{path}:build", "--pass", "fuse_conv_bias_act", "--batch", "2", "--training",
+                 "--rounds", "1", "--block", "1", "--json", str(out_json)]) == 0
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["model"] == "build" and row["batch"] == 2 and row["training"]
+    assert row["max_abs_diff"] < 1e-4
+    assert main(["simulate", f"{path}:build", "--device", "h100", "--batch", "4"]) == 0
+    assert "predicted inference on h100" in capsys.readouterr().out
+    assert main(["explain", f"{path}:build", "--device", "h100", "--out", str(tmp_path / "e")]) == 0
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("{path}:missing", "has no function 'missing'"),
+    ("{path}:not_a_pair", "not_a_pair(1) must return (model, inputs) or (model, inputs, loss_fn), got int"),
+    ("/no/such/file.py:build", "no file '/no/such/file.py'"),
+    ("no_such_module_xyz:build", "No module named 'no_such_module_xyz'"),
+])
+def test_a_bad_model_spec_gives_one_line(tmp_path, capsys, spec, message):
+    path = tmp_path / "mine.py"
+    path.write_text(USER_MODEL)
+    assert main(["simulate", spec.format(path=path), "--device", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
