@@ -164,6 +164,9 @@ def _flatten_outputs(gm: fx.GraphModule):
     if not leaves or not all(isinstance(leaf, fx.Node) for leaf in leaves):
         return None
     output.args = (tuple(leaves),)
+    for node in reversed(gm.graph.nodes):  # namedtuple constructors the output no longer needs
+        if _is_namedtuple_class(node.target) and not node.users:
+            gm.graph.erase_node(node)
     gm.recompile()
     return spec
 
@@ -176,7 +179,14 @@ def _plain(value):
         return [_plain(v) for v in value]
     if type(value) is tuple:
         return tuple(_plain(v) for v in value)
+    if isinstance(value, fx.Node) and value.op == "call_function" and _is_namedtuple_class(value.target):
+        # the trace records ``Output(logits, hidden)`` as a node: rebuild it from its fields
+        return value.target(*(_plain(a) for a in value.args), **{k: _plain(v) for k, v in value.kwargs.items()})
     return value
+
+
+def _is_namedtuple_class(target) -> bool:
+    return isinstance(target, type) and issubclass(target, tuple) and hasattr(target, "_fields")
 
 
 _TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}

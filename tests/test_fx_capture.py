@@ -1,4 +1,6 @@
 """Inference capture through torch.fx.symbolic_trace (no dynamo), and its fallbacks to dynamo."""
+import collections
+
 import torch
 import torch.nn as nn
 
@@ -186,6 +188,30 @@ def test_a_buffer_updated_in_place_keeps_dynamo_and_matches_eager():
         for _ in range(3):
             torch.testing.assert_close(optimized(x), reference(x), rtol=0, atol=0)
     assert model.steps.item() == reference.steps.item() == 3
+
+
+LogitsAndHidden = collections.namedtuple("LogitsAndHidden", "logits hidden")
+
+
+class NamedTupleOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        hidden = torch.relu(self.lin(x))
+        return LogitsAndHidden(hidden.sum(-1), hidden)
+
+
+def test_a_namedtuple_output_is_rebuilt_from_its_fields():
+    model, x = NamedTupleOut().eval(), torch.randn(2, 4)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    with torch.no_grad():
+        out, expected = optimized(x), model(x)
+    assert type(out) is LogitsAndHidden
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.hidden, expected.hidden)
 
 
 class ScoresAndMask(nn.Module):
