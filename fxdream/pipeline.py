@@ -101,10 +101,10 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     or None for no predictions. ``verify`` runs the module once against eager and
     reports the max error; ``measure`` times it against the passes-free capture.
 
-    ``eager_check`` (default: with ``passes="auto"`` and measured costs) times the built module
-    against eager when one eager call is short (≤ 20 ms: there the wrappers around the graphs
-    can cost more than the passes save); measured more than 5 % slower, it runs eagerly and
-    the report says so, with both times.
+    ``eager_check`` (default: with ``passes="auto"``, measured costs, not ``strict``) times the
+    built module against eager when one eager call is short (≤ 20 ms: there the wrappers around
+    the graphs can cost more than the passes save); measured more than 5 % slower, it runs
+    eagerly and the report says so, with both times.
     """
     check_model(model)
     inputs = check_inputs(example_inputs)
@@ -112,7 +112,8 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     strict, verify, measure = (check_flag(n, v) for n, v in (("strict", strict), ("verify", verify),
                                                               ("measure", measure)))
     auto = isinstance(passes, str) and passes == "auto"
-    eager_check = auto and cost == "auto" if eager_check is None else check_flag("eager_check", eager_check)
+    eager_check = (auto and cost == "auto" and not strict) if eager_check is None \
+        else check_flag("eager_check", eager_check)
     selected = resolve_passes(available_passes() if auto else passes)
     target = resolve_device(device, model, inputs)
 

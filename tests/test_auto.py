@@ -156,7 +156,8 @@ def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off
     monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=9.0))
     for unchecked in (fxdream.optimize(model, (x,), passes="auto", eager_check=False),
                       fxdream.optimize(model, (x,), passes=[FoldMulByOne()]),  # named passes: forced
-                      fxdream.optimize(model, (x,), passes="auto", cost="analytic")):  # nothing measured
+                      fxdream.optimize(model, (x,), passes="auto", cost="analytic"),  # nothing measured
+                      fxdream.optimize(model, (x,), passes="auto", strict=True)):  # the graphs, always
         assert not unchecked.report.ran_eagerly and unchecked.report.measured_eager_ms is None
     monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 0.0)  # a long call: not checked
     assert fxdream.optimize(model, (x,), passes="auto").report.measured_eager_ms is None
