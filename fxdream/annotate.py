@@ -188,7 +188,8 @@ def _sdpa_flops(node: fx.Node) -> int:
 
 
 _RNN_OPS = {getattr(torch.ops.aten, name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu", "mkldnn_rnn_layer",
-                                                      "_cudnn_rnn") if hasattr(torch.ops.aten, name)} | {rnn_inference.overloadpacket}
+                                                      "_cudnn_rnn") if hasattr(torch.ops.aten, name)}
+_RNN_OPS.add(rnn_inference.overloadpacket)
 
 
 def _rnn_flops(node: fx.Node) -> int:
@@ -204,8 +205,8 @@ def _rnn_flops(node: fx.Node) -> int:
 
 
 # (index of num_layers, index of batch_first) in each RNN op's arguments
-_RNN_LAYOUT_ARGS = {**{getattr(torch.ops.aten, name): (4, 8) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
-                    rnn_inference.overloadpacket: (5, 7), torch.ops.aten._cudnn_rnn: (9, 10)}
+_RNN_LAYOUT_ARGS = {getattr(torch.ops.aten, name): (4, 8) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+_RNN_LAYOUT_ARGS.update({rnn_inference.overloadpacket: (5, 7), torch.ops.aten._cudnn_rnn: (9, 10)})
 
 
 def rnn_sequential_steps(node: fx.Node) -> int:
