@@ -138,10 +138,14 @@ class PassPipeline:
                 rows.append(PassReport(p.name, index, ctx.phase, False, reason))
         candidates = {(): (gm, [])}
         if len(applicable) <= MAX_EXHAUSTIVE:
-            for size in range(1, len(applicable) + 1):
+            runs = {}  # (pass, graph it ran on): a pass that left a subset's graph as it was
+            for size in range(1, len(applicable) + 1):  # is not run again on the same graph
                 for subset in itertools.combinations(applicable, size):
                     base_gm, base_rows = candidates[subset[:-1]]
-                    new_gm, row = self._run_one(subset[-1], base_gm, ctx, index)
+                    key = (id(subset[-1]), id(base_gm))
+                    if key not in runs:
+                        runs[key] = (base_gm, self._run_one(subset[-1], base_gm, ctx, index))
+                    new_gm, row = runs[key][1]
                     candidates[subset] = (new_gm, base_rows + [row])
         else:
             chosen: tuple = ()

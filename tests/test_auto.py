@@ -80,6 +80,27 @@ def test_auto_keeps_the_helpful_pass_and_drops_the_harmful_one():
     assert "copies" in auto.notes[0] and "fold+copies" in auto.notes[0]
 
 
+class Counted:
+    """Leaves the graph as it is and counts its runs."""
+    def __init__(self, name):
+        self.name, self.runs = name, 0
+
+    def applies_to(self, ctx):
+        return None
+
+    def __call__(self, gm, ctx):
+        self.runs += 1
+        return PassResult(gm, False, "nothing to do")
+
+
+def test_a_pass_is_not_run_again_on_a_graph_another_subset_left_as_it_was():
+    first, last = Counted("a"), Counted("c")
+    pipeline = _auto([first, FoldMulByOne(), last])
+    assert "of 8 subsets" in pipeline.rows[-1].reason
+    # c: once on the captured graph, once on the folded one (4 runs without the reuse)
+    assert (first.runs, last.runs) == (1, 2)
+
+
 def test_auto_respects_the_memory_budget():
     unbounded = _auto([AddCopies("copies", 2)])
     assert unbounded.rows[-1].reason.startswith("chose none")
