@@ -38,7 +38,11 @@ from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 from .sim.graph_regions import aliases_input
 
 Tensor = torch.Tensor
-_ACTS = ("relu", "none")
+# oneDNN's unary post-op name → the ATen op it computes (the unfused reference and fallback)
+UNARY = {"relu": torch.ops.aten.relu.default, "swish": torch.ops.aten.silu.default,
+         "hardswish": torch.ops.aten.hardswish.default, "sigmoid": torch.ops.aten.sigmoid.default,
+         "tanh": torch.ops.aten.tanh.default}
+_ACTS = (*UNARY, "none")
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -66,7 +70,7 @@ def _aten_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
                                            False, [0, 0], groups)
     if other is not None:
         y = torch.ops.aten.add.Tensor(y, other)
-    return torch.ops.aten.relu.default(y) if act == "relu" else y
+    return UNARY[act](y) if act in UNARY else y
 
 
 def _cpu_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
@@ -224,7 +228,7 @@ def _(x, weight, bias, other, stride, padding, dilation, groups, act):
 
 
 conv_fused_inference = torch.ops.fxdream.conv_fused_inference.default
-"""act(conv2d(x, weight, bias) [+ other]), act "relu" or "none"; no gradient."""
+"""act(conv2d(x, weight, bias) [+ other]), act one of ``UNARY`` (oneDNN's names) or "none"; no gradient."""
 conv_fused_inference_prepacked = torch.ops.fxdream.conv_fused_inference.prepacked
 """The same with a weight from ``prepack_conv_weight``; the output is always channels_last."""
 INFERENCE_OPS = (conv_fused_inference, conv_fused_inference_prepacked)

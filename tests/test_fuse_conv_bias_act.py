@@ -369,3 +369,45 @@ def test_cuda_models_equal_eager(name, training, no_tf32):
     else:
         with torch.no_grad():
             torch.testing.assert_close(optimized(*inputs), model(*inputs), atol=1e-3, rtol=1e-3)
+
+
+class MobileBlock(nn.Module):
+    """MobileNetV3 / EfficientNet style: conv → BN → hardswish / SiLU, depthwise, then a 1x1."""
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+        self.pw = nn.Conv2d(8, 16, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.out = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        y = self.act(self.bn1(self.pw(x)))
+        y = self.act(self.bn2(self.dw(y)))
+        return torch.sigmoid(self.out(y))
+
+
+@pytest.mark.parametrize("act,aten,onednn", [(nn.SiLU(), "silu", "swish"), (nn.Hardswish(), "hardswish", "hardswish")])
+def test_cpu_inference_fuses_silu_hardswish_and_sigmoid_and_equals_eager(act, aten, onednn):
+    torch.manual_seed(0)
+    model, x = MobileBlock(act).eval(), torch.randn(2, 8, 12, 12)
+    for m in (model.bn1, model.bn2):  # non-trivial statistics
+        m.running_mean.uniform_(-0.5, 0.5)
+        m.running_var.uniform_(0.5, 2.0)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    (row,) = optimized.report.passes
+    assert row.applied and row.reason.startswith(f"fused 2 conv+bn+{aten}, 1 conv+bias+sigmoid"), row.reason
+    graph = optimized.rewritten_graphs[(0, "fw")]
+    acts = [a for n in graph.graph.nodes for a in n.args if isinstance(a, str) and a in ops.UNARY]
+    assert sorted(acts) == sorted([onednn, onednn, "sigmoid"])
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_training_fuses_relu_only():
+    torch.manual_seed(0)
+    model, x = MobileBlock(nn.SiLU()).train(), torch.randn(2, 8, 12, 12)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], training=True, cost=None)
+    assert not any(r.applied for r in optimized.report.passes)
+    assert_same_training_step(model, optimized, (x,))

@@ -1,0 +1,8 @@
+"""A pass plugin for A/B runs: fuse_conv_bias_act as it was before it fused SiLU / hardswish /
+sigmoid / tanh (ReLU only), to measure what those post-ops add:
+
+    python -m fxdream ab benchmarks/mobile_like.py:build --pass fuse_conv_bias_act --load benchmarks/relu_only.py
+"""
+from fxdream.passes import fuse_conv_bias_act
+
+fuse_conv_bias_act.INFERENCE_ACTS.clear()
