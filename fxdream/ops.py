@@ -39,10 +39,22 @@ from .sim.graph_regions import aliases_input
 
 Tensor = torch.Tensor
 # oneDNN's unary post-op name → the ATen op it computes (the unfused reference and fallback)
+# ("hardtanh:LO,HI" carries its bounds: ReLU6 is "hardtanh:0.0,6.0")
 UNARY = {"relu": torch.ops.aten.relu.default, "swish": torch.ops.aten.silu.default,
          "hardswish": torch.ops.aten.hardswish.default, "sigmoid": torch.ops.aten.sigmoid.default,
-         "tanh": torch.ops.aten.tanh.default}
-_ACTS = (*UNARY, "none")
+         "tanh": torch.ops.aten.tanh.default, "hardtanh": torch.ops.aten.hardtanh.default}
+
+
+def onednn_unary(act: str) -> tuple[str, list[float]]:
+    """("hardtanh", [0.0, 6.0]) from "hardtanh:0.0,6.0"; (name, []) for the others."""
+    name, _, bounds = act.partition(":")
+    return name, [float(v) for v in bounds.split(",")] if bounds else []
+
+
+def _check_act(act: str) -> None:
+    name, scalars = onednn_unary(act)
+    if not (name == "none" or name in UNARY) or (len(scalars) != 2 if name == "hardtanh" else scalars):
+        raise ValueError(f"act must be 'none', one of {sorted(UNARY)} or 'hardtanh:LO,HI', got {act!r}")
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -70,7 +82,8 @@ def _aten_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
                                            False, [0, 0], groups)
     if other is not None:
         y = torch.ops.aten.add.Tensor(y, other)
-    return UNARY[act](y) if act in UNARY else y
+    name, scalars = onednn_unary(act)
+    return UNARY[name](y, *scalars) if name in UNARY else y
 
 
 def _cpu_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
@@ -79,8 +92,9 @@ def _cpu_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
     # private oneDNN entry points (the ones inductor's CPU fusion emits), isolated here
     try:
         if other is None:
+            name, scalars = onednn_unary(act)
             return torch.ops.mkldnn._convolution_pointwise.default(
-                x, weight, bias, list(padding), list(stride), list(dilation), groups, act, [], "")
+                x, weight, bias, list(padding), list(stride), list(dilation), groups, name, scalars, "")
         unary = None if act == "none" else act
         return torch.ops.mkldnn._convolution_pointwise.binary(
             x, other, weight, bias, list(padding), list(stride), list(dilation), groups, "add", None, unary,
@@ -108,8 +122,7 @@ def _cuda_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
 
 
 def _fused_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
-    if act not in _ACTS:
-        raise ValueError(f"act must be one of {_ACTS}, got {act!r}")
+    _check_act(act)
     run = _cuda_conv if x.device.type == "cuda" else _cpu_conv
     return run(x, weight, bias, other, stride, padding, dilation, groups, act)
 
@@ -228,7 +241,8 @@ def _(x, weight, bias, other, stride, padding, dilation, groups, act):
 
 
 conv_fused_inference = torch.ops.fxdream.conv_fused_inference.default
-"""act(conv2d(x, weight, bias) [+ other]), act one of ``UNARY`` (oneDNN's names) or "none"; no gradient."""
+"""act(conv2d(x, weight, bias) [+ other]), act one of ``UNARY`` (oneDNN's names; "hardtanh:LO,HI")
+or "none"; no gradient."""
 conv_fused_inference_prepacked = torch.ops.fxdream.conv_fused_inference.prepacked
 """The same with a weight from ``prepack_conv_weight``; the output is always channels_last."""
 INFERENCE_OPS = (conv_fused_inference, conv_fused_inference_prepacked)
@@ -336,7 +350,7 @@ def call_onednn_directly(gm) -> int:
         x, w, b, other, stride, padding, dilation, groups, act = node.args
         attrs = (list(padding), list(stride), list(dilation), groups)
         if other is None:
-            target, args = ONEDNN_CONV, (x, w, b, *attrs, act, [], "")
+            target, args = ONEDNN_CONV, (x, w, b, *attrs, *onednn_unary(act), "")
         elif _residual_is_free(node, other, order):
             target, args = ONEDNN_CONV_ADD_, (other, x, w, b, *attrs, "add", None,
                                               None if act == "none" else act, [], None)

@@ -1,4 +1,4 @@
-"""fuse_conv_bias_act: conv (+bias) (+BN folded) (+residual add) + ReLU (in CPU inference also SiLU,
+"""fuse_conv_bias_act: conv (+bias) (+BN folded) (+residual add) + ReLU (in CPU inference also SiLU, ReLU6,
 hardswish, sigmoid, tanh) as one fused kernel.
 
 The Flux seed (FluxML/Flux.jl#558) and cuDNN's ``cudnnConvolutionBiasActivationForward``:
@@ -136,7 +136,18 @@ def _foldable_bn(conv: fx.Node, ctx: PassContext, notes: list) -> fx.Node | None
 # only (the trainable ops' backward is ReLU's); measured here on a 3x3 depthwise conv at bs1,
 # conv+SiLU fused 434 µs against 1689 µs for the conv, then SiLU
 INFERENCE_ACTS = {aten.silu.default: "swish", aten.hardswish.default: "hardswish",
-                  aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh"}
+                  aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
+                  aten.hardtanh.default: "hardtanh"}  # ReLU6 (MobileNetV2), with its bounds
+
+
+def _onednn_act(node: fx.Node, acts: dict) -> str:
+    """The fused op's ``act`` for an activation node ("hardtanh:0.0,6.0" carries the bounds)."""
+    name = acts[node.target]
+    if name == "hardtanh":
+        low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min_val", -1.0)
+        high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max_val", 1.0)
+        return f"hardtanh:{float(low)},{float(high)}"
+    return name
 
 
 def _fusable_acts(ctx: PassContext) -> dict:
@@ -242,7 +253,7 @@ class _Builder:
                 w, b = self._frozen_weights(site, x, w, b, stride, padding, dilation, groups)
                 packed = w.op == "get_attr" and getattr(self.gm, w.target).is_mkldnn
                 target = ops.conv_fused_inference_prepacked if packed else ops.conv_fused_inference
-                act = _fusable_acts(self.ctx)[site.act.target] if site.act is not None else "none"
+                act = _onednn_act(site.act, _fusable_acts(self.ctx)) if site.act is not None else "none"
                 args = (x, w, b, other, stride, padding, dilation, groups, act)
             fused = self.graph.call_function(target, args)
         fused.meta.update(conv.meta)

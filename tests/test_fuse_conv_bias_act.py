@@ -388,7 +388,8 @@ class MobileBlock(nn.Module):
         return torch.sigmoid(self.out(y))
 
 
-@pytest.mark.parametrize("act,aten,onednn", [(nn.SiLU(), "silu", "swish"), (nn.Hardswish(), "hardswish", "hardswish")])
+@pytest.mark.parametrize("act,aten,onednn", [(nn.SiLU(), "silu", "swish"), (nn.Hardswish(), "hardswish", "hardswish"),
+                                             (nn.ReLU6(inplace=True), "hardtanh", "hardtanh")])
 def test_cpu_inference_fuses_silu_hardswish_and_sigmoid_and_equals_eager(act, aten, onednn):
     torch.manual_seed(0)
     model, x = MobileBlock(act).eval(), torch.randn(2, 8, 12, 12)
@@ -399,8 +400,14 @@ def test_cpu_inference_fuses_silu_hardswish_and_sigmoid_and_equals_eager(act, at
     (row,) = optimized.report.passes
     assert row.applied and row.reason.startswith(f"fused 2 conv+bn+{aten}, 1 conv+bias+sigmoid"), row.reason
     graph = optimized.rewritten_graphs[(0, "fw")]
-    acts = [a for n in graph.graph.nodes for a in n.args if isinstance(a, str) and a in ops.UNARY]
-    assert sorted(acts) == sorted([onednn, onednn, "sigmoid"])
+    acts = []  # (oneDNN post-op, its scalars) of each fused conv, prepacked and called directly or not
+    for n in graph.graph.nodes:
+        if n.target is ops.ONEDNN_CONV:
+            acts.append((n.args[7], list(n.args[8])))
+        elif n.target in ops.INFERENCE_OPS:
+            acts.append(ops.onednn_unary(n.args[8]))
+    bounds = [0.0, 6.0] if onednn == "hardtanh" else []  # ReLU6's bounds travel with it
+    assert sorted(acts) == sorted([(onednn, bounds), (onednn, bounds), ("sigmoid", [])])
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-5)
 
@@ -411,3 +418,10 @@ def test_training_fuses_relu_only():
     optimized = fxdream.optimize(model, (x,), passes=[PASS], training=True, cost=None)
     assert not any(r.applied for r in optimized.report.passes)
     assert_same_training_step(model, optimized, (x,))
+
+
+@pytest.mark.parametrize("act", ["gelu", "hardtanh", "hardtanh:0.0", "relu:1.0"])
+def test_an_unknown_or_malformed_post_op_is_refused(act):
+    x, w = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 3, 3)
+    with pytest.raises(ValueError, match="act must be 'none', one of"):
+        ops.conv_fused_inference(x, w, None, None, S, P, D, 1, act)
