@@ -159,7 +159,7 @@ def _fusable_acts(ctx: PassContext) -> dict:
 
 
 def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]]:
-    """Walk from every convolution through [bn] → [add] → [relu]; notes say what was left."""
+    """Walk from every convolution through [bn] → [add → relu] or [act]; notes say what was left."""
     sites, notes, unfused, claimed = [], [], 0, set()
     for conv in graph.nodes:
         if conv.op != "call_function" or conv.target is not CONV:
@@ -187,6 +187,8 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
         if site.act is None:
             acts = _fusable_acts(ctx)
             site.act = next((u for u in [_sole_user(cur, t) for t in acts] if u is not None), None)
+            if site.act is not None and any(isinstance(a, fx.Node) for a in site.act.args[1:]):
+                site.act = None  # a hardtanh whose bounds are computed: oneDNN needs numbers
             if site.act is not None:
                 site.parts.append(site.act.target.overloadpacket.__name__)  # relu, silu, hardswish...
             elif (blocked := next((u for u in cur.users if u.op == "call_function" and u.target in acts),
