@@ -335,17 +335,23 @@ def tracing_config(training: bool):
     return torch._dynamo.config.patch(allow_rnn=True)
 
 
+def one_step(call: Callable, inputs: tuple, training: bool):
+    """``call(*inputs)``: under no_grad in inference; in training also a backward reaching every
+    output that needs a gradient (none where nothing does). Returns the output."""
+    if not training:
+        with torch.no_grad():
+            return call(*inputs)
+    output = call(*inputs)
+    scalar = differentiable_scalar(output)
+    if scalar is not None:
+        scalar.backward()
+    return output
+
+
 def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
     with preserved_state(model), tracing_config(training):
-        if not training:
-            with torch.no_grad():
-                return compiled(*inputs)
-        output = compiled(*inputs)
-        scalar = differentiable_scalar(output)
-        if scalar is not None:
-            scalar.backward()
-        return output
+        return one_step(compiled, inputs, training)
 
 
 def capture(model: torch.nn.Module, example_inputs, training: bool = False):

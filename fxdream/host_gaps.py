@@ -21,8 +21,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import torch
-
 END = "end"
 
 
@@ -118,17 +116,13 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
     gradients, buffers and RNG are left as they were."""
-    from .capture import differentiable_scalar, preserved_state  # capture imports this module
+    from .capture import one_step, preserved_state  # capture imports this module
 
     def step():
-        if not training:
-            with torch.no_grad():
-                return call(*inputs)
-        for p in model.parameters():
-            p.grad = None
-        scalar = differentiable_scalar(call(*inputs))
-        if scalar is not None:
-            scalar.backward()
+        if training:
+            for p in model.parameters():
+                p.grad = None
+        return one_step(call, inputs, training)
 
     with preserved_state(model):
         return measure_host_gaps(step, clock, rounds, warmup)

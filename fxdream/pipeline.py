@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from .capture import (CaptureError, CaptureSession, compile_with, describe_error, differentiable_scalar,
-                      graph_break_counts, new_graph_breaks, preserved_state, run_once)
+from .capture import (CaptureError, CaptureSession, compile_with, describe_error, graph_break_counts,
+                      new_graph_breaks, one_step, preserved_state, run_once)
 from .fx_capture import trace_and_compile
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
@@ -192,15 +192,7 @@ EAGER_CHECK_TOLERANCE = 1.05
 
 
 def _step(m, inputs, training: bool) -> Callable[[], object]:
-    """One call (inference) or forward + backward (training; none where nothing needs a gradient)."""
-    if not training:
-        return lambda: m(*inputs)
-
-    def forward_backward():
-        scalar = differentiable_scalar(m(*inputs))
-        if scalar is not None:
-            scalar.backward()
-    return forward_backward
+    return lambda: one_step(m, inputs, training)
 
 
 def _check_against_eager(model, module: OptimizedModule, inputs, training: bool) -> dict:
