@@ -375,12 +375,8 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
     model.train(training)
     breaks_before = graph_break_counts()
     try:
-        runner = None
-        if not training:  # inference: torch.fx's trace when the model traces whole (fx_capture)
-            from .fx_capture import trace_and_compile
-            with torch.no_grad(), preserved_state(model):
-                runner, _ = trace_and_compile(model, inputs, session)
-        runner = runner or compile_with(model, session)
+        from .fx_capture import compile_model  # fx_capture imports this module
+        runner, _ = compile_model(model, inputs, session, training)
         run_once(runner, model, inputs, training)
     except Exception as error:
         try:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureSession, compile_with
+from .capture import CaptureSession, compile_with, preserved_state
 
 
 def _signature(args: tuple) -> tuple:
@@ -52,6 +52,19 @@ class TracedRunner:
         if self._fallback is None:
             self._fallback = compile_with(self._model, self._session)
         return self._fallback(*args, **kwargs)
+
+
+def compile_model(model: torch.nn.Module, inputs: tuple, session: CaptureSession,
+                  training: bool) -> tuple[Callable, str]:
+    """(runner, how it was captured): in inference torch.fx's trace when the model traces whole,
+    else (training, or the reason) dynamo, both compiling through ``session``."""
+    reason = "training"
+    if not training:
+        with torch.no_grad(), preserved_state(model):
+            runner, reason = trace_and_compile(model, inputs, session)
+        if runner is not None:
+            return runner, "torch.fx symbolic_trace"
+    return compile_with(model, session), f"dynamo ({reason})"
 
 
 def trace_and_compile(model: torch.nn.Module, inputs: tuple,

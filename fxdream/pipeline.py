@@ -6,9 +6,9 @@ from typing import Callable
 
 import torch
 
-from .capture import (CaptureError, CaptureSession, compile_with, describe_error, graph_break_counts,
+from .capture import (CaptureError, CaptureSession, describe_error, graph_break_counts,
                       new_graph_breaks, one_step, preserved_state, run_once)
-from .fx_capture import trace_and_compile
+from .fx_capture import compile_model
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
 from .numerics import max_abs_diff
@@ -139,10 +139,9 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
                                                   cost_model=cost_model, memory_budget=memory_budget), auto=auto)
     session = CaptureSession(model, transform=pipeline if selected else None)
     breaks_before = graph_break_counts()
-    runner, capture_note = _fx_runner(model, inputs, session, training)
-    module = OptimizedModule(model, runner or compile_with(model, session), session, pipeline,
-                             training, target, strict)
-    module._capture = capture_note
+    runner, how = compile_model(model, inputs, session, training)
+    module = OptimizedModule(model, runner, session, pipeline, training, target, strict)
+    module._capture = how
     try:
         run_once(module._runner, model, inputs, training)
     except Exception as error:
@@ -159,15 +158,6 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
                            + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
     return module
-
-
-def _fx_runner(model, inputs, session, training) -> tuple:
-    """Inference: the torch.fx fast path (fx_capture) when the model traces whole; else None."""
-    if training:
-        return None, "dynamo (training)"
-    with torch.no_grad(), preserved_state(model):
-        runner, reason = trace_and_compile(model, inputs, session)
-    return runner, "torch.fx symbolic_trace" if runner is not None else f"dynamo ({reason})"
 
 
 def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bool) -> dict:
