@@ -9,10 +9,8 @@ import torch
 
 
 def _build(name: str, batch: int, tiny: bool, training: bool):
-    user = user_model(name)
+    user = user_model(name, tiny=tiny)
     if user is not None:
-        if tiny:
-            raise ValueError(f"--tiny is for zoo models; {name!r} builds what its function returns")
         model, inputs, loss_fn = user(batch)
     else:
         from fxdream import models
@@ -21,7 +19,7 @@ def _build(name: str, batch: int, tiny: bool, training: bool):
     return model, inputs, loss_fn
 
 
-def user_model(spec: str, device: str = "cpu"):
+def user_model(spec: str, device: str = "cpu", tiny: bool = False):
     """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` → ``build(batch) -> (model, inputs, loss_fn)``
     on ``device``; None for a zoo name. FUNCTION(batch_size) returns (model, inputs) or (model,
     inputs, loss_fn); inputs a tensor or a tuple; without a loss, training sums the outputs."""
@@ -31,6 +29,8 @@ def user_model(spec: str, device: str = "cpu"):
     where, colon, name = spec.rpartition(":")
     if not colon:
         return None
+    if tiny:
+        raise ValueError(f"--tiny is for zoo models; {spec!r} builds what its function returns")
     if where.endswith(".py"):
         if not os.path.isfile(where):
             raise ValueError(f"model {spec!r}: no file {where!r}")
@@ -182,11 +182,9 @@ def cmd_ab(args) -> int:
     from fxdream.ab import ab, plot_ab
     _load_plugins(args.load)
     batches = [int(b) for b in args.batch.split(",") if b]
-    user = user_model(args.model, args.device)
-    if user is not None and args.tiny:
-        raise ValueError(f"--tiny is for zoo models; {args.model!r} builds what its function returns")
-    result = ab(user or args.model, args.passes, batch_sizes=batches, training=args.training,
-                device=args.device, tiny=args.tiny, rounds=args.rounds, block=args.block)
+    model = user_model(args.model, args.device, args.tiny) or args.model
+    result = ab(model, args.passes, batch_sizes=batches, training=args.training, device=args.device,
+                tiny=args.tiny, rounds=args.rounds, block=args.block)
     print(result.to_markdown())
     for row in result.rows:
         for reason in row.pass_reasons:
