@@ -11,7 +11,8 @@ DDP's default buckets). Each process, in parallel (so profiling sees the load of
      (interleaved, so the measurements and the prediction see the same conditions: on a
      shared VM the speed drifts by tens of % within a minute);
   3. fits t = 2(n-1)/n·S/B + 2(n-1)·α to the allreduce medians (B, α);
-  4. predicts the DDP step: fxdream.whatif.ddp(prediction, Cluster(2, 1, B, α)).
+  4. predicts the DDP step: fxdream.whatif.ddp(prediction, Cluster(2, 1, B, α),
+     step_jitter_ms=σ of the one-process steps within a round: the wait for the slower rank).
 Writes JSON (rank 0's figures; both ranks under "ranks") and prints measured vs predicted.
 
     python benchmarks/ddp_gloo.py [--out benchmarks/results/ddp_gloo_cpu_<date>.json]
@@ -140,18 +141,28 @@ def _predict_local(captured, cost, step_samples: list):
     return predict(captured, cost, True, SGD, step=StepCalls.median(step_samples) if step_samples else None)
 
 
-def _predict_ddp(run: GlooRun, captured, prediction, bandwidth: float, latency_us: float) -> dict:
+def pooled_jitter_ms(rounds: list[list[float]]) -> float:
+    """σ of one step's time within a round (pooled over rounds): the per-step noise that makes
+    ranks wait for each other, not the drift between rounds (which both ranks share)."""
+    variances = [statistics.variance(r) for r in rounds if len(r) >= 2]
+    return math.sqrt(statistics.fmean(variances)) if variances else 0.0
+
+
+def _predict_ddp(run: GlooRun, captured, prediction, bandwidth: float, latency_us: float,
+                 jitter_ms: float) -> dict:
     from fxdream.whatif import Cluster, ddp
     cluster = Cluster(machines=run.world_size, gpus_per_machine=1,
                       network_gbps=bandwidth * 8 / 1e9, network_latency_us=latency_us)
     cap = 25.0 if run.bucket_cap_mb is None else run.bucket_cap_mb
     first = 1.0 if run.bucket_cap_mb is None else run.bucket_cap_mb  # DDP: explicit cap = first cap
     out = {}
-    for overlap in (False, True):
+    for overlap, jitter in ((False, jitter_ms), (True, jitter_ms), (False, 0.0)):
         w = ddp(prediction, cluster, captured=captured, bucket_cap_mb=cap, first_bucket_mb=first,
-                overlap=overlap)
+                overlap=overlap, step_jitter_ms=jitter)
         if overlap:
             out["predicted_ddp_overlap_ms"] = w.time_ms
+        elif not jitter:
+            out["predicted_ddp_no_wait_ms"] = w.time_ms
         else:
             out["predicted_ddp_ms"] = w.time_ms
             out["predicted_details"] = {k: (list(v) if isinstance(v, tuple) else v)
@@ -195,6 +206,7 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
             runners[name] = step
         buffers = {size: torch.ones(size // 4) for size in run.sizes_bytes}
         samples = {k: [] for k in runners}
+        per_step = {k: [] for k in runners}  # per round: each step's ms (the jitter, σ)
         ar_samples = {size: [] for size in run.sizes_bytes}
         for r in range(run.rounds + 1):  # round 0 warms up (and lets DDP rebuild its buckets)
             for size, t in buffers.items():
@@ -208,10 +220,13 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
                 step()  # untimed: the allreduce probes and the other model left the caches cold
                 dist.barrier()
                 t0 = time.perf_counter()
+                ends = []
                 for _ in range(run.block):
                     step()
+                    ends.append(time.perf_counter())
                 if r:
-                    samples[name].append((time.perf_counter() - t0) * 1e3 / run.block)
+                    samples[name].append((ends[-1] - t0) * 1e3 / run.block)
+                    per_step[name].append([(b - a) * 1e3 for a, b in zip([t0] + ends, ends)])
             if cost is not None:  # profile in every round: the same conditions as the steps
                 dist.barrier()
                 started = time.perf_counter()
@@ -230,6 +245,7 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
             out[f"measured_{k}_min_ms"] = min(v)
             out[f"measured_{k}_spread_pct"] = 100 * (max(v) - min(v)) / med
             out[f"measured_{k}_rounds_ms"] = [round(x, 3) for x in v]
+        out["local_step_jitter_ms"] = pooled_jitter_ms(per_step["local"])
         out["ddp_bucket_MB"] = ddp_bucket_sizes(ddp_model)
         if cost is not None:
             started = time.perf_counter()
@@ -237,7 +253,8 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
             out["predict_seconds"] = predict_seconds + time.perf_counter() - started
             out["predicted_local_ms"] = prediction.time_ms
             out["host_gaps_ms"] = sum(t.duration_us for t in prediction.task_graph.tasks if t.op == "host_gap") / 1e3
-            out.update(_predict_ddp(run, module.captured, prediction, bandwidth, latency_us))
+            out.update(_predict_ddp(run, module.captured, prediction, bandwidth, latency_us,
+                                    out["local_step_jitter_ms"]))
         phases["done"] = time.perf_counter() - t_start
         results.put(out)
         dist.destroy_process_group()
@@ -293,7 +310,8 @@ def measure_ddp_gloo(run: GlooRun = GlooRun()) -> dict:
     pairs = (("predicted_local_ms", "measured_local_ms", "error_local_pct"),
              ("predicted_comm_ms", "measured_comm_ms", "error_comm_pct"),
              ("predicted_ddp_ms", "measured_ddp_ms", "error_ddp_pct"),
-             ("predicted_ddp_overlap_ms", "measured_ddp_ms", "error_ddp_overlap_pct"))
+             ("predicted_ddp_overlap_ms", "measured_ddp_ms", "error_ddp_overlap_pct"),
+             ("predicted_ddp_no_wait_ms", "measured_ddp_ms", "error_ddp_no_wait_pct"))
     for pred, meas, err in pairs:
         if pred in out:
             out[err] = 100 * (out[pred] / out[meas] - 1)
@@ -333,6 +351,9 @@ def _print_run(i: int, r: dict) -> None:
     print(f"  DDP step, 2 processes: MEASURED {r['measured_ddp_ms']:.2f} ms (spread {r['measured_ddp_spread_pct']:.0f} %), "
           f"PREDICTED {r['predicted_ddp_ms']:.2f} ms ({r['error_ddp_pct']:+.1f} %); "
           f"if communication overlapped: {r['predicted_ddp_overlap_ms']:.2f} ms ({r['error_ddp_overlap_pct']:+.1f} %)")
+    print(f"  waiting for the slower rank: one step's σ {r['local_step_jitter_ms']:.2f} ms -> PREDICTED "
+          f"{r['predicted_details']['ddp.wait_slowest_rank_ms']:.2f} ms per step; without it "
+          f"{r['predicted_ddp_no_wait_ms']:.2f} ms ({r['error_ddp_no_wait_pct']:+.1f} %)")
     print(f"  DDP minus one-process (communication and copies): MEASURED {r['measured_comm_ms']:.2f} ms, "
           f"PREDICTED {r['predicted_comm_ms']:.2f} ms ({r['error_comm_pct']:+.1f} %); other processes used "
           f"{r['machine']['other_processes_cpu_pct_during_run']:.0f} % of the CPU")
@@ -361,14 +382,16 @@ def main(argv=None) -> int:
     for i in range(max(1, args.repeat)):
         runs.append(_attempt_until_quiet(run, args.attempts, args.wait_quiet))
         _print_run(i, runs[-1])
-    errors = {k: [r[f"error_{k}_pct"] for r in runs] for k in ("ddp", "local", "comm")}
+    errors = {k: [r[f"error_{k}_pct"] for r in runs] for k in ("ddp", "local", "comm", "ddp_no_wait")}
     record = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
                   python=platform.python_version(),
                   machine=dict(cpus=os.cpu_count(), processor=platform.processor() or platform.machine()),
                   run=asdict(run),
                   model=("predicted: fxdream.whatif.ddp(profiled one-process prediction, "
                          "Cluster(2, 1, network = gloo allreduce fit), overlap=False: communication "
-                         "takes host time (2 cores, both computing)); overlap=True reported beside. "
+                         "takes host time (2 cores, both computing), step_jitter_ms = σ of one-process "
+                         "steps within a round (waiting for the slower rank)); overlap=True and "
+                         "no wait reported beside. "
                          "Profiling and the host-gap samples are interleaved with the measured rounds."),
                   repeats=len(runs),
                   **{f"errors_{k}_pct": v for k, v in errors.items()},

@@ -260,6 +260,39 @@ def test_ddp_on_a_cpu_device_shares_the_host_when_not_overlapping(captured_mlp):
     assert overlap.time_ms <= serial.time_ms
 
 
+def test_expected_max_of_normals_by_hand():
+    assert W.expected_max_of_normals(1) == 0.0
+    assert W.expected_max_of_normals(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert W.expected_max_of_normals(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-6)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        W.expected_max_of_normals(0)
+
+
+def test_ddp_waits_for_the_slowest_rank(captured_mlp):
+    """The simulated rank becomes the slowest: its backward runs σ·E[max of N normals] longer.
+    With communication on the host (CPU device) the whole step gets that much longer; with it
+    overlapped on a GPU, at most that much."""
+    _, captured = captured_mlp
+    cpu = fxdream.sim.DeviceSpec("cpu-test", "cpu", {"float32": 1e11}, 1e10, 0.0, 1.0, 0.0, None, 0)
+    for base in (predict(captured, Analytic(cpu), True, SGD), h100_prediction(captured)):
+        for n in (2, 4):
+            cluster = W.Cluster(n, 1, network_gbps=1, network_latency_us=10)
+            kw = dict(captured=captured, bucket_cap_mb=0.002, first_bucket_mb=0.002)
+            steady = W.ddp(base, cluster, **kw)
+            jittery = W.ddp(base, cluster, step_jitter_ms=2.0, **kw)
+            wait_ms = 2.0 * W.expected_max_of_normals(n)
+            assert jittery.details["ddp.wait_slowest_rank_ms"] == pytest.approx(wait_ms)
+            last_comm = jittery.task_graph.select(phase="comm", op="ddp.allreduce")[-1]
+            assert "ddp:slowest_rank" in jittery.task_graph.predecessors(last_comm)
+            if base.device.kind == "cpu":
+                assert jittery.time_ms == pytest.approx(steady.time_ms + wait_ms)
+            else:
+                assert steady.time_ms < jittery.time_ms <= steady.time_ms + wait_ms + 1e-9
+    assert "ddp:slowest_rank" not in steady.task_graph
+    with pytest.raises(ValueError, match="step_jitter_ms"):
+        W.ddp(base, cluster, captured=captured, step_jitter_ms=-1.0)
+
+
 # ---- P3 ------------------------------------------------------------------------------------------
 def test_p3_lets_the_next_forward_start_before_all_gradients_arrive(captured_mlp):
     _, captured = captured_mlp

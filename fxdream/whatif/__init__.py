@@ -20,13 +20,14 @@ Module names differ from the function names so that ``fxdream.whatif.amp`` is th
 """
 from .core import Measured, WhatIf, faster_gpu
 from .data_parallel import MiB  # noqa: F401  (public in the single-module whatif.py)
-from .data_parallel import Cluster, Gradient, ddp, ddp_buckets, gradients, ring_allreduce_us
+from .data_parallel import (Cluster, Gradient, ddp, ddp_buckets, expected_max_of_normals, gradients,
+                            ring_allreduce_us)
 from .measure_cpu import measure_amp_cpu, measure_fused_adam_cpu
 from .mixed_precision import COMPUTE_OPS, FP32_OPS, amp, cpu_flops
 from .optimizer import fused_optimizer
 from .priority import ddp_period, p3
 
 __all__ = ["WhatIf", "Measured", "Cluster", "Gradient", "amp", "fused_optimizer", "faster_gpu",
-           "ddp", "ddp_period", "p3", "ring_allreduce_us", "gradients", "ddp_buckets",
+           "ddp", "ddp_period", "p3", "ring_allreduce_us", "gradients", "ddp_buckets", "expected_max_of_normals",
            "cpu_flops", "measure_amp_cpu", "measure_fused_adam_cpu",
            "COMPUTE_OPS", "FP32_OPS"]

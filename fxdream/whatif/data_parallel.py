@@ -13,10 +13,17 @@ Communication does not slow compute on a GPU (NIC/NVLink and copy engines; NCCL'
 ignored); on a CPU device it takes host time instead (``overlap=False``: gloo's reduction runs
 on the cores that compute).  DDP's flat bucket buffers add the gradients' bytes to static
 memory.  Allreduce time: :class:`Cluster` (ring or hierarchical).
+
+The simulator is deterministic, but ranks are not: every allreduce waits for the slowest
+rank, so a step costs E[max over N ranks] of the step time, not its mean.  Given the spread of
+one rank's step time (``step_jitter_ms``, σ), the simulated rank is made the slowest: its
+backward runs σ·E[max of N standard normals] (:func:`expected_max_of_normals`) longer, and
+the collectives follow it.
 """
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -42,6 +49,18 @@ def ring_allreduce_us(nbytes: float, n: int, bandwidth: float, latency_us: float
         return 0.0
     transfer = 0.0 if math.isinf(bandwidth) else 2 * (n - 1) / n * nbytes / bandwidth * 1e6
     return transfer + 2 * (n - 1) * latency_us
+
+
+def expected_max_of_normals(n: int) -> float:
+    """E[max of ``n`` independent standard normals] (0 for one; 0.564 for two, 1.03 for four):
+    the slowest of ``n`` ranks whose step times spread with σ = 1 comes that late on average."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if n == 1:
+        return 0.0
+    normal, step = statistics.NormalDist(), 0.005  # ∫ x · n φ(x) Φ(x)^(n-1) dx over ±10 σ
+    xs = [-10 + i * step for i in range(int(20 / step) + 1)]
+    return sum(x * n * normal.pdf(x) * normal.cdf(x) ** (n - 1) for x in xs) * step
 
 
 @dataclass(frozen=True)
@@ -242,10 +261,25 @@ def _copy_task(name: str, like: Task, nbytes: float, spec: DeviceSpec) -> Task:
     return Task(name, kind, us, like.resource, op="ddp.copy", phase="comm")
 
 
+def _slowest_rank(g: TaskGraph, grads: Sequence[Gradient], position: Mapping[str, int],
+                  wait_us: float) -> tuple[TaskGraph, str | None]:
+    """The simulated rank made the slowest: its backward runs ``wait_us`` longer (a task on the
+    resource of the last gradient's producer, right after it), so every collective after it
+    (and, with communication on the host, the host thread) starts that much later."""
+    producers = [gr.producer for gr in grads if gr.producer]
+    if wait_us <= 0 or not producers:
+        return g.copy(), None
+    last = max(producers, key=position.__getitem__)
+    like = g.task(last)
+    task = Task("ddp:slowest_rank", like.kind, wait_us, like.resource, op="ddp.slowest_rank", phase="bw")
+    nxt = g.next_on_resource(last)
+    return g.insert(task, after=[last], before=[nxt] if nxt else []), task.name
+
+
 def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0, bucket_order: str = "ready", overlap: bool | None = None,
         copies: bool = True, gradient_as_bucket_view: bool = False, channel: str = "comm:0",
-        contention: bool | None = None) -> WhatIf:
+        contention: bool | None = None, step_jitter_ms: float = 0.0) -> WhatIf:
     """What if the training step ran data-parallel (DDP) on ``cluster``?  Bucketed ring
     allreduce overlapping the backward (module docstring); the optimizer waits for the last.
 
@@ -259,7 +293,10 @@ def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float
     ``gradient_as_bucket_view``, copied back after the last allreduce (one task before the
     optimizer).  ``bucket_order``: "ready" (gradients in the order the baseline produces
     them: DDP rebuilds its buckets so after its first iteration) or "reverse" (reverse
-    parameter order, DDP's static assignment)."""
+    parameter order, DDP's static assignment).  ``step_jitter_ms``: σ of one rank's step time;
+    the step then waits for the slowest rank (module docstring)."""
+    if not step_jitter_ms >= 0:
+        raise ValueError(f"step_jitter_ms must be >= 0, got {step_jitter_ms}")
     s = _start(x, None, captured, graphs, contention)
     tg = s.current.task_graph
     spec = s.current.device
@@ -281,13 +318,16 @@ def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float
         nxt = g.next_on_resource(last)
         g = g.insert(task, after=[last], before=[nxt] if nxt else [])
         packs.append(task.name)
-    g = g.copy()
+    g, slowest = _slowest_rank(g, grads, position, step_jitter_ms * 1e3 * expected_max_of_normals(
+        cluster.world_size))
     names, comm_us = [], []
     for b, bucket in enumerate(buckets):
         nbytes = sum(gr.nbytes for gr in bucket)
         us = cluster.allreduce_us(nbytes)
         kind = TaskKind.COMM if overlap else TaskKind.CPU
         deps = _comm_deps(bucket) + ([(packs[b], None)] if packs[b] else [])
+        if b == len(buckets) - 1 and slowest:
+            deps.append((slowest, None))
         if not overlap:  # the collective's own thread: not the compute thread's program order
             deps = [(d, DepKind.SYNC if g.task(d).kind is TaskKind.GPU else DepKind.THREAD_TO_THREAD)
                     for d, _ in deps]
@@ -321,6 +361,7 @@ def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float
                "ddp.allreduce_ms_total": sum(comm_us) / 1e3,
                "ddp.comm_end_after_backward_ms": exposed / 1e3,
                "ddp.overlap": overlap, "ddp.copies": copies,
+               "ddp.wait_slowest_rank_ms": g.task(slowest).duration_us / 1e3 if slowest else 0.0,
                # per-iteration time vs one GPU, and samples/s vs one GPU (weak scaling)
                "ddp.scaling_efficiency": s.current.time_ms / pred.time_ms if pred.time_ms else 1.0,
                "ddp.throughput_vs_one": cluster.world_size * s.current.time_ms / pred.time_ms
