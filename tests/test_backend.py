@@ -54,3 +54,37 @@ def test_unknown_backend_option_is_named():
     compiled = torch.compile(MulByOne(), backend="fxdream", options={"pases": ["x"]})
     with pytest.raises(Exception, match=r"unknown fxdream option\(s\) \['pases'\]; valid options: passes"):
         compiled(torch.randn(2, 4))
+
+
+class ScaledBySizedOnes(nn.Module):
+    """A factory op sized by the batch: symbolic once dynamo recompiles for a second batch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        scale = torch.ones(y.shape[0], 1, 1, 1) * 2
+        return y * scale * torch.sigmoid(nn.functional.adaptive_avg_pool2d(y, 1))
+
+
+def test_dynamic_shapes_are_costed_at_their_example_sizes():
+    """dynamo's recompile with a symbolic batch gives graphs with SymInt sizes: the measured
+    cost model times them at the sizes they were traced at (was: a crash materializing them)."""
+    torch.manual_seed(0)
+    model = ScaledBySizedOnes().train()
+    eager = ScaledBySizedOnes().train()
+    eager.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="fxdream", options={"passes": "auto"})
+    for shape, channels_last in (((2, 3, 8, 8), False), ((3, 3, 8, 8), False), ((2, 3, 8, 8), True)):
+        x = torch.randn(shape)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        out, expected = compiled(x), eager(x)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean)

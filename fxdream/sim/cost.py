@@ -51,9 +51,18 @@ def is_view(node: fx.Node) -> bool:
     return node.target is operator.getitem or op_name(node) in VIEW_OPS
 
 
+def size_hint(x):
+    """A concrete int for a symbolic size (dynamo's dynamic shapes: the size it was traced at),
+    so costs and memory of a symbolic graph are those of its example; other values as they are."""
+    if isinstance(x, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint  # no guard added
+        return optimization_hint(x, fallback=1)
+    return x
+
+
 def tensor_bytes(value) -> int:
     leaves, _ = tree_flatten(value)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    return sum(size_hint(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _arg_values(node: fx.Node):
@@ -114,8 +123,9 @@ def profile_key(node: fx.Node, device: str) -> str:
     """op + tensor shapes/dtypes/strides + other arguments + device: one measurement each."""
     def describe(a):
         if isinstance(a, torch.Tensor):
-            return f"T{tuple(a.shape)}:{str(a.dtype).replace('torch.', '')}:{tuple(a.stride())}"
-        return repr(a)
+            return (f"T{tuple(map(size_hint, a.shape))}:{str(a.dtype).replace('torch.', '')}:"
+                    f"{tuple(map(size_hint, a.stride()))}")
+        return repr(size_hint(a))
     args, kwargs = _arg_values(node)
     parts = [describe(a) for a in tree_flatten(args)[0]]
     parts += [f"{k}={describe(v)}" for k, v in sorted(kwargs.items())]
@@ -125,10 +135,10 @@ def profile_key(node: fx.Node, device: str) -> str:
 def _materialize(value, device: torch.device):
     """A real tensor like a fake one: random floats, zeros for integers (always valid indices)."""
     if not isinstance(value, torch.Tensor):
-        return value
+        return size_hint(value)
     if not isinstance(value, FakeTensor):
         return value  # a real constant (a folded or prepacked weight): time it as it is
-    shape, stride = tuple(value.shape), tuple(value.stride())
+    shape, stride = tuple(map(size_hint, value.shape)), tuple(map(size_hint, value.stride()))
     storage = sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) + 1
     if value.is_floating_point():
         flat = torch.randn(storage, dtype=value.dtype, device=device)
@@ -194,8 +204,8 @@ class Profiled:
     def _measure(self, node: fx.Node) -> float:
         if not callable(node.target) or isinstance(node.target, str):
             return 0.0
-        args, kwargs = tree_map(lambda v: _materialize(v, self.torch_device), _arg_values(node))
         try:
+            args, kwargs = tree_map(lambda v: _materialize(v, self.torch_device), _arg_values(node))
             return _time_calls(lambda: node.target(*args, **kwargs), self.rounds, self.target_block_us,
                                cuda=self.torch_device.type == "cuda")
         except Exception:  # an op that cannot run on synthetic inputs: fall back to the roofline
