@@ -117,17 +117,18 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     selected = resolve_passes(available_passes() if auto else passes)
     target = resolve_device(device, model, inputs)
 
-    started = time.perf_counter()
-    module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
-    module._build_seconds = time.perf_counter() - started
-    if module._fallback_reason is None and module._pipeline.base_context.cost_model is not None:
-        module._extras.update(_whole_model_prediction(module, model, inputs, training))
-    if verify:
-        module._extras["verified_max_abs_diff"] = max_abs_diff(model, module, inputs, training)
-    if measure:
-        module._extras.update(_measure_against_capture(model, module, inputs, training, target))
-    if eager_check and module._fallback_reason is None:
-        module._extras.update(_check_against_eager(model, module, inputs, training))
+    with preserved_state(model):  # the user's RNG, BN statistics and grads as they were
+        started = time.perf_counter()
+        module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
+        module._build_seconds = time.perf_counter() - started
+        if module._fallback_reason is None and module._pipeline.base_context.cost_model is not None:
+            module._extras.update(_whole_model_prediction(module, model, inputs, training))
+        if verify:
+            module._extras["verified_max_abs_diff"] = max_abs_diff(model, module, inputs, training)
+        if measure:
+            module._extras.update(_measure_against_capture(model, module, inputs, training, target))
+        if eager_check and module._fallback_reason is None:
+            module._extras.update(_check_against_eager(model, module, inputs, training))
     return module
 
 

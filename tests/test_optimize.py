@@ -225,3 +225,20 @@ def test_a_full_dynamo_cache_for_the_models_forward_is_cleared_and_said(monkeypa
     assert notes[:2] == [(), ()]
     assert notes[2] == ("dynamo's cache for Fresh.forward was full (2 compilations earlier in this "
                         "process); cleared it to capture this one",)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_optimize_leaves_the_users_rng_bn_statistics_and_grads_as_they_were(training):
+    """Profiling draws random inputs and verify/eager_check run steps: none of it may show."""
+    model = Small().train(training)
+    x = torch.randn(2, 3, 8, 8)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1234)
+    expected_next = torch.rand(3)
+    torch.manual_seed(1234)
+    fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], training=training, verify=True,
+                     eager_check=True)
+    assert torch.equal(torch.rand(3), expected_next)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert all(p.grad is None for p in model.parameters())
