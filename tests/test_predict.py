@@ -155,3 +155,21 @@ def test_analytic_gpu_costs_are_roofline():
     conv = next(n for n in captured.forward.graph.nodes if "convolution" in str(n.target))
     assert cost.kernel_us(conv) >= cost.device.kernel_min_us
     assert cost.dispatch_us(conv) == cost.device.dispatch_overhead_us + cost.device.launch_overhead_us
+
+
+def test_symbolic_sizes_are_costed_and_materialized_at_their_traced_sizes():
+    """dynamo's dynamic shapes give graphs whose sizes are SymInts: costs, profile keys and the
+    stand-in tensors profiling builds use the sizes the graph was traced at."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from fxdream.sim.cost import _ones_like, tensor_bytes
+    gm = make_fx(lambda x: torch.relu(x) * torch.ones(x.shape[0], 1), tracing_mode="symbolic")(torch.randn(3, 4))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert any(isinstance(n.meta["val"].shape[0], torch.SymInt) for n in nodes)
+    cost = cost_model_for("cpu", "profiled")
+    for n in nodes:
+        assert cost.kernel_us(n) >= 0
+        assert "s0" not in profile_key(n, "cpu") and "SymInt" not in profile_key(n, "cpu")
+    relu = next(n for n in nodes if "relu" in str(n.target))
+    assert "(3, 4)" in profile_key(relu, "cpu")
+    assert _ones_like(relu.meta["val"], torch.device("cpu")).shape == (3, 4)
+    assert tensor_bytes(relu.meta["val"]) == 3 * 4 * 4

@@ -344,7 +344,7 @@ def _time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict,
 
 def _ones_like(value, device: torch.device):
     if isinstance(value, torch.Tensor):
-        return torch.ones(value.shape, dtype=value.dtype, device=device)
+        return torch.ones(tuple(map(size_hint, value.shape)), dtype=value.dtype, device=device)
     return value
 
 
