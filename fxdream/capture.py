@@ -375,9 +375,12 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
     model.train(training)
     breaks_before = graph_break_counts()
     try:
-        from .fx_capture import compile_model  # fx_capture imports this module
+        from .fx_capture import capture_from_trace, compile_model  # fx_capture imports this module
         runner, _ = compile_model(model, inputs, session, training)
         run_once(runner, model, inputs, training)
+        if not session.captured():
+            retried = capture_from_trace(model, inputs, session, training, new_graph_breaks(breaks_before))
+            runner = retried[0] if retried else runner
     except Exception as error:
         try:
             run_once(model, model, inputs, training)  # the model's own error, if eager fails too

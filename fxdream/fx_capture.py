@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureSession, compile_with, preserved_state
+from .capture import (CaptureSession, compile_with, graph_break_counts, new_graph_breaks,
+                      preserved_state, run_once)
 
 
 def _signature(args: tuple) -> tuple:
@@ -34,9 +35,9 @@ class TracedRunner:
     """Runs the aot-compiled trace for calls like the example; any other call through dynamo."""
 
     def __init__(self, model: torch.nn.Module, compiled: Callable, out_spec, example: tuple,
-                 session: CaptureSession):
+                 session: CaptureSession, grad_enabled: bool = False):
         self._model, self._compiled, self._out_spec = model, compiled, out_spec
-        self._signature = _signature(example)
+        self._signature, self._grad_enabled = _signature(example), grad_enabled
         self._modules = tuple(model.modules())  # walking the tree per call costs ~20 µs
         self._modes = self._module_modes()
         self._session = session
@@ -46,7 +47,7 @@ class TracedRunner:
         return tuple(m.training for m in self._modules)
 
     def __call__(self, *args, **kwargs):
-        if (not kwargs and not torch.is_grad_enabled() and _signature(args) == self._signature
+        if (not kwargs and torch.is_grad_enabled() == self._grad_enabled and _signature(args) == self._signature
                 and self._module_modes() == self._modes):
             return pytree.tree_unflatten(list(self._compiled(*args)), self._out_spec)
         if self._fallback is None:
@@ -122,6 +123,64 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
     except Exception as error:
         return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
     return TracedRunner(model, compiled, out_spec, inputs, session), None
+
+
+def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSession,
+                      training: bool) -> tuple[TracedRunner | None, str | None]:
+    """(a runner: dynamo compiling the model's torch.fx trace, None), or (None, why not).
+
+    For models dynamo captures nothing from: a graph break inside a loop or inside torch.nn's
+    own code (``nn.Sequential`` around a BatchNorm with ``momentum=None``) makes dynamo skip
+    the whole frame, while the trace's straight-line code lets it resume after the break.
+    The trace (its leaf modules are the model's own, so training updates the same buffers)
+    is kept only when one step of it gives eager's outputs and buffers and leaves the
+    modules' Python attributes alone; other calls go through dynamo on the model."""
+    try:
+        if getattr(model.forward, "_torchdynamo_disable", False):
+            return None, "forward is excluded from compilation (torch._dynamo.disable)"
+        if not all(isinstance(x, torch.Tensor) for x in inputs):
+            return None, "a non-tensor example input"
+        traced, reason = _trace(model, len(inputs))
+        if traced is None:
+            return None, reason
+        out_spec = _flatten_outputs(traced)
+        if out_spec is None:
+            return None, "an output that is not a tensor"
+        before = _module_state(model)
+        runs = []
+        for fn in (model, lambda *xs: pytree.tree_unflatten(list(traced(*xs)), out_spec)):
+            with preserved_state(model), torch.no_grad():
+                torch.manual_seed(0)
+                out = fn(*inputs)
+                runs.append((out, [b.detach().clone() for b in model.buffers()]))
+        if _module_state(model) != before:
+            return None, "forward changes the modules' Python attributes (a trace would do it only once)"
+        if not _same(*(out for out, _ in runs)) or not _same(*(buffers for _, buffers in runs)):
+            return None, "the torch.fx trace's outputs or buffers differ from eager on the example"
+    except Exception as error:  # this path is a second chance: never the reason a model fails
+        return None, f"the torch.fx path failed ({_headline(error)})"
+    return TracedRunner(model, compile_with(traced, session), out_spec, inputs, session,
+                        grad_enabled=training), None
+
+
+def capture_from_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSession, training: bool,
+                       breaks: list) -> tuple[TracedRunner, str, list] | None:
+    """Dynamo captured nothing (``breaks``: why): (runner, how, graph breaks) capturing the
+    model's torch.fx trace instead (``dynamo_over_trace``), or None where that captures nothing."""
+    breaks_before, records = graph_break_counts(), len(session.records)
+    runner, _ = dynamo_over_trace(model, inputs, session, training)
+    if runner is None:
+        return None
+    try:
+        run_once(runner, model, inputs, training)
+    except Exception:  # a second chance only: the caller reports the first failure
+        runner = None
+    if runner is None or not session.captured():
+        del session.records[records:]
+        return None
+    why = "; ".join(b.rstrip(".") for b in breaks) or "no graph"
+    return (runner, f"dynamo over the torch.fx trace (dynamo on forward captured nothing: {why})",
+            new_graph_breaks(breaks_before))
 
 
 def _module_state(model: torch.nn.Module) -> list:

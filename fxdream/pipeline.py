@@ -8,7 +8,7 @@ import torch
 
 from .capture import (CaptureError, CaptureSession, describe_error, graph_break_counts,
                       new_graph_breaks, one_step, preserved_state, run_once)
-from .fx_capture import compile_model
+from .fx_capture import capture_from_trace, compile_model
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
 from .numerics import max_abs_diff
@@ -152,6 +152,10 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
         module._fall_back(f"dynamo could not capture the model: {describe_error(error)}")
     module._graph_breaks = new_graph_breaks(breaks_before)
+    if module._fallback_reason is None and not session.captured():
+        retried = capture_from_trace(model, inputs, session, training, module._graph_breaks)
+        if retried is not None:
+            module.__dict__["_runner"], module._capture, module._graph_breaks = retried
     if module._fallback_reason is None and not session.captured():
         module._fall_back("dynamo captured no graph"
                           + (": " + "; ".join(module._graph_breaks) if module._graph_breaks else ""))

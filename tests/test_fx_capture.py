@@ -239,3 +239,57 @@ def test_anything_failing_on_the_fx_path_falls_back_to_dynamo(monkeypatch):
     assert optimized.report.capture == "dynamo (the torch.fx path failed (RuntimeError: simulated bug))"
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
+
+
+def _cumulative_bn_net():
+    """BatchNorm with momentum=None reads ``float(num_batches_tracked)`` (a graph break) inside
+    nn.Sequential's loop: dynamo skips the whole frame and captures nothing."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=None), nn.ReLU(),
+                         nn.Conv2d(8, 4, 3, padding=1))
+
+
+def test_dynamo_capturing_nothing_retries_on_the_torch_fx_trace():
+    torch.manual_seed(0)
+    model = _cumulative_bn_net().train()
+    reference = _cumulative_bn_net().train()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    fast = fxdream.optimize(model, (x,), training=True, passes=["fuse_conv_bias_act"], cost=None)
+    report = fast.report
+    assert not report.ran_eagerly and len(report.graphs) == 2
+    assert "torch.fx trace" in report.to_markdown() and "captured nothing" in report.to_markdown()
+    for batch in (2, 2, 3):  # the example's signature, then another through dynamo on the model
+        x = torch.randn(batch, 3, 8, 8)
+        out, expected = fast(x), reference(x)
+        torch.testing.assert_close(out, expected)
+        out.sum().backward()
+        expected.sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(model[1].running_var, reference[1].running_var)
+        assert model[1].num_batches_tracked == reference[1].num_batches_tracked
+    assert len(fxdream.capture(_cumulative_bn_net().train(), (x,), training=True)) == 2
+
+
+class SideEffectInLoop(nn.Module):
+    """A Python counter (the trace would bump it once) and a break in a loop: no capture at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        for layer in self.layers:
+            x = layer(x)
+            print(end="")  # a graph break inside the loop
+        return x
+
+
+def test_no_retry_on_a_trace_with_python_side_effects():
+    model = SideEffectInLoop().train()
+    fast = fxdream.optimize(model, (torch.randn(2, 4),), training=True, cost=None)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(fast(x), model.layers[1](model.layers[0](x)))
+    assert "torch.fx trace" not in fast.report.to_markdown()
