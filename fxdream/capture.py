@@ -9,6 +9,7 @@ what it saw so reports and simulations can read it.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -244,7 +245,30 @@ def compile_with(model: torch.nn.Module, session: CaptureSession) -> Callable:
         torch._dynamo.eval_frame.remove_from_cache(forward)  # private, isolated
         session.notes.append(f"dynamo's cache for {type(model).__name__}.forward was full ({limit} "
                              f"compilations earlier in this process); cleared it to capture this one")
+    _clear_skip_marks(model)
     return torch.compile(model, backend=session, dynamic=False)
+
+
+def _clear_skip_marks(model: torch.nn.Module) -> None:
+    """Dynamo marks a function it gave up on (an RNN in training, a break in a loop), and the
+    resume functions after a break, to be skipped for the rest of the process: a later capture
+    of the same class (inference, where it would trace) got less or nothing, silently. Every
+    such function from the files of the model's own (not torch's) modules goes back to the
+    default, so dynamo tries again."""
+    try:  # private, isolated
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        torch_dir = os.path.dirname(torch.__file__)
+        files = {code.co_filename for m in model.modules()
+                 if (code := getattr(type(m).forward, "__code__", None)) is not None
+                 and not code.co_filename.startswith(torch_dir)}
+        for ref in list(input_codes.seen):
+            code = ref()
+            if code is not None and code.co_filename in files:
+                set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
+    except Exception:
+        pass
 
 
 def _cache_entries(code) -> list:
@@ -264,15 +288,23 @@ def _raise_recompile_limit(at_least: int = 64) -> int:
     return getattr(config, name)
 
 
+_SKIPPED = "\0skipped\0"  # marks a reason dynamo gave for running a whole function eagerly
+
+
 def graph_break_counts() -> dict[str, int]:
-    """Dynamo's graph-break reasons seen so far in this process (private counter, isolated here)."""
+    """Dynamo's graph-break reasons seen so far in this process (private counters, isolated
+    here): breaks it resumed after, and ("unimplemented") breaks where it gave up on the whole
+    function (in a loop, at an RNN module), which it does not count as graph breaks."""
     from torch._dynamo.utils import counters
-    return dict(counters["graph_break"])
+    return {**counters["graph_break"], **{_SKIPPED + r: n for r, n in counters["unimplemented"].items()}}
 
 
 def new_graph_breaks(before: dict[str, int]) -> tuple[str, ...]:
     after = graph_break_counts()
-    return tuple(_first_line(reason) for reason, n in after.items() if n > before.get(reason, 0))
+    return tuple(dict.fromkeys(  # distinct, in order
+        _first_line(reason[len(_SKIPPED):]) + " (dynamo ran that whole function eagerly)"
+        if reason.startswith(_SKIPPED) else _first_line(reason)
+        for reason, n in after.items() if n > before.get(reason, 0)))
 
 
 def _first_line(reason: str) -> str:

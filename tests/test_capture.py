@@ -151,3 +151,28 @@ def test_capture_of_a_disabled_forward_raises_with_reason():
 
     with pytest.raises(fxdream.CaptureError, match="nothing was captured from Disabled"):
         fxdream.capture(Disabled(), (torch.randn(3),))
+
+
+class GRUHead(nn.Module):
+    """Dynamo gives up on this forward in training (the GRU); torch.fx cannot trace it (a branch
+    on a shape), so inference goes through dynamo too."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru, self.fc = nn.GRU(8, 16, batch_first=True), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h, _ = self.gru(x)
+        return self.fc(h[:, -1] if x.shape[1] > 2 else h[:, 0])
+
+
+def test_a_function_dynamo_gave_up_on_in_training_is_captured_in_a_later_inference_build():
+    x = torch.randn(2, 5, 8)
+    trained = fxdream.optimize(GRUHead().train(), (x,), training=True, cost=None)
+    assert trained.report.ran_eagerly
+    assert "dynamo ran that whole function eagerly" in trained.report.fallback_reason
+    model = GRUHead().eval()
+    inferred = fxdream.optimize(model, (x,), cost=None)
+    assert not inferred.report.ran_eagerly and len(inferred.report.graphs) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(inferred(x), model(x))
