@@ -130,7 +130,8 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
 
 def describe_gaps(step: StepCalls, subgraphs: int, training: bool) -> tuple[str, ...]:
     """Report lines: how much host time was measured outside the graphs, and repeated graphs."""
-    causes = ([f"{subgraphs - 1} graph break(s)"] if subgraphs > 1 else []) + (["autograd"] if training else [])
+    causes = ([f"eager code around the {subgraphs} captured graphs"] if subgraphs > 1 else []) \
+        + (["autograd"] if training else [])
     lines = (f"measured host time outside the graphs ({', '.join(causes)}): "
              f"{step.total_us / 1e3:.3f} ms per step, simulated as host tasks",)
     repeated = {label: n for label, n in step.counts().items() if n > 1}
