@@ -95,6 +95,7 @@ class Report:
                 lines.append(f"| {p.name} | {p.graph_index}/{p.phase} | {'yes' if p.applied else 'no'} | {p.reason} "
                              f"| {_fmt(p.predicted_delta_us)} | {_fmt_mb(p.predicted_delta_peak_bytes)} "
                              f"| {_fmt(p.measured_delta_us)} |")
+            lines += _pass_notes(self.passes)
         if self.predicted_baseline_ms is not None:
             lines += ["", f"Predicted: {self.predicted_baseline_ms:.3f} ms without passes → "
                       f"{self.predicted_optimized_ms:.3f} ms with them "
@@ -116,6 +117,18 @@ class Report:
         if self.notes:
             lines += [""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _pass_notes(passes, shown: int = 5) -> list[str]:
+    """The passes' notes (where they acted, what differs from eager), a few per pass and graph;
+    ``to_json`` has them all."""
+    lines = []
+    for p in passes:
+        notes = [str(n) for n in p.notes]
+        if notes:
+            more = f" … and {len(notes) - shown} more" if len(notes) > shown else ""
+            lines.append(f"- {p.name} ({p.graph_index}/{p.phase}): {'; '.join(notes[:shown])}{more}")
+    return ["", "Notes from the passes:"] + lines if lines else []
 
 
 def _pct(new: float, old: float) -> str:

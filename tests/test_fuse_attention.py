@@ -86,6 +86,7 @@ def test_a_causal_masked_fill_becomes_a_boolean_mask(fill, fused):
     optimized, count = _fused(model, (x,))
     assert count == fused
     assert (FULLY_MASKED_ROWS in optimized.report.passes[0].notes) == bool(fused)
+    assert (FULLY_MASKED_ROWS in optimized.report.to_markdown()) == bool(fused)  # the printed report too
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x), rtol=1e-5, atol=1e-6)
 
