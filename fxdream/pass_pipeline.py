@@ -164,7 +164,7 @@ class PassPipeline:
         names = lambda subset: "+".join(p.name for p in subset) or "none"  # noqa: E731
         summary = "; ".join(f"{names(s[3])} {s[1] / 1e3:.3f} ms" + (" (over budget)" if s[0] else "")
                             for s in scored)
-        for row in rows + best_rows:
+        for row in rows + best_rows + _rows_not_chosen(candidates, best):
             self._add(row)
         self._add(PassReport("auto", index, ctx.phase, bool(best), f"chose {names(best)}: predicted "
                              f"{best_us / 1e3:.3f} ms of {len(scored)} subsets", notes=(f"predicted: {summary}",)))
@@ -175,3 +175,15 @@ class PassPipeline:
         log.info("pass %s on %d/%s: %s", row.name, row.graph_index, row.phase, row.reason)
         if self.on_row is not None:
             self.on_row(row)
+
+
+def _rows_not_chosen(candidates: dict, best: tuple) -> list[PassReport]:
+    """A row for every applicable pass outside the chosen subset: what it did on its own (the
+    first subset it ran in), or why it did nothing, so no pass vanishes from the report."""
+    rows = {}
+    for subset, (_, subset_rows) in candidates.items():  # smaller subsets first
+        if subset and subset[-1] not in best and subset[-1] not in rows:
+            row = subset_rows[-1]
+            rows[subset[-1]] = dataclasses.replace(row, applied=False, reason=f"not chosen: {row.reason}") \
+                if row.applied else row
+    return list(rows.values())

@@ -76,8 +76,17 @@ def test_auto_keeps_the_helpful_pass_and_drops_the_harmful_one():
     auto = pipeline.rows[-1]
     assert auto.name == "auto" and auto.reason.startswith("chose fold: predicted")
     assert "of 4 subsets" in auto.reason
-    assert [r.name for r in pipeline.rows[:-1]] == ["fold"]
+    assert [(r.name, r.applied) for r in pipeline.rows[:-1]] == [("fold", True), ("copies", False)]
+    rejected = pipeline.rows[1]  # every pass has its row: what it did alone, and that it was not chosen
+    assert rejected.reason == "not chosen: added 3 copies" and rejected.predicted_delta_us > 0
     assert "copies" in auto.notes[0] and "fold+copies" in auto.notes[0]
+
+
+def test_auto_choosing_no_pass_still_says_what_each_did():
+    pipeline = _auto([Counted("idle"), AddCopies("copies", 3)])
+    assert pipeline.rows[-1].reason.startswith("chose none")
+    assert [(r.name, r.applied, r.reason) for r in pipeline.rows[:-1]] == [
+        ("idle", False, "nothing to do"), ("copies", False, "not chosen: added 3 copies")]
 
 
 class Counted:
