@@ -193,3 +193,12 @@ def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off
     assert fxdream.optimize(model, (x,), passes="auto").report.measured_eager_ms is None
     with pytest.raises(TypeError, match="eager_check must be True or False"):
         fxdream.optimize(model, (x,), eager_check="yes")
+
+
+def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
+    import fxdream.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 0.0)
+    optimized = fxdream.optimize(Net().eval(), (torch.randn(8, 64),), passes="auto", eager_check=True)
+    report = optimized.report
+    assert report.measured_eager_ms is None and not report.ran_eagerly
+    assert any(n.startswith("not timed against eager: one eager call took") for n in report.notes)
