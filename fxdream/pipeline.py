@@ -15,7 +15,7 @@ from .numerics import max_abs_diff
 from .pass_api import PassContext, available_passes, resolve_passes
 from .pass_pipeline import PassPipeline, copy_graph_module  # noqa: F401  (copy_graph_module: public)
 from .predict import cost_model_for, predict, this_machine_device
-from .report import GraphReport, Report
+from .report import VERIFY_ROUNDING, GraphReport, Report
 from .sim.cost import Profiled
 from .validate import check_flag, check_inputs, check_model, resolve_device
 
@@ -124,7 +124,9 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
         if module._fallback_reason is None and module._pipeline.base_context.cost_model is not None:
             module._extras.update(_whole_model_prediction(module, model, inputs, training))
         if verify:
-            module._extras["verified_max_abs_diff"] = max_abs_diff(model, module, inputs, training)
+            module._extras["verified_max_abs_diff"] = diff = max_abs_diff(model, module, inputs, training)
+            if not diff <= VERIFY_ROUNDING:
+                module._session.notes.extend(_why_outputs_differ(model, training))
         if measure:
             module._extras.update(_measure_against_capture(model, module, inputs, training, target))
         if eager_check and module._fallback_reason is None:
@@ -163,6 +165,19 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
                            + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
     return module
+
+
+def _why_outputs_differ(model, training: bool) -> list[str]:
+    """Known causes of a verified difference, where the model has them."""
+    notes = []
+    if not training and any(isinstance(m, torch.nn.TransformerEncoderLayer) for m in model.modules()):
+        notes.append("nn.TransformerEncoderLayer in eval has an eager-only fast path (nested tensors for a "
+                     "padding mask: padded positions come out as zeros); captured graphs, like torch.compile's, "
+                     "take the standard path, where padded positions hold values")
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) and training:
+        notes.append("dropout draws its mask from the RNG: the graphs may draw it in another order than eager")
+    return notes or ["the outputs differ from eager's by more than rounding; run with strict=True or "
+                     "passes=() to find the cause, and please report it"]
 
 
 def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bool) -> dict:

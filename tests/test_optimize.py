@@ -242,3 +242,30 @@ def test_optimize_leaves_the_users_rng_bn_statistics_and_grads_as_they_were(trai
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k]), k
     assert all(p.grad is None for p in model.parameters())
+
+
+class PaddedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1)
+
+    def forward(self, x, mask):
+        return self.enc(x, src_key_padding_mask=mask)
+
+
+def test_a_verified_difference_beyond_rounding_is_flagged_with_its_known_cause():
+    """Eager's TransformerEncoder fast path zeroes padded positions; graphs (torch.compile's too)
+    take the standard path. Unpadded positions agree; the report says why the rest differs."""
+    torch.manual_seed(0)
+    model, x = PaddedEncoder().eval(), torch.randn(2, 6, 16)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, 4:] = True
+    optimized = fxdream.optimize(model, (x, mask), verify=True, cost=None)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x, mask)[~mask], model(x, mask)[~mask], atol=1e-5, rtol=1e-4)
+    text = optimized.report.to_markdown()
+    assert optimized.report.verified_max_abs_diff > 1e-2 and "More than rounding" in text
+    assert "eager-only fast path" in text
+    close = fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),), verify=True, cost=None)
+    assert "More than rounding" not in close.report.to_markdown()
