@@ -168,6 +168,26 @@ def match(softmax: fx.Node) -> Attention | None:
                      tuple(sorted(set(replaced), key=order.__getitem__)), fill_mask is not None)
 
 
+_FORM = ("between the matmuls only a scale by a number, then one float mask added or masked_fill(-inf), "
+         "softmax, eval dropout; each intermediate used once")
+
+
+def softmaxes_between_matmuls(gm: fx.GraphModule, hops: int = 6) -> int:
+    """Softmaxes with a bmm a few nodes above and below: attention blocks, matched or not (so a
+    pass that fuses none can say it saw them)."""
+    def near(start, step) -> bool:  # breadth-first, each node once
+        frontier, seen = [start], {start}
+        for _ in range(hops):
+            frontier = [n for f in frontier for n in step(f) if n not in seen and not seen.add(n)]
+            if any(n.target is aten.bmm.default for n in frontier):
+                return True
+        return False
+    above = lambda n: n.all_input_nodes  # noqa: E731
+    below = lambda n: list(n.users)  # noqa: E731
+    return sum(1 for n in gm.graph.nodes if n.target is aten._softmax.default
+               and near(n, above) and near(n, below))
+
+
 def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
     """Replace each matched block by one SDPA call (in place)."""
     graph = gm.graph
@@ -214,8 +234,10 @@ class FuseAttention:
         # judged: keep gm unchanged to predict it (predictions are memoized per graph object)
         fused = copy_graph_module(gm) if judged else gm
         sites = [a for a in map(match, list(fused.graph.nodes)) if a is not None]
+        unmatched = max(0, softmaxes_between_matmuls(fused) - len(sites))
         if not sites:
-            return PassResult(gm, False, "no matmul → softmax → matmul attention block")
+            return PassResult(gm, False, f"{unmatched} matmul → softmax → matmul block(s), none in the form SDPA "
+                              f"computes ({_FORM})" if unmatched else "no matmul → softmax → matmul attention block")
         layers = tuple(dict.fromkeys(s.output.meta.get(LAYER) or s.output.name for s in sites))
         fuse(fused, sites)
         if judged:
@@ -225,5 +247,6 @@ class FuseAttention:
                                   f"predicted slower ({before:.0f} → {after:.0f} µs)", notes=layers)
         if any(s.excludes for s in sites):
             layers += (FULLY_MASKED_ROWS,)
-        return PassResult(fused, True, f"{len(sites)} attention block(s) → scaled_dot_product_attention",
+        left = f"; {unmatched} more left as they are (not in the form SDPA computes: {_FORM})" if unmatched else ""
+        return PassResult(fused, True, f"{len(sites)} attention block(s) → scaled_dot_product_attention{left}",
                           notes=layers)

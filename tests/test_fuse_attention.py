@@ -59,6 +59,8 @@ def test_matched_blocks_are_fused_and_every_variant_equals_eager(variant, with_m
     assert count == fused
     (row,) = optimized.report.passes
     assert row.applied == bool(fused)
+    if not fused:  # it saw the block and says why it left it
+        assert row.reason.startswith("1 matmul → softmax → matmul block(s), none in the form SDPA computes")
     with torch.no_grad():
         torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
 
