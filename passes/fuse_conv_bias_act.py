@@ -100,7 +100,7 @@ def _conv_problem(conv: fx.Node, ctx: PassContext) -> str | None:
     if conv.args[6]:
         return "transposed convolution"
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(w, torch.Tensor):
-        return "not a 2-d convolution"
+        return "not a 2-d convolution (the fused kernels this pass uses are 2-d)"
     if x.device.type == "cuda":
         return None if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {x.dtype}"
     if x.device.type == "cpu" and x.dtype == torch.float32:
@@ -403,7 +403,10 @@ class FuseConvBiasAct:
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         sites, notes = find_sites(gm.graph, ctx)
         if not sites:
-            return PassResult(gm, False, "no conv+bias+relu, conv+add+relu or conv+bn pattern to fuse", tuple(notes))
+            skipped = Counter(n.split(": skipped: ", 1)[1] for n in notes if ": skipped: " in n)
+            why = "; ".join(f"{k} convolution(s): {problem}" for problem, k in skipped.items())
+            return PassResult(gm, False, "no conv+bias+relu, conv+add+relu or conv+bn pattern to fuse"
+                              + (f" ({why})" if why else ""), tuple(notes))
         candidates, failed, folded = {}, [], {}
         # without a cost model there is nothing to compare: build the default variant only
         for variant in _variants(ctx) if ctx.predict_us is not None else (_default(ctx),):

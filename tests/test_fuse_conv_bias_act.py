@@ -254,6 +254,17 @@ def test_no_pattern_is_not_modified():
     assert not result.modified and result.reason == "no conv+bias+relu, conv+add+relu or conv+bn pattern to fuse"
 
 
+def test_a_1d_convolution_is_left_alone_and_the_reason_says_so():
+    model = nn.Sequential(nn.Conv1d(4, 4, 3, padding=1), nn.BatchNorm1d(4), nn.ReLU()).eval()
+    x = torch.randn(2, 4, 10)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    (row,) = optimized.report.passes
+    assert not row.applied and row.reason.endswith("(1 convolution(s): not a 2-d convolution "
+                                                   "(the fused kernels this pass uses are 2-d))")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+
+
 class SharedConvOutput(nn.Module):
     def __init__(self):
         super().__init__()
