@@ -16,8 +16,11 @@ def check_inputs(example_inputs) -> tuple:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
     if not isinstance(example_inputs, (tuple, list)):
-        raise TypeError("example_inputs must be a torch.Tensor or a tuple/list of them, "
-                        f"got {type(example_inputs).__name__}")
+        hint = (": keyword arguments are not taken; give forward's arguments positionally, in order "
+                "(a dict inside the tuple reaches forward as one argument)") if isinstance(example_inputs, dict) else ""
+        raise TypeError("example_inputs must be a torch.Tensor or a tuple/list of forward's positional "
+                        f"arguments (tensors, numbers, strings, None, and lists/dicts of them), "
+                        f"got {type(example_inputs).__name__}{hint}")
     inputs = tuple(example_inputs)
     allowed = (torch.Tensor, bool, int, float, str, type(None))
     leaves = []
