@@ -146,6 +146,8 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
         out_spec = _flatten_outputs(traced)
         if out_spec is None:
             return None, "an output that is not a tensor"
+        if training:
+            _rnns_called_eagerly(traced)
         before = _module_state(model)
         runs = []
         for fn in (model, lambda *xs: pytree.tree_unflatten(list(traced(*xs)), out_spec)):
@@ -161,6 +163,25 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
         return None, f"the torch.fx path failed ({_headline(error)})"
     return TracedRunner(model, compile_with(traced, session), out_spec, inputs, session,
                         grad_enabled=training), None
+
+
+def _rnns_called_eagerly(gm: fx.GraphModule) -> None:
+    """In training dynamo refuses an RNN module's attribute (and gives up on the whole function);
+    called through a function it does not trace instead, the RNN is a graph break it resumes after."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.RNNBase):
+            with gm.graph.inserting_before(node):
+                call = gm.graph.call_function(_eager_call(gm.get_submodule(node.target)), node.args, node.kwargs)
+            node.replace_all_uses_with(call)
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _eager_call(module: torch.nn.Module) -> Callable:
+    def rnn_called_eagerly(*args, **kwargs):
+        return module(*args, **kwargs)
+    return torch.compiler.disable(rnn_called_eagerly, reason=f"{type(module).__name__} in training runs "
+                                  "eagerly (dynamo does not trace RNN modules in training)")
 
 
 def capture_from_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSession, training: bool,

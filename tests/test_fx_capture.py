@@ -293,3 +293,31 @@ def test_no_retry_on_a_trace_with_python_side_effects():
     x = torch.randn(2, 4)
     torch.testing.assert_close(fast(x), model.layers[1](model.layers[0](x)))
     assert "torch.fx trace" not in fast.report.to_markdown()
+
+
+class LSTMLanguageModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lstm, self.fc = nn.Embedding(20, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 20)
+
+    def forward(self, ids):
+        hidden, _ = self.lstm(self.emb(ids))
+        return self.fc(hidden)
+
+
+def test_an_rnn_in_training_runs_eagerly_between_captured_graphs():
+    """dynamo gives up on the whole forward at the LSTM in training; on the trace, the LSTM is a
+    call dynamo does not trace, so the embedding and the head are captured around it."""
+    torch.manual_seed(0)
+    model, reference = LSTMLanguageModel().train(), LSTMLanguageModel().train()
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 20, (2, 7))
+    fast = fxdream.optimize(model, (ids,), training=True, cost=None)
+    assert not fast.report.ran_eagerly and len(fast.report.graphs) == 2
+    assert any("LSTM in training runs eagerly" in b for b in fast.report.graph_breaks)
+    out, expected = fast(ids), reference(ids)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
