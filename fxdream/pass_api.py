@@ -71,8 +71,11 @@ def register_pass(pass_or_class):
 
 
 def available_passes() -> tuple[str, ...]:
+    """Registered pass names in the order ``passes="auto"`` runs them: by the pass's ``order``
+    (default 0; passes that schedule the final kernels, as ``cuda_graphs`` and
+    ``aux_stream_backward`` do, set a higher one and run after the rewrites), then by name."""
     _load_builtin_passes()
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted(_REGISTRY, key=lambda name: (getattr(_REGISTRY[name], "order", 0), name)))
 
 
 def resolve_passes(passes) -> tuple[Pass, ...]:

@@ -235,6 +235,7 @@ def _place_waits(graph: fx.Graph, sites: list[Site], join: str, stream: int) -> 
 class AuxStreamBackward:
     """See the module docstring."""
     name = "aux_stream_backward"
+    order = 10  # schedules the final graph's kernels: after the passes that rewrite it
 
     def __init__(self, force: bool | None = None, join: str = "next", min_gain_pct: float = 1.0,
                  min_gain_us: float = 5.0, gpu: str | None = None):

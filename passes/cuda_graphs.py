@@ -250,6 +250,7 @@ class CudaGraphs:
     them (raise when one is still held at the next replay).
     """
     name = "cuda_graphs"
+    order = 10  # schedules the final graph's kernels: after the passes that rewrite it
 
     def __init__(self, min_gain_us: float = 0.0, max_shapes: int = MAX_SHAPES, strict: bool = False,
                  clone_outputs: bool = True):

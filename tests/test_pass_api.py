@@ -127,3 +127,12 @@ def test_pass_context_is_frozen_in_inference_forward_only():
     assert PassContext(training=False, phase="fw").frozen
     assert not PassContext(training=True, phase="fw").frozen
     assert not PassContext(training=False, phase="bw").frozen
+
+
+def test_auto_runs_the_rewriting_passes_before_those_that_schedule_kernels():
+    """cuda_graphs marks regions of the final kernels: run before a fusion, its regions broke
+    (the fusion's channels_last variant could not be predicted on a GPU)."""
+    names = fxdream.pass_api.available_passes()
+    rewrites = [names.index(n) for n in ("fuse_conv_bias_act", "fuse_attention")]
+    schedules = [names.index(n) for n in ("cuda_graphs", "aux_stream_backward")]
+    assert max(rewrites) < min(schedules)
