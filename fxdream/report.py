@@ -26,9 +26,6 @@ class GraphReport:
                    captured.unmapped_backward_nodes)
 
 
-VERIFY_ROUNDING = 1e-2  # a verified difference above this is not float rounding (fp32 and fp16 kernels)
-
-
 @dataclass(frozen=True)
 class PassReport:
     """One pass on one graph: applied or why not, and its predicted (and measured) effect."""
@@ -60,6 +57,7 @@ class Report:
     predicted_peak_delta_bytes: int | None = None
     top_layers: tuple = ()                        # predicted (layer, ms) with the passes, costliest first
     verified_max_abs_diff: float | None = None    # verify=True: vs eager, outputs (and grads)
+    verified_beyond_rounding: bool = False        # ... by more than rounding (pipeline.beyond_rounding)
     measured_baseline_ms: float | None = None     # measure=True: median ms per call, interleaved
     measured_optimized_ms: float | None = None
     measured_eager_ms: float | None = None        # eager_check: eager and the built module, interleaved
@@ -113,10 +111,9 @@ class Report:
                          f"({_pct(self.measured_built_ms, self.measured_eager_ms)}"
                          f"{'; runs eagerly' if self.fallback_reason else ''}).")
         if self.verified_max_abs_diff is not None:
-            diff = self.verified_max_abs_diff
-            flag = "" if diff <= VERIFY_ROUNDING else \
-                " **More than rounding: the module does not compute what eager does (see the notes).**"
-            lines.append(f"Verified against eager: max abs diff {diff:.2e}.{flag}")
+            flag = " **More than rounding: the module does not compute what eager does (see the notes).**" \
+                if self.verified_beyond_rounding else ""
+            lines.append(f"Verified against eager: max abs diff {self.verified_max_abs_diff:.2e}.{flag}")
         if self.top_layers:
             lines += ["", "| layer (predicted) | ms |", "|---|---|"]
             lines += [f"| {layer or '(model)'} | {ms:.3f} |" for layer, ms in self.top_layers]
