@@ -88,19 +88,10 @@ def trace_and_compile(model: torch.nn.Module, inputs: tuple,
 def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str | None]:
     if model.training or torch.is_grad_enabled():
         return None, "training"
-    if getattr(model.forward, "_torchdynamo_disable", False):
-        return None, "forward is excluded from compilation (torch._dynamo.disable)"
-    if not all(isinstance(x, torch.Tensor) for x in inputs):
-        return None, "a non-tensor example input"
-    if any(t.device.type not in ("cpu", "cuda") for t in list(model.parameters()) + list(inputs)):
-        return None, "tensors on a device whose values cannot be compared with eager's (meta)"
     versions = _state_versions(model)
-    traced, reason = _trace(model, len(inputs))
+    traced, out_spec, reason = _flat_trace(model, inputs)
     if traced is None:
         return None, reason
-    out_spec = _flatten_outputs(traced)
-    if out_spec is None:
-        return None, "an output that is not a tensor"
     devices = sorted({t.device.index for t in list(model.parameters()) + list(inputs)
                       if t.device.type == "cuda" and t.device.index is not None})
     before = _module_state(model)
@@ -136,16 +127,9 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
     is kept only when one step of it gives eager's outputs and buffers and leaves the
     modules' Python attributes alone; other calls go through dynamo on the model."""
     try:
-        if getattr(model.forward, "_torchdynamo_disable", False):
-            return None, "forward is excluded from compilation (torch._dynamo.disable)"
-        if not all(isinstance(x, torch.Tensor) for x in inputs):
-            return None, "a non-tensor example input"
-        traced, reason = _trace(model, len(inputs))
+        traced, out_spec, reason = _flat_trace(model, inputs)
         if traced is None:
             return None, reason
-        out_spec = _flatten_outputs(traced)
-        if out_spec is None:
-            return None, "an output that is not a tensor"
         if training:
             _rnns_called_eagerly(traced)
         before = _module_state(model)
@@ -163,6 +147,24 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
         return None, f"the torch.fx path failed ({_headline(error)})"
     return TracedRunner(model, compile_with(traced, session), out_spec, inputs, session,
                         grad_enabled=training), None
+
+
+def _flat_trace(model: torch.nn.Module, inputs: tuple):
+    """(the model's torch.fx trace returning a flat tuple, the spec that rebuilds its output,
+    None), or (None, None, why it cannot be traced and checked against eager)."""
+    if getattr(model.forward, "_torchdynamo_disable", False):
+        return None, None, "forward is excluded from compilation (torch._dynamo.disable)"
+    if not all(isinstance(x, torch.Tensor) for x in inputs):
+        return None, None, "a non-tensor example input"
+    if any(t.device.type not in ("cpu", "cuda") for t in list(model.parameters()) + list(inputs)):
+        return None, None, "tensors on a device whose values cannot be compared with eager's (meta)"
+    traced, reason = _trace(model, len(inputs))
+    if traced is None:
+        return None, None, reason
+    out_spec = _flatten_outputs(traced)
+    if out_spec is None:
+        return None, None, "an output that is not a tensor"
+    return traced, out_spec, None
 
 
 def _rnns_called_eagerly(gm: fx.GraphModule) -> None:

@@ -43,6 +43,19 @@ def assert_same_training_step(model, optimized, inputs, loss_fn=None, atol=1e-5,
     return checked
 
 
+def assert_step_matches(run, model, reference, *inputs, atol=1e-5, rtol=1e-4):
+    """One training step through ``run`` (on ``model``'s parameters) and through ``reference``
+    (an equal copy, eager): outputs, every gradient and every buffer (BN statistics) equal."""
+    out, expected = run(*inputs), reference(*inputs)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    out.sum().backward()
+    expected.sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol)
+    for b, c in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, atol=atol, rtol=rtol)
+
+
 class RecordValues(fx.Interpreter):
     """Runs a graph on real tensors and keeps each value as meta["val"] (shapes for the cost models)."""
     def run_node(self, node):

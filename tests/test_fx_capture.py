@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import fxdream
+from conftest import assert_step_matches
 from fxdream.capture import CaptureSession
 from fxdream.fx_capture import trace_and_compile
 
@@ -259,16 +260,8 @@ def test_dynamo_capturing_nothing_retries_on_the_torch_fx_trace():
     assert not report.ran_eagerly and len(report.graphs) == 2
     assert "torch.fx trace" in report.to_markdown() and "captured nothing" in report.to_markdown()
     for batch in (2, 2, 3):  # the example's signature, then another through dynamo on the model
-        x = torch.randn(batch, 3, 8, 8)
-        out, expected = fast(x), reference(x)
-        torch.testing.assert_close(out, expected)
-        out.sum().backward()
-        expected.sum().backward()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(model[1].running_var, reference[1].running_var)
-        assert model[1].num_batches_tracked == reference[1].num_batches_tracked
-    assert len(fxdream.capture(_cumulative_bn_net().train(), (x,), training=True)) == 2
+        assert_step_matches(fast, model, reference, torch.randn(batch, 3, 8, 8))
+    assert len(fxdream.capture(_cumulative_bn_net().train(), (torch.randn(2, 3, 8, 8),), training=True)) == 2
 
 
 class SideEffectInLoop(nn.Module):
@@ -315,9 +308,4 @@ def test_an_rnn_in_training_runs_eagerly_between_captured_graphs():
     fast = fxdream.optimize(model, (ids,), training=True, cost=None)
     assert not fast.report.ran_eagerly and len(fast.report.graphs) == 2
     assert any("LSTM in training runs eagerly" in b for b in fast.report.graph_breaks)
-    out, expected = fast(ids), reference(ids)
-    torch.testing.assert_close(out, expected)
-    out.sum().backward()
-    expected.sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+    assert_step_matches(fast, model, reference, ids)
