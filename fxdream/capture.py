@@ -193,7 +193,8 @@ class CaptureSession:
             runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
                                          record.example_inputs)
             record.compile_seconds += time.perf_counter() - started
-            return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.fw")
+            run = runnable.forward if runnable is fw else _same_state_or(runnable.forward, fw.forward, state, len(own))
+            return self.clock.wrap(make_boxed_func(run), f"g{record.index}.fw")
 
         @outside_keep_rnns_whole()
         def compile_backward(bw: fx.GraphModule, _inputs):
@@ -216,6 +217,24 @@ class CaptureSession:
 
     def captured(self) -> tuple[Captured, ...]:
         return tuple(r.freeze() for r in self.records if r.forward is not None)
+
+
+def _same_state_or(rewritten: Callable, original: Callable, state: list, own: int) -> Callable:
+    """Run ``rewritten`` while the model state dynamo passes in is what it was rewritten for.
+
+    dynamo lifts a module's parameters to graph inputs, so one graph serves every instance of a
+    class (two blocks of the same type, called in a loop dynamo gave up on). A rewrite that took
+    them as constants (BatchNorm folded, weights prepacked) is right for the first instance
+    only: for any other state, the graph as captured runs instead."""
+    lifted = tuple((i, t) for i, t in enumerate(state) if i >= own and t is not None)
+    if not lifted:
+        return rewritten
+
+    def run(*args):
+        if all(args[i] is t for i, t in lifted):
+            return rewritten(*args)
+        return original(*args)
+    return run
 
 
 def _state_names_from_sources(gm: fx.GraphModule, example_inputs: Sequence) -> dict[int, str]:

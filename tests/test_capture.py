@@ -176,3 +176,59 @@ def test_a_function_dynamo_gave_up_on_in_training_is_captured_in_a_later_inferen
     assert not inferred.report.ran_eagerly and len(inferred.report.graphs) == 1
     with torch.no_grad():
         torch.testing.assert_close(inferred(x), model(x))
+
+
+class LinearBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class BlocksInALoop(nn.Module):
+    """A graph break inside the loop: dynamo gives up on forward and compiles LinearBlock.forward
+    once, its parameters lifted to inputs, for both blocks (torch.fx cannot trace the branch on
+    a shape, so inference goes through dynamo too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([LinearBlock(), LinearBlock()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if x.shape[-1] == 4:
+                print(end="")
+        return x
+
+
+class DoubleTheOutput:
+    """Not equal to eager on purpose: shows which graph ran."""
+    name = "test_capture_double_the_output"
+
+    def applies_to(self, ctx):
+        return None if ctx.frozen else "inference forward only"
+
+    def __call__(self, gm, ctx):
+        from fxdream.pass_api import PassResult
+        output = gm.graph.output_node()
+        (value,) = output.args[0]
+        with gm.graph.inserting_before(output):
+            doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (value, 2.0))
+        doubled.meta["val"] = value.meta.get("val")
+        output.args = ((doubled,),)
+        gm.recompile()
+        return PassResult(gm, True, "doubled")
+
+
+def test_a_rewrite_of_a_graph_shared_by_two_instances_runs_only_for_the_state_it_saw():
+    """A rewrite may take the parameters as constants (BatchNorm folded): when dynamo calls the
+    same graph with another instance's parameters, the graph as captured runs instead."""
+    model, x = BlocksInALoop().eval(), torch.randn(2, 4)
+    optimized = fxdream.optimize(model, (x,), passes=[DoubleTheOutput()], cost=None)
+    assert len(optimized.report.graphs) == 1  # one graph for both blocks
+    first, second = model.blocks
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), second.lin(2 * first.lin(x)))
