@@ -193,7 +193,8 @@ class CaptureSession:
             runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
                                          record.example_inputs)
             record.compile_seconds += time.perf_counter() - started
-            run = runnable.forward if runnable is fw else _same_state_or(runnable.forward, fw.forward, state, len(own))
+            frozen = runnable is not fw and not record.training  # inference: state may be constants
+            run = _same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
             return self.clock.wrap(make_boxed_func(run), f"g{record.index}.fw")
 
         @outside_keep_rnns_whole()
