@@ -134,10 +134,9 @@ def _foldable_bn(conv: fx.Node, ctx: PassContext, notes: list) -> fx.Node | None
 
 # oneDNN's unary post-ops beyond ReLU (MobileNet's hardswish, EfficientNet's SiLU): CPU inference
 # only (the trainable ops' backward is ReLU's); measured here on a 3x3 depthwise conv at bs1,
-# conv+SiLU fused 434 µs against 1689 µs for the conv, then SiLU
-INFERENCE_ACTS = {aten.silu.default: "swish", aten.hardswish.default: "hardswish",
-                  aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
-                  aten.hardtanh.default: "hardtanh"}  # ReLU6 (MobileNetV2), with its bounds
+# conv+SiLU fused 434 µs against 1689 µs for the conv, then SiLU; hardtanh is ReLU6 (MobileNetV2),
+# with its bounds. The ops and names are fxdream.ops.UNARY's, the fused op's post-ops.
+INFERENCE_ACTS = {op: name for name, op in ops.UNARY.items() if op is not RELU}
 
 
 def _onednn_act(node: fx.Node, acts: dict) -> str:
@@ -158,6 +157,9 @@ def _fusable_acts(ctx: PassContext) -> dict:
     return acts
 
 
+_SKIPPED = ": skipped: "  # a note on a convolution left alone: "layer: skipped: why" (the reason counts them)
+
+
 def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]]:
     """Walk from every convolution through [bn] → [add → relu] or [act]; notes say what was left."""
     sites, notes, unfused, claimed = [], [], 0, set()
@@ -166,7 +168,7 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
             continue
         problem = _conv_problem(conv, ctx)
         if problem is not None:
-            notes.append(f"{conv.meta.get(LAYER, conv.name)}: skipped: {problem}")
+            notes.append(f"{conv.meta.get(LAYER, conv.name)}{_SKIPPED}{problem}")
             continue
         site = Site(conv, ["conv"] + (["bias"] if conv.args[2] is not None else []))
         cur = conv
@@ -403,7 +405,7 @@ class FuseConvBiasAct:
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         sites, notes = find_sites(gm.graph, ctx)
         if not sites:
-            skipped = Counter(n.split(": skipped: ", 1)[1] for n in notes if ": skipped: " in n)
+            skipped = Counter(n.split(_SKIPPED, 1)[1] for n in notes if _SKIPPED in n)
             why = "; ".join(f"{k} convolution(s): {problem}" for problem, k in skipped.items())
             return PassResult(gm, False, "no conv+bias+relu, conv+add+relu or conv+bn pattern to fuse"
                               + (f" ({why})" if why else ""), tuple(notes))
