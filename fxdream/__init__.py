@@ -5,11 +5,13 @@ from .pass_api import Pass, PassContext, PassResult, available_passes, register_
 from .pipeline import OptimizedModule, optimize
 from .predict import Prediction, simulate
 from .report import GraphReport, PassReport, Report
+from .sim.profile_store import forget_profiles
 
 __all__ = [
     "capture", "Captured", "CaptureError", "optimize", "OptimizedModule",
     "Pass", "PassContext", "PassResult", "register_pass", "available_passes",
     "Report", "GraphReport", "PassReport", "simulate", "Prediction", "ab", "ABResult", "ABRow",
+    "forget_profiles",
 ]
 __version__ = "0.1.0"
 

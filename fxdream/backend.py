@@ -23,6 +23,8 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
     """A dynamo backend: aot_autograd into ATen graphs, then fxdream's passes."""
     from .pass_pipeline import PassPipeline
     from .predict import cost_model_for, this_machine_device
+    from .sim.cost import Profiled
+    from .sim.profile_store import save_profile
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
@@ -32,7 +34,10 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
     device = torch.device(options.get("device") or (tensors[0].device if tensors else "cpu"))
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     cost = options.get("cost", "auto")
-    cost_model = cost_model_for(this_machine_device(device), cost) if passes and cost else None
+    cost_model = cost_model_for(this_machine_device(device), cost, reuse=True) if passes and cost else None
     pipeline = PassPipeline(passes, PassContext(device=device.type, training=training, cost_model=cost_model),
                             auto=options.get("passes") == "auto", on_row=options.get("on_report"))
-    return CaptureSession(None, transform=pipeline if passes else None)(gm, example_inputs)
+    compiled = CaptureSession(None, transform=pipeline if passes else None)(gm, example_inputs)
+    if isinstance(cost_model, Profiled):
+        save_profile(cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
+    return compiled

@@ -57,27 +57,45 @@ class PassPipeline:
         return cached[1]
 
     def _profile(self, gm: fx.GraphModule, phase: str, index: int, inputs) -> None:
-        """Time the graph's nodes on their real inputs (kept to time rewritten candidates too)."""
+        """Time the graph's nodes on their real inputs, unless every one was timed in context
+        before (an earlier build: ``sim.profile_store``); keep the inputs to time candidates."""
         cost = self.base_context.cost_model
         if not isinstance(cost, Profiled):
             return
         if phase == "fw" and inputs:
             self._inputs[(index, "fw")] = inputs
-            values = cost.profile_graph(gm, inputs)
+            if not cost.measured_in_context(gm):
+                values = cost.profile_graph(gm, inputs)
+            else:  # the backward's saved tensors, only if a backward candidate needs them
+                values = lambda: cost.run_graph(gm, inputs)  # noqa: E731
             if values is not None and self.base_context.training:
                 self._inputs[(index, "bw")] = values  # the backward's saved tensors, by name
         elif phase == "bw" and (index, "bw") in self._inputs:
-            self._inputs[(index, "bw")] = cost.backward_inputs(gm, self._inputs[(index, "bw")])
-            cost.profile_graph(gm, self._inputs[(index, "bw")])
+            fw_values = self._inputs[(index, "bw")]
+
+            def backward_inputs():
+                values = fw_values() if callable(fw_values) else fw_values
+                return None if values is None else cost.backward_inputs(gm, values)
+            self._inputs[(index, "bw")] = backward_inputs
+            if not cost.measured_in_context(gm) and self._real_inputs(index, "bw") is not None:
+                cost.profile_graph(gm, self._real_inputs(index, "bw"))
+
+    def _real_inputs(self, index: int, phase: str):
+        """The graph's real inputs, computed now if they were left for later (None if unknown)."""
+        inputs = self._inputs.get((index, phase))
+        if callable(inputs):
+            inputs = self._inputs[(index, phase)] = inputs()
+        return inputs
 
     def _profile_candidate(self, gm: fx.GraphModule, phase: str, index: int) -> None:
         """A rewrite's new ops are timed in context too, so before and after compare alike."""
         cost = self.base_context.cost_model
-        inputs = self._inputs.get((index, phase))
-        if isinstance(cost, Profiled) and inputs is not None and not cost.measured_in_context(gm):
-            # warm-up 3: a new variant's first calls build oneDNN primitives (cold, a prepacked ResNet-50
-            # measured 1.6x slower and flipped the choice); medians of 5 rounds: one noisy round cannot
-            cost.profile_graph(gm, inputs, rounds=5, warmup=3, new_keys_only=True)
+        if isinstance(cost, Profiled) and not cost.measured_in_context(gm):
+            inputs = self._real_inputs(index, phase)
+            if inputs is not None:
+                # warm-up 3: a new variant's first calls build oneDNN primitives (cold, a prepacked ResNet-50
+                # measured 1.6x slower and flipped the choice); medians of 5 rounds: one noisy round cannot
+                cost.profile_graph(gm, inputs, rounds=5, warmup=3, new_keys_only=True)
 
     # --- the transform -----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict, inputs=None) -> fx.GraphModule:

@@ -17,6 +17,7 @@ from .pass_pipeline import PassPipeline, copy_graph_module  # noqa: F401  (copy_
 from .predict import cost_model_for, predict, this_machine_device
 from .report import GraphReport, Report
 from .sim.cost import Profiled
+from .sim.profile_store import save_profile
 from .validate import check_flag, check_inputs, check_model, resolve_device
 
 
@@ -132,13 +133,15 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
             module._extras.update(_measure_against_capture(model, module, inputs, training, target))
         if eager_check and module._fallback_reason is None:
             module._extras.update(_check_against_eager(model, module, inputs, training))
+    if isinstance(module._pipeline.base_context.cost_model, Profiled):
+        save_profile(module._pipeline.base_context.cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     return module
 
 
 def _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget) -> OptimizedModule:
     """Capture (one throw-away step) with the pass pipeline as the graph transform."""
     model.train(training)
-    cost_model = cost_model_for(this_machine_device(target), cost) if selected and cost else None
+    cost_model = cost_model_for(this_machine_device(target), cost, reuse=True) if selected and cost else None
     pipeline = PassPipeline(selected, PassContext(device=target.type, training=training,
                                                   cost_model=cost_model, memory_budget=memory_budget), auto=auto)
     session = CaptureSession(model, transform=pipeline if selected else None)

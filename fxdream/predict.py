@@ -10,6 +10,7 @@ from .capture import Captured, capture_with_host_gaps
 from .host_gaps import StepCalls
 from .sim.cost import Analytic, CostModel, Profiled
 from .sim.devices import DeviceSpec, get_device
+from .sim.profile_store import shared_profile
 from .sim.lower import OPTIMIZERS, OptimizerModel, lower, lower_captured
 from .sim.simulate import Contention, Timeline, simulate as simulate_graph
 from .sim.taskgraph import TaskGraph
@@ -57,8 +58,11 @@ class Prediction:
         return "\n".join(lines)
 
 
-def cost_model_for(device: str | DeviceSpec, cost: str = "auto") -> CostModel:
-    """``profiled`` measures on this machine (needs the device here); ``analytic`` works for any."""
+def cost_model_for(device: str | DeviceSpec, cost: str = "auto", reuse: bool = False) -> CostModel:
+    """``profiled`` measures on this machine (needs the device here); ``analytic`` works for any.
+
+    ``reuse``: a profiled model shares the process's measurements (``sim.profile_store``), so
+    a rebuild does not time again what an earlier build timed; without it, it starts empty."""
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
     runnable_here = spec.kind == "cpu" or (torch.cuda.is_available() and _is_this_gpu(spec))
     if cost == "auto":
@@ -69,7 +73,8 @@ def cost_model_for(device: str | DeviceSpec, cost: str = "auto") -> CostModel:
         if not runnable_here:
             raise ValueError(f"cost='profiled' measures on this machine, which has no {spec.name}; "
                              "use cost='analytic' (valid: 'profiled', 'analytic', 'auto')")
-        return Profiled(spec, "cuda" if spec.kind == "cuda" else "cpu")
+        torch_device = "cuda" if spec.kind == "cuda" else "cpu"
+        return shared_profile(spec, torch_device) if reuse else Profiled(spec, torch_device)
     raise ValueError(f"cost={cost!r} is not a cost model; valid: 'profiled', 'analytic', 'auto'")
 
 
@@ -122,7 +127,7 @@ def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = 
     """
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
-    model_cost = cost_model_for(device, cost)
+    model_cost = cost_model_for(device, cost, reuse=True)
     # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
     captured, step, notes = capture_with_host_gaps(model, example_inputs, training,
                                                    measure=isinstance(model_cost, Profiled))

@@ -13,9 +13,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles from scratch: no cache entries or counters left by another test."""
+def fresh_dynamo(monkeypatch):
+    """Each test compiles and profiles from scratch: no cache entries, counters or measured
+    costs left by another test, and no profile directory from the environment."""
+    from fxdream.sim.profile_store import PROFILE_DIR_ENV, forget_profiles
     torch._dynamo.reset()
+    forget_profiles()
+    monkeypatch.delenv(PROFILE_DIR_ENV, raising=False)
     yield
 
 

@@ -261,9 +261,7 @@ class Profiled:
         large graph (ResNet-50 at batch 8: 0.55 s a run here) stops at 3 rounds, not 5.
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were."""
-        with real_tensors():  # the graph may update buffers in place: not the model's
-            inputs = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
-                      for x in inputs]
+        inputs = _owned_copies(inputs)
         samples: dict[str, list[float]] = {}
         with real_tensors():
             values = _time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s)
@@ -273,6 +271,11 @@ class Profiled:
             self.samples.setdefault(key, []).extend(times)
             self.measurements[key] = statistics.median(self.samples[key])
         return values
+
+    def run_graph(self, gm: fx.GraphModule, inputs) -> dict | None:
+        """``gm``'s outputs by node name from one untimed run (None if it cannot run alone)."""
+        with real_tensors():
+            return _time_graph(gm, _owned_copies(inputs), self.torch_device, {}, rounds=0, warmup=1)
 
     def measured_in_context(self, gm: fx.GraphModule) -> bool:
         """Whether every compute node of ``gm`` has an in-context measurement."""
@@ -340,6 +343,13 @@ def _time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict,
     output = next(n for n in gm.graph.nodes if n.op == "output")
     names = [a.name if isinstance(a, fx.Node) else None for a in tree_flatten(output.args)[0]]
     return {name: value for name, value in zip(names, tree_flatten(outputs)[0]) if name}
+
+
+def _owned_copies(inputs) -> list:
+    """Copies of the non-parameter tensors: the graph may update buffers in place, not the model's."""
+    with real_tensors():
+        return [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
+                for x in inputs]
 
 
 def _ones_like(value, device: torch.device):

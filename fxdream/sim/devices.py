@@ -84,7 +84,7 @@ _GPUS = {
 _CPU_CACHE: dict[str, DeviceSpec] = {}  # the one global mutable: calibration, once per process
 
 
-def calibrate_cpu(seconds: float = 0.6, *, refresh: bool = False) -> DeviceSpec:
+def calibrate_cpu(seconds: float = 0.3, *, refresh: bool = False) -> DeviceSpec:
     """Measure this host: fp32 matmul FLOP/s, copy bandwidth, per-op dispatch overhead.
 
     About ``seconds`` in total (split between the three), cached for the process unless
