@@ -2,9 +2,10 @@
 
 Runners per (model, batch): eager; fxdream with --passes; torch.compile default (inductor);
 torch.compile with inductor freezing (the recommended CPU inference mode); and
-torch.fx.experimental.optimization.optimize_for_inference. Each is built once (build time
-recorded), checked against eager, then all are timed interleaved (median of rounds of
-blocks). fxdream's prediction for its own rows is put beside the measurement.
+torch.fx.experimental.optimization.optimize_for_inference. Each is built (build time
+recorded) and built again ("rebuild": fxdream reuses the costs it measured, inductor its
+caches), checked against eager, then all are timed interleaved (median of rounds of blocks).
+fxdream's prediction for its own rows is put beside the measurement.
 
     python benchmarks/cpu_ab.py --models resnet50 --batches 1,8 --out benchmarks/results/cpu_ab_<date>
 """
@@ -67,7 +68,8 @@ def compile_inductor(model, inputs, freezing: bool):
     return fn
 
 
-def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: int, block: int) -> dict:
+def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: int, block: int,
+             rebuild: bool = True) -> dict:
     model, inputs, _ = models.build(model_name, batch)
     model.eval()
     with torch.no_grad():
@@ -83,6 +85,8 @@ def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: in
             continue
         built[name] = fn
         rows[name] = dict(build_s=seconds, max_abs_diff=diff)
+        if rebuild and name != "eager":  # warm: fxdream reuses its measured costs, inductor its caches
+            rows[name]["rebuild_s"] = _build_runner(name, model, inputs, passes)[1]
         if report is not None:
             rows[name].update(predicted_baseline_ms=report.predicted_baseline_ms,
                               predicted_ms=report.predicted_optimized_ms,
@@ -128,18 +132,19 @@ def interleaved_profiler(captured, every: int, graphs: dict | None = None):
 
 def to_markdown(cases: list[dict]) -> str:
     """Predicted at build time, and from costs profiled interleaved with the timed rounds."""
-    lines = ["| model | batch | runner | ms (measured) | vs eager | build s | predicted ms (build) "
+    lines = ["| model | batch | runner | ms (measured) | vs eager | build s | rebuild s | predicted ms (build) "
              "| predicted ms (interleaved) | max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for case in cases:
         for name, r in case["runners"].items():
             if "error" in r:
-                lines.append(f"| {case['model']} | {case['batch']} | {name} | failed: {r['error']} | | | | | |")
+                lines.append(f"| {case['model']} | {case['batch']} | {name} | failed: {r['error']} | | | | | | |")
                 continue
+            rebuild = f"{r['rebuild_s']:.1f}" if "rebuild_s" in r else "–"
             preds = [f"{r[k]:.2f} ({100 * (r[k] / r['median_ms'] - 1):+.1f} %)" if r.get(k) else "–"
                      for k in ("predicted_ms", "predicted_interleaved_ms")]
             lines.append(f"| {case['model']} | {case['batch']} | {name} | {r['median_ms']:.2f} "
-                         f"| {r['speedup_vs_eager']:.2f}x | {r['build_s']:.1f} | {preds[0]} | {preds[1]} "
+                         f"| {r['speedup_vs_eager']:.2f}x | {r['build_s']:.1f} | {rebuild} | {preds[0]} | {preds[1]} "
                          f"| {r['max_abs_diff']:.1e} |")
     return "\n".join(lines)
 
@@ -152,6 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--passes", default="fuse_conv_bias_act")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--no-rebuild", action="store_true", help="skip timing a second build of each runner")
     parser.add_argument("--out", default=f"benchmarks/results/cpu_ab_{datetime.date.today().isoformat()}")
     args = parser.parse_args(argv)
     passes = "auto" if args.passes == "auto" else [p for p in args.passes.split(",") if p]
@@ -159,7 +165,8 @@ def main(argv=None) -> int:
     for model_name in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             print(f"{model_name} bs{batch}: building {args.runners} ...", flush=True)
-            cases.append(run_case(model_name, batch, args.runners.split(","), passes, args.rounds, args.block))
+            cases.append(run_case(model_name, batch, args.runners.split(","), passes, args.rounds, args.block,
+                                  rebuild=not args.no_rebuild))
             print(to_markdown(cases[-1:]), flush=True)
     table = to_markdown(cases)
     meta = dict(device="cpu", threads=torch.get_num_threads(), torch=torch.__version__,
