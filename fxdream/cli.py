@@ -101,7 +101,7 @@ def cmd_demo(args) -> int:
     print("| runner | median ms/call | spread | vs eager |\n|---|---|---|---|")
     for name, m in results.items():
         print(f"| {name} | {m.median_ms:.2f} | ±{m.spread_pct / 2:.1f} % | {base / m.median_ms:.2f}x |")
-    print(f"\n(measured: median of {args.rounds} rounds x {args.block} calls, interleaved; "
+    print(f"\n(measured: median of {results['eager'].rounds} rounds x {args.block} calls, interleaved; "
           f"max abs diff of the outputs vs eager: {diff:.1e})")
     print(f"\nnext: python -m fxdream explain {args.model} --batch {args.batch} --device h100   "
           "(what each pass would do on a GPU, predicted)")

@@ -1,7 +1,11 @@
 """Wall-clock timing that holds up on a noisy machine: warm-up, blocks, interleaved, median.
 
-Single calls alternated one by one showed a 7 % bias between two identical models on
-this CPU; timing blocks of calls, alternating the runners block by block, does not.
+Single calls alternated one by one showed a 7 % bias between two identical models on this
+CPU, so runners are timed in blocks of calls. Blocks in a fixed order were biased too: in A/A
+runs (two identical modules after eager) the block right after eager's measured 2-7 % slower
+(median of 10 runs; training steps more). Each block now starts with an untimed call, and the
+order rotates, each runner first in as many rounds as the others: the same A/A runs measured
++0.7 % (inference) and -0.6 % (training).
 """
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ def _synchronize() -> None:
 
 def time_interleaved(runners: Mapping[str, Callable[[], object]], rounds: int = 5, block: int = 10,
                      warmup: int = 3, progress: bool = True, desc: str = "timing") -> dict[str, Measurement]:
-    """Time each runner in blocks of ``block`` calls, alternating runners every round."""
+    """Time each runner in blocks of ``block`` calls, rotating the order every round.
+
+    ``rounds`` is rounded up to a multiple of the number of runners (``Measurement.rounds``)."""
     if rounds < 1 or block < 1:
         raise ValueError(f"rounds and block must be >= 1, got rounds={rounds}, block={block}")
     for run in runners.values():
@@ -42,9 +48,14 @@ def time_interleaved(runners: Mapping[str, Callable[[], object]], rounds: int = 
             run()
     _synchronize()
     samples: dict[str, list[float]] = {name: [] for name in runners}
+    order = list(runners)
+    rounds = -(-rounds // len(order)) * len(order)  # a multiple of the runners: every position equally often
     bar = _progress(total=rounds * len(runners), desc=desc, enabled=progress)
-    for _ in range(rounds):
-        for name, run in runners.items():
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:  # round r starts at runner r
+            run = runners[name]
+            run()  # untimed: the first call after another runner's block is slow (caches, allocator)
+            _synchronize()
             started = time.perf_counter()
             for _ in range(block):
                 run()
