@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import itertools
 import json
 import sys
 import time
@@ -23,8 +22,9 @@ import torch
 
 import fxdream
 from fxdream import models
+from fxdream.ab import PROFILING, interleaved_profiler
 from fxdream.measure import time_interleaved
-from fxdream.predict import cost_model_for, predict
+from fxdream.predict import predict
 
 PEERS = ("eager", "fxdream", "inductor", "inductor_freezing", "optimize_for_inference")
 
@@ -100,9 +100,9 @@ def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: in
     runners = {n: call(fn) for n, fn in built.items()}
     fast = built.get("fxdream")
     if fast is not None:
-        runners[PROFILE], cost = interleaved_profiler(fast.captured, block, fast.rewritten_graphs)
+        runners[PROFILING], cost = interleaved_profiler(fast.captured, block, fast.rewritten_graphs, "cpu")
     times = time_interleaved(runners, rounds=rounds, block=block, desc=f"{model_name} bs{batch}")
-    times.pop(PROFILE, None)
+    times.pop(PROFILING, None)
     if fast is not None:
         rows["fxdream"].update(
             predicted_interleaved_baseline_ms=predict(fast.captured, cost, False).time_ms,
@@ -112,22 +112,6 @@ def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: in
         rows[name].update(median_ms=m.median_ms, spread_pct=m.spread_pct,
                           speedup_vs_eager=(eager_ms / m.median_ms) if eager_ms else None)
     return dict(model=model_name, batch=batch, runners=rows)
-
-
-PROFILE = "(profiling)"
-
-
-def interleaved_profiler(captured, every: int, graphs: dict | None = None):
-    """(runner, cost model): the runner profiles ``captured`` (and ``graphs``, rewritten) in
-    context on one call in ``every`` into a fresh cost model. Timed beside the runners being
-    measured, its prediction sees the machine of the measurement, not of the build (a shared
-    VM drifts by tens of % within a minute)."""
-    cost, calls = cost_model_for("cpu", "profiled"), itertools.count()
-
-    def run():
-        if next(calls) % every == 0:
-            cost.profile_in_context(captured, rounds=1, warmup=1, graphs=graphs, again=True)
-    return run, cost
 
 
 def to_markdown(cases: list[dict]) -> str:

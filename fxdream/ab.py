@@ -4,10 +4,16 @@ Baseline is the model run through its captured graphs with no pass; it is what t
 prediction's "before" simulates, so measured and predicted deltas compare like with like.
 Eager is timed in the same rounds for context. Training rows time forward + backward
 (no optimizer step, and the prediction leaves it out too).
+
+The predicted columns simulate the graphs with op costs profiled in context *between the timed
+blocks*, so prediction and measurement see the same machine: a shared VM's speed drifts by tens
+of % within minutes, and costs from the build would fold that drift into the error. The
+prediction ``optimize`` made at build time is kept beside it (``predicted_at_build_ms``).
 """
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import platform
 from dataclasses import asdict, dataclass
@@ -38,6 +44,7 @@ class ABRow:
     predicted_optimized_ms: float
     max_abs_diff: float
     pass_reasons: tuple[str, ...]
+    predicted_at_build_ms: float | None = None  # optimize()'s own prediction, from its build's costs
 
     @property
     def measured_delta_pct(self) -> float:
@@ -72,17 +79,21 @@ class ABResult:
 
     def to_markdown(self) -> str:
         lines = [f"A/B on {self.device} (torch {self.torch_version}, {self.date}); times are measured "
-                 "medians except the *predicted* columns",
+                 "medians except the *predicted* columns (costs profiled between the timed blocks; "
+                 "'at build': optimize()'s own prediction)",
                  "", "| model | batch | mode | passes | eager ms | baseline ms | optimized ms | predicted "
-                 "baseline ms | predicted optimized ms | measured Δ | predicted Δ | error | max abs diff |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "baseline ms | predicted optimized ms | measured Δ | predicted Δ | error | at build: error "
+                 "| max abs diff |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in self.rows:
+            at_build = "–" if r.predicted_at_build_ms is None else \
+                f"{100.0 * (r.predicted_at_build_ms / r.optimized.median_ms - 1.0):+.1f} %"
             lines.append(
                 f"| {r.model} | {r.batch} | {'train' if r.training else 'infer'} | {'+'.join(r.passes)} "
                 f"| {r.eager.median_ms:.2f} | {r.baseline.median_ms:.2f} ±{r.baseline.spread_pct / 2:.0f}% "
                 f"| {r.optimized.median_ms:.2f} ±{r.optimized.spread_pct / 2:.0f}% | {r.predicted_baseline_ms:.2f} "
                 f"| {r.predicted_optimized_ms:.2f} | {r.measured_delta_pct:+.1f} % | {r.predicted_delta_pct:+.1f} % "
-                f"| {r.error_pct:+.1f} % | {r.max_abs_diff:.1e} |")
+                f"| {r.error_pct:+.1f} % | {at_build} | {r.max_abs_diff:.1e} |")
         return "\n".join(lines)
 
 
@@ -116,28 +127,44 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
     selected = resolve_passes(passes)
     names = tuple(p.name for p in selected)
     spec = this_machine_device(device)
-    cost = cost_model_for(spec, "auto")
     rows = []
     for batch in batch_sizes:
         model, inputs, loss_fn = build(batch)
         model.train(training)
         baseline = optimize(model, inputs, training=training, device=device)
         optimized = optimize(model, inputs, passes=selected, training=training, device=device)
+        profile, cost = interleaved_profiler(optimized.captured, block, optimized.rewritten_graphs, spec)
         # one measured step for both: passes rewrite the graphs, not the eager code around them
         # (two measurements would differ by noise and give an unchanged graph a predicted delta)
         step = _measured_step(baseline, model, inputs, loss_fn, training, cost)
-        before = predict(baseline.captured, cost, training, step=step)
-        after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs, step=step)
         measured = time_interleaved(
             {"eager": _step(model, inputs, loss_fn, training), "baseline": _step(baseline, inputs, loss_fn, training),
-             "optimized": _step(optimized, inputs, loss_fn, training)},
+             "optimized": _step(optimized, inputs, loss_fn, training), PROFILING: profile},
             rounds=rounds, block=block, progress=progress, desc=f"{model_name} bs{batch}")
+        before = predict(baseline.captured, cost, training, step=step)
+        after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs, step=step)
         reasons = tuple(f"{r.graph_index}/{r.phase}: {'applied' if r.applied else 'not applied'}: {r.reason}"
                         for r in optimized.report.passes)
         rows.append(ABRow(model_name, batch, training, names, measured["eager"], measured["baseline"],
                           measured["optimized"], before.time_ms, after.time_ms,
-                          max_abs_diff(model, optimized, inputs, training, loss_fn), reasons))
+                          max_abs_diff(model, optimized, inputs, training, loss_fn), reasons,
+                          optimized.report.predicted_optimized_ms))
     return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
+
+
+PROFILING = "(profiling)"  # the runner that profiles in context between the timed blocks
+
+
+def interleaved_profiler(captured, every: int, graphs: dict | None, device) -> tuple[Callable[[], None], Profiled]:
+    """(runner, a fresh profiled cost model): the runner times ``captured`` (and ``graphs``, rewritten)
+    in context on one call in ``every``. Timed among the runners being measured, its costs come
+    from the same minutes as their times, not from the build's."""
+    cost, calls = cost_model_for(device, "profiled"), itertools.count()
+
+    def run():
+        if next(calls) % every == 0:
+            cost.profile_in_context(captured, rounds=1, warmup=1, graphs=graphs, again=True)
+    return run, cost
 
 
 def _measured_step(module, model, inputs, loss_fn, training, cost) -> StepCalls | None:

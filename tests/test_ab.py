@@ -88,3 +88,19 @@ def test_a_pass_that_changes_nothing_is_predicted_to_change_nothing_in_training(
                 progress=False).rows
     assert not any(": applied:" in reason for reason in row.pass_reasons)
     assert row.predicted_delta_pct == 0.0  # one measured step serves both predictions
+
+
+def test_predictions_use_costs_profiled_between_the_timed_blocks(monkeypatch):
+    # the costs come from the same minutes as the measurements, not from the build's
+    from fxdream.sim.cost import Profiled
+    calls = []
+    original = Profiled.profile_in_context
+
+    def recording(self, captured, *args, again=False, **kwargs):
+        calls.append(again)
+        return original(self, captured, *args, again=again, **kwargs)
+    monkeypatch.setattr(Profiled, "profile_in_context", recording)
+    result = ab(build, [RemoveDoubleNeg()], batch_sizes=(2,), rounds=4, block=1, progress=False)
+    assert calls.count(True) >= 4  # at least once per round (every call here: block=1)
+    assert result.rows[0].predicted_at_build_ms is not None  # optimize()'s own, kept beside
+    assert "at build: error" in result.to_markdown()
