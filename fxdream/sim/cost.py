@@ -8,11 +8,13 @@ shapes (blocks of calls, median of rounds) and caches the result by op + shapes 
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import operator
 import statistics
 import time
+import weakref
 from pathlib import Path
 from typing import Protocol
 
@@ -300,26 +302,54 @@ class Profiled:
         return cls(device, torch_device, data["measurements_us"])
 
 
-class _TimingInterpreter(fx.Interpreter):
-    """Runs a graph, timing each call_function node (the call only, not the interpreter)."""
+_STAMPS: list[tuple[int, float]] = []  # (op index, seconds) from the timed graph running now
 
-    def __init__(self, gm, cuda: bool):
-        super().__init__(gm)
-        self.cuda = cuda
-        self.times: list[tuple[fx.Node, float]] = []
 
-    def run_node(self, node):
-        if node.op != "call_function" or is_view(node):
-            return super().run_node(node)
-        args, kwargs = self.fetch_args_kwargs_from_env(node)
-        if self.cuda:
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        result = node.target(*args, **kwargs)
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.times.append((node, (time.perf_counter() - started) * 1e6))
-        return result
+def _start() -> float:
+    return time.perf_counter()
+
+
+def _stop(index: int, started: float, _result) -> None:
+    _STAMPS.append((index, time.perf_counter() - started))
+
+
+def _start_cuda() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _stop_cuda(index: int, started: float, _result) -> None:
+    torch.cuda.synchronize()
+    _STAMPS.append((index, time.perf_counter() - started))
+
+
+_TIMED: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _timed_copy(gm: fx.GraphModule, cuda: bool) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A copy of ``gm`` whose generated code reads the clock around each compute op, and the
+    ops of ``gm`` it times (by index).
+
+    Timed through an fx.Interpreter, small ops came out far slower than inside the graph: on
+    MNIST bs1 its ops summed to 462 µs where one run of the graph took 258 µs (the Interpreter's
+    Python between ops, fetching arguments and its environment, where generated code has none).
+    Read in generated code, the same ops summed to 250 µs; on ResNet-18 both agree within 1 %."""
+    cached = _TIMED.get(gm)
+    if cached is not None and cached[0] == (gm.code, cuda):
+        return cached[1], cached[2]
+    graph = copy.deepcopy(gm.graph)
+    start, stop = (_start_cuda, _stop_cuda) if cuda else (_start, _stop)
+    timed_nodes = []
+    for original, node in zip(list(gm.graph.nodes), list(graph.nodes)):
+        if node.op == "call_function" and not is_view(node):
+            with graph.inserting_before(node):
+                started = graph.call_function(start, ())
+            with graph.inserting_after(node):
+                graph.call_function(stop, (len(timed_nodes), started, node))
+            timed_nodes.append(original)
+    timed = fx.GraphModule(gm, graph)
+    _TIMED[gm] = ((gm.code, cuda), timed, timed_nodes)
+    return timed, timed_nodes
 
 
 def _time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
@@ -327,19 +357,22 @@ def _time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict,
     """Add each node's in-context times to ``samples``; return the output values by node name."""
     outputs = None
     try:
+        timed, nodes = _timed_copy(gm, device.type == "cuda")
         with torch.no_grad():
             for i in range(warmup + rounds):
                 if i == warmup:
                     timed_from = time.perf_counter()
                 elif i - warmup >= MIN_ROUNDS and time.perf_counter() - timed_from > budget_s:
                     break
-                interpreter = _TimingInterpreter(gm, device.type == "cuda")
-                outputs = interpreter.run(*inputs)
+                _STAMPS.clear()
+                outputs = timed(*inputs)
                 if i >= warmup:
-                    for node, us in interpreter.times:
-                        samples.setdefault(profile_key(node, device.type), []).append(us)
+                    for index, seconds in _STAMPS:
+                        samples.setdefault(profile_key(nodes[index], device.type), []).append(seconds * 1e6)
     except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
         return None
+    finally:
+        _STAMPS.clear()
     output = next(n for n in gm.graph.nodes if n.op == "output")
     names = [a.name if isinstance(a, fx.Node) else None for a in tree_flatten(output.args)[0]]
     return {name: value for name, value in zip(names, tree_flatten(outputs)[0]) if name}
