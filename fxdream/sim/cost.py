@@ -223,8 +223,8 @@ class Profiled:
         """Time every node where it really runs: the captured graphs on their real inputs.
 
         An op timed alone in a loop runs with hot caches and a warm allocator; inside the
-        model it does not. So each node is timed inside an FX Interpreter run of its graph
-        (median over runs and over nodes with the same key); ops a pass adds later are
+        model it does not. So each node is timed inside a run of its graph, by clock reads in
+        the graph's generated code (median over runs and over nodes with the same key); ops a pass adds later are
         still micro-benchmarked unless their rewritten graph is given in ``graphs``
         ((subgraph index, phase) → GraphModule), which is then timed in context as well.
         A key's cost is the median of all its samples so far; ``again=True`` profiles graphs
