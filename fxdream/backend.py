@@ -23,7 +23,6 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
     """A dynamo backend: aot_autograd into ATen graphs, then fxdream's passes."""
     from .pass_pipeline import PassPipeline
     from .predict import cost_model_for, this_machine_device
-    from .sim.cost import Profiled
     from .sim.profile_store import save_profile
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
@@ -38,6 +37,5 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
     pipeline = PassPipeline(passes, PassContext(device=device.type, training=training, cost_model=cost_model),
                             auto=options.get("passes") == "auto", on_row=options.get("on_report"))
     compiled = CaptureSession(None, transform=pipeline if passes else None)(gm, example_inputs)
-    if isinstance(cost_model, Profiled):
-        save_profile(cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
+    save_profile(cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     return compiled

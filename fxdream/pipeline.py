@@ -133,8 +133,7 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
             module._extras.update(_measure_against_capture(model, module, inputs, training, target))
         if eager_check and module._fallback_reason is None:
             module._extras.update(_check_against_eager(model, module, inputs, training))
-    if isinstance(module._pipeline.base_context.cost_model, Profiled):
-        save_profile(module._pipeline.base_context.cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
+    save_profile(module._pipeline.base_context.cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     return module
 
 

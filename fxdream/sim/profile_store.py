@@ -36,8 +36,11 @@ def shared_profile(device: DeviceSpec, torch_device: str | torch.device) -> Prof
     return cost
 
 
-def save_profile(cost: Profiled) -> Path | None:
-    """Write ``cost``'s store to ``$FXDREAM_PROFILE_DIR`` (atomically); None when it is not set."""
+def save_profile(cost) -> Path | None:
+    """Write ``cost``'s store to ``$FXDREAM_PROFILE_DIR`` (atomically); None when it is not set
+    or ``cost`` measures nothing (None, analytic)."""
+    if not isinstance(cost, Profiled):
+        return None
     path = _store_path(_store_key(cost.device, cost.torch_device))
     if path is None:
         return None
