@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 
 def pytest_collection_modifyitems(config, items):
@@ -88,3 +89,16 @@ class TwoSubgraphs(torch.nn.Module):
         h = self.first(x)
         torch._dynamo.graph_break()
         return self.second(h)
+
+
+class ConvBnNet(nn.Module):
+    """conv (no bias) → BatchNorm → ReLU → pooled linear head: what BN folding and the fusion take."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))

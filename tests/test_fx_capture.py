@@ -5,20 +5,9 @@ import torch
 import torch.nn as nn
 
 import fxdream
-from conftest import assert_step_matches
+from conftest import ConvBnNet, assert_step_matches
 from fxdream.capture import CaptureSession
 from fxdream.fx_capture import trace_and_compile
-
-
-class ConvBnNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
 
 
 class IsinstanceBranch(nn.Module):

@@ -3,24 +3,12 @@ import json
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxdream
 from fxdream.pass_api import PassResult
 from fxdream.sim import profile_store
 from fxdream.sim.cost import Profiled
-from conftest import assert_same_training_step
-
-
-class ConvBnRelu(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(8)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+from conftest import ConvBnNet, assert_same_training_step
 
 
 class LeavesGraphsAlone:
@@ -66,7 +54,7 @@ def _build(model, x, training=False, passes=("fuse_conv_bias_act",)):
 
 
 def test_a_rebuild_reuses_the_measured_costs_and_predicts_the_same(monkeypatch):
-    model, x = ConvBnRelu().eval(), torch.randn(2, 3, 16, 16)
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 16, 16)
     profiled = _count_profiled_graphs(monkeypatch)
     first = _build(model, x)
     assert profiled, "the first build times its graphs in context"
@@ -81,7 +69,7 @@ def test_a_rebuild_reuses_the_measured_costs_and_predicts_the_same(monkeypatch):
 def test_a_training_rebuild_times_a_new_backward_on_inputs_made_when_needed(monkeypatch):
     # the first build times forward and backward; the second reuses them but has to time the
     # rewritten backward's new op, on the forward's saved tensors, which it makes only then
-    model, x = ConvBnRelu().train(), torch.randn(2, 3, 16, 16)
+    model, x = ConvBnNet().train(), torch.randn(2, 3, 16, 16)
     _build(model, x, training=True, passes=[LeavesGraphsAlone()])
     profiled = _count_profiled_graphs(monkeypatch)
     rebuilt = _build(model, x, training=True, passes=[ClonesAGradient()])
@@ -94,7 +82,7 @@ def test_a_training_rebuild_times_a_new_backward_on_inputs_made_when_needed(monk
 
 def test_the_profile_directory_carries_costs_to_a_later_process(monkeypatch, tmp_path):
     monkeypatch.setenv(profile_store.PROFILE_DIR_ENV, str(tmp_path))
-    model, x = ConvBnRelu().eval(), torch.randn(2, 3, 16, 16)
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 16, 16)
     first = _build(model, x)
     files = list(tmp_path.glob("*.json"))
     assert len(files) == 1 and f"{torch.get_num_threads()}t" in files[0].name
@@ -110,7 +98,7 @@ def test_the_profile_directory_carries_costs_to_a_later_process(monkeypatch, tmp
 
 def test_an_unreadable_profile_file_is_ignored_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv(profile_store.PROFILE_DIR_ENV, str(tmp_path))
-    model, x = ConvBnRelu().eval(), torch.randn(2, 3, 16, 16)
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 16, 16)
     _build(model, x)
     (path,) = tmp_path.glob("*.json")
     path.write_text("{not json")
