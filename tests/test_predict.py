@@ -161,7 +161,8 @@ def test_symbolic_sizes_are_costed_and_materialized_at_their_traced_sizes():
     """dynamo's dynamic shapes give graphs whose sizes are SymInts: costs, profile keys and the
     stand-in tensors profiling builds use the sizes the graph was traced at."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from fxdream.sim.cost import _ones_like, tensor_bytes
+    from fxdream.sim.cost import tensor_bytes
+    from fxdream.sim.in_context import ones_like
     gm = make_fx(lambda x: torch.relu(x) * torch.ones(x.shape[0], 1), tracing_mode="symbolic")(torch.randn(3, 4))
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert any(isinstance(n.meta["val"].shape[0], torch.SymInt) for n in nodes)
@@ -171,7 +172,7 @@ def test_symbolic_sizes_are_costed_and_materialized_at_their_traced_sizes():
         assert "s0" not in profile_key(n, "cpu") and "SymInt" not in profile_key(n, "cpu")
     relu = next(n for n in nodes if "relu" in str(n.target))
     assert "(3, 4)" in profile_key(relu, "cpu")
-    assert _ones_like(relu.meta["val"], torch.device("cpu")).shape == (3, 4)
+    assert ones_like(relu.meta["val"], torch.device("cpu")).shape == (3, 4)
     assert tensor_bytes(relu.meta["val"]) == 3 * 4 * 4
 
 
@@ -180,24 +181,25 @@ def test_ops_are_timed_by_clock_reads_in_a_copy_of_the_generated_code():
     # 462 µs summed vs 258 µs a run); the copy gives the same outputs and times every compute op
     import gc
     import weakref
-    from fxdream.sim.cost import _STAMPS, _timed_copy
+    from fxdream.sim.in_context import _STAMPS, compute_keys, timed_copy
     model, x = Small().eval(), torch.randn(2, 3, 8, 8)
     captured = fxdream.capture(model, (x,))
     gm = captured.forward
-    timed, keys = _timed_copy(gm, "cpu")
+    timed, keys = timed_copy(gm, "cpu")
     compute = [n for n in gm.graph.nodes if n.op == "call_function" and not is_view(n)]
-    assert keys == [profile_key(n, "cpu") for n in compute]
+    assert keys == [profile_key(n, "cpu") for n in compute] == compute_keys(gm, "cpu")
     _STAMPS.clear()
     torch.testing.assert_close(timed(*captured.example_inputs), gm(*captured.example_inputs))
     assert [i for i, _ in _STAMPS] == list(range(len(compute)))
     _STAMPS.clear()
-    assert _timed_copy(gm, "cpu")[0] is timed  # cached per graph
+    assert timed_copy(gm, "cpu")[0] is timed  # cached per graph
     relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
     relu.target = torch.ops.aten.sigmoid.default
     gm.recompile()
-    retimed, rekeys = _timed_copy(gm, "cpu")  # a changed graph gets a new copy
+    retimed, rekeys = timed_copy(gm, "cpu")  # a changed graph gets a new copy
     assert retimed is not timed and any(k.startswith("aten.sigmoid") for k in rekeys)
-    # the cache does not keep a graph alive
+    assert compute_keys(gm, "cpu") == rekeys  # the cached keys follow the code too
+    # the caches do not keep a graph alive
     alive = weakref.ref(gm)
     del captured, gm, relu, compute
     gc.collect()

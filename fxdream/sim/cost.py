@@ -8,13 +8,9 @@ shapes (blocks of calls, median of rounds) and caches the result by op + shapes 
 """
 from __future__ import annotations
 
-import copy
 import json
-import math
-import operator
 import statistics
 import time
-import weakref
 from pathlib import Path
 from typing import Protocol
 
@@ -23,8 +19,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..annotate import VIEW_OPS, node_flops, op_name, rnn_sequential_steps
+from ..annotate import node_flops, rnn_sequential_steps
 from .devices import DeviceSpec
+from .in_context import MIN_ROUNDS, compute_keys, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
+from .op_keys import arg_values, is_view, profile_key, real_tensors, size_hint  # noqa: F401  (re-exported)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.float64: "float64"}
@@ -43,37 +41,14 @@ class CostModel(Protocol):
         """Host time to enter one compiled graph (dynamo guards, aot wrappers, boxing)."""
 
 
-def real_tensors():
-    """Measurements need real tensors, also when called while aot_autograd's fake mode is on."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily  # private; isolated here
-    return unset_fake_temporarily()
-
-
-def is_view(node: fx.Node) -> bool:
-    return node.target is operator.getitem or op_name(node) in VIEW_OPS
-
-
-def size_hint(x):
-    """A concrete int for a symbolic size (dynamo's dynamic shapes: the size it was traced at),
-    so costs and memory of a symbolic graph are those of its example; other values as they are."""
-    if isinstance(x, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint  # no guard added
-        return optimization_hint(x, fallback=1)
-    return x
-
-
 def tensor_bytes(value) -> int:
     leaves, _ = tree_flatten(value)
     return sum(size_hint(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
-def _arg_values(node: fx.Node):
-    return tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
-
-
 def node_bytes(node: fx.Node) -> int:
     """Bytes a kernel reads and writes: its tensor inputs plus its outputs."""
-    return tensor_bytes(_arg_values(node)) + tensor_bytes(node.meta.get("val"))
+    return tensor_bytes(arg_values(node)) + tensor_bytes(node.meta.get("val"))
 
 
 def node_dtype(node: fx.Node) -> str:
@@ -85,7 +60,6 @@ def node_dtype(node: fx.Node) -> str:
 
 
 PROFILE_BUDGET_S = 1.0  # in-context profiling of one graph: no new round past this, after MIN_ROUNDS
-MIN_ROUNDS = 3
 
 
 class Analytic:
@@ -119,19 +93,6 @@ class Analytic:
         leaves, _ = tree_flatten(node.meta.get("val"))
         elements = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
         return min(1.0, max(0.05, elements / (self.device.num_sms * 2048)))
-
-
-def profile_key(node: fx.Node, device: str) -> str:
-    """op + tensor shapes/dtypes/strides + other arguments + device: one measurement each."""
-    def describe(a):
-        if isinstance(a, torch.Tensor):
-            return (f"T{tuple(map(size_hint, a.shape))}:{str(a.dtype).replace('torch.', '')}:"
-                    f"{tuple(map(size_hint, a.stride()))}")
-        return repr(size_hint(a))
-    args, kwargs = _arg_values(node)
-    parts = [describe(a) for a in tree_flatten(args)[0]]
-    parts += [f"{k}={describe(v)}" for k, v in sorted(kwargs.items())]
-    return f"{op_name(node)}|{device}|{','.join(parts)}"
 
 
 def _materialize(value, device: torch.device):
@@ -207,7 +168,7 @@ class Profiled:
         if not callable(node.target) or isinstance(node.target, str):
             return 0.0
         try:
-            args, kwargs = tree_map(lambda v: _materialize(v, self.torch_device), _arg_values(node))
+            args, kwargs = tree_map(lambda v: _materialize(v, self.torch_device), arg_values(node))
             return _time_calls(lambda: node.target(*args, **kwargs), self.rounds, self.target_block_us,
                                cuda=self.torch_device.type == "cuda")
         except Exception:  # an op that cannot run on synthetic inputs: fall back to the roofline
@@ -263,10 +224,10 @@ class Profiled:
         large graph (ResNet-50 at batch 8: 0.55 s a run here) stops at 3 rounds, not 5.
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were."""
-        inputs = _owned_copies(inputs)
+        inputs = owned_copies(inputs)
         samples: dict[str, list[float]] = {}
         with real_tensors():
-            values = _time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s)
+            values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s)
         for key, times in samples.items():
             if new_keys_only and key in self.samples:
                 continue
@@ -277,17 +238,15 @@ class Profiled:
     def run_graph(self, gm: fx.GraphModule, inputs) -> dict | None:
         """``gm``'s outputs by node name from one untimed run (None if it cannot run alone)."""
         with real_tensors():
-            return _time_graph(gm, _owned_copies(inputs), self.torch_device, {}, rounds=0, warmup=1)
+            return time_graph(gm, owned_copies(inputs), self.torch_device, {}, rounds=0, warmup=1)
 
     def measured_in_context(self, gm: fx.GraphModule) -> bool:
         """Whether every compute node of ``gm`` has an in-context measurement."""
-        device = self.torch_device.type
-        return all(profile_key(n, device) in self.samples for n in gm.graph.nodes
-                   if n.op == "call_function" and not is_view(n))
+        return all(key in self.samples for key in compute_keys(gm, self.torch_device.type))
 
     def backward_inputs(self, bw: fx.GraphModule, fw_values: dict) -> list:
         """Saved tensors from the forward's outputs (same names), ones for the incoming gradients."""
-        return [fw_values.get(n.name, _ones_like(n.meta.get("val"), self.torch_device))
+        return [fw_values.get(n.name, ones_like(n.meta.get("val"), self.torch_device))
                 for n in bw.graph.nodes if n.op == "placeholder"]
 
     def save(self, path: str | Path) -> None:
@@ -300,96 +259,6 @@ class Profiled:
         if data.get("device") != device.name:
             raise ValueError(f"profile {path} was measured on {data.get('device')!r}, not {device.name!r}")
         return cls(device, torch_device, data["measurements_us"])
-
-
-_STAMPS: list[tuple[int, float]] = []  # (op index, seconds) from the timed graph running now
-
-
-def _start() -> float:
-    return time.perf_counter()
-
-
-def _stop(index: int, started: float, _result) -> None:
-    _STAMPS.append((index, time.perf_counter() - started))
-
-
-def _start_cuda() -> float:
-    torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-def _stop_cuda(index: int, started: float, _result) -> None:
-    torch.cuda.synchronize()
-    _STAMPS.append((index, time.perf_counter() - started))
-
-
-_TIMED: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, list[str]]:
-    """A copy of ``gm`` whose generated code reads the clock around each compute op, and the
-    profile keys of the ops it times (by index). Cached per graph while its code is unchanged
-    (the cache holds no reference to ``gm``: keys, not nodes).
-
-    Timed through an fx.Interpreter, small ops came out far slower than inside the graph: on
-    MNIST bs1 its ops summed to 462 µs where one run of the graph took 258 µs (the Interpreter's
-    Python between ops, fetching arguments and its environment, where generated code has none).
-    Read in generated code, the same ops summed to 250 µs; on ResNet-18 both agree within 1 %."""
-    cached = _TIMED.get(gm)
-    if cached is not None and cached[0] == (gm.code, device_type):
-        return cached[1], cached[2]
-    graph = copy.deepcopy(gm.graph)
-    start, stop = (_start_cuda, _stop_cuda) if device_type == "cuda" else (_start, _stop)
-    keys = []
-    for original, node in zip(list(gm.graph.nodes), list(graph.nodes)):
-        if node.op == "call_function" and not is_view(node):
-            with graph.inserting_before(node):
-                started = graph.call_function(start, ())
-            with graph.inserting_after(node):
-                graph.call_function(stop, (len(keys), started, node))
-            keys.append(profile_key(original, device_type))
-    timed = fx.GraphModule(gm, graph)
-    _TIMED[gm] = ((gm.code, device_type), timed, keys)
-    return timed, keys
-
-
-def _time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
-                warmup: int, budget_s: float = math.inf) -> dict | None:
-    """Add each node's in-context times to ``samples``; return the output values by node name."""
-    outputs = None
-    try:
-        timed, keys = _timed_copy(gm, device.type)
-        with torch.no_grad():
-            for i in range(warmup + rounds):
-                if i == warmup:
-                    timed_from = time.perf_counter()
-                elif i - warmup >= MIN_ROUNDS and time.perf_counter() - timed_from > budget_s:
-                    break
-                _STAMPS.clear()
-                outputs = timed(*inputs)
-                if i >= warmup:
-                    for index, seconds in _STAMPS:
-                        samples.setdefault(keys[index], []).append(seconds * 1e6)
-    except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
-        return None
-    finally:
-        _STAMPS.clear()
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    names = [a.name if isinstance(a, fx.Node) else None for a in tree_flatten(output.args)[0]]
-    return {name: value for name, value in zip(names, tree_flatten(outputs)[0]) if name}
-
-
-def _owned_copies(inputs) -> list:
-    """Copies of the non-parameter tensors: the graph may update buffers in place, not the model's."""
-    with real_tensors():
-        return [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
-                for x in inputs]
-
-
-def _ones_like(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return torch.ones(tuple(map(size_hint, value.shape)), dtype=value.dtype, device=device)
-    return value
 
 
 def _time_calls(fn, rounds: int = 5, target_block_us: float = 2000.0, cuda: bool = False) -> float:

@@ -1,0 +1,122 @@
+"""In-context timing: each op of a graph timed where it really runs, inside a run of the graph.
+
+An op timed alone in a loop runs with hot caches and a warm allocator; inside the model it
+does not. So a copy of the graph's generated code reads the clock around each compute op
+(``timed_copy``), and ``time_graph`` runs it on the graph's real inputs."""
+from __future__ import annotations
+
+import copy
+import math
+import time
+import weakref
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .op_keys import is_view, profile_key, real_tensors, size_hint
+
+MIN_ROUNDS = 3  # past these timed rounds, no new round starts once the budget is spent
+
+_STAMPS: list[tuple[int, float]] = []  # (op index, seconds) from the timed graph running now
+
+
+def _start() -> float:
+    return time.perf_counter()
+
+
+def _stop(index: int, started: float, _result) -> None:
+    _STAMPS.append((index, time.perf_counter() - started))
+
+
+def _start_cuda() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _stop_cuda(index: int, started: float, _result) -> None:
+    torch.cuda.synchronize()
+    _STAMPS.append((index, time.perf_counter() - started))
+
+
+_TIMED: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDictionary()
+
+
+def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, list[str]]:
+    """A copy of ``gm`` whose generated code reads the clock around each compute op, and the
+    profile keys of the ops it times (by index). Cached per graph while its code is unchanged
+    (the cache holds no reference to ``gm``: keys, not nodes).
+
+    Timed through an fx.Interpreter, small ops came out far slower than inside the graph: on
+    MNIST bs1 its ops summed to 462 µs where one run of the graph took 258 µs (the Interpreter's
+    Python between ops, fetching arguments and its environment, where generated code has none).
+    Read in generated code, the same ops summed to 250 µs; on ResNet-18 both agree within 1 %."""
+    cached = _TIMED.get(gm)
+    if cached is not None and cached[0] == (gm.code, device_type):
+        return cached[1], cached[2]
+    graph = copy.deepcopy(gm.graph)
+    start, stop = (_start_cuda, _stop_cuda) if device_type == "cuda" else (_start, _stop)
+    keys = []
+    for original, node in zip(list(gm.graph.nodes), list(graph.nodes)):
+        if node.op == "call_function" and not is_view(node):
+            with graph.inserting_before(node):
+                started = graph.call_function(start, ())
+            with graph.inserting_after(node):
+                graph.call_function(stop, (len(keys), started, node))
+            keys.append(profile_key(original, device_type))
+    timed = fx.GraphModule(gm, graph)
+    _TIMED[gm] = ((gm.code, device_type), timed, keys)
+    return timed, keys
+
+
+def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
+                warmup: int, budget_s: float = math.inf) -> dict | None:
+    """Add each node's in-context times to ``samples``; return the output values by node name."""
+    outputs = None
+    try:
+        timed, keys = timed_copy(gm, device.type)
+        with torch.no_grad():
+            for i in range(warmup + rounds):
+                if i == warmup:
+                    timed_from = time.perf_counter()
+                elif i - warmup >= MIN_ROUNDS and time.perf_counter() - timed_from > budget_s:
+                    break
+                _STAMPS.clear()
+                outputs = timed(*inputs)
+                if i >= warmup:
+                    for index, seconds in _STAMPS:
+                        samples.setdefault(keys[index], []).append(seconds * 1e6)
+    except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
+        return None
+    finally:
+        _STAMPS.clear()
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    names = [a.name if isinstance(a, fx.Node) else None for a in tree_flatten(output.args)[0]]
+    return {name: value for name, value in zip(names, tree_flatten(outputs)[0]) if name}
+
+
+def owned_copies(inputs) -> list:
+    """Copies of the non-parameter tensors: the graph may update buffers in place, not the model's."""
+    with real_tensors():
+        return [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter) else x
+                for x in inputs]
+
+
+def ones_like(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return torch.ones(tuple(map(size_hint, value.shape)), dtype=value.dtype, device=device)
+    return value
+
+
+_KEYS: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDictionary()
+
+
+def compute_keys(gm: fx.GraphModule, device_type: str) -> list[str]:
+    """The profile keys of ``gm``'s compute ops (views excluded), cached while its code is
+    unchanged: a build asks several times per graph whether all were timed in context."""
+    cached = _KEYS.get(gm)
+    if cached is not None and cached[0] == (gm.code, device_type):
+        return cached[1]
+    keys = [profile_key(n, device_type) for n in gm.graph.nodes if n.op == "call_function" and not is_view(n)]
+    _KEYS[gm] = ((gm.code, device_type), keys)
+    return keys

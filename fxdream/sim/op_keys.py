@@ -1,0 +1,50 @@
+"""What identifies one op for costing: its profile key, and the small helpers keys rest on.
+
+Apart from ``cost`` so that the in-context timing (``in_context``) and the cost models can
+both use them without importing each other."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..annotate import VIEW_OPS, op_name
+
+
+def real_tensors():
+    """Measurements need real tensors, also when called while aot_autograd's fake mode is on."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # private; isolated here
+    return unset_fake_temporarily()
+
+
+def is_view(node: fx.Node) -> bool:
+    return node.target is operator.getitem or op_name(node) in VIEW_OPS
+
+
+def size_hint(x):
+    """A concrete int for a symbolic size (dynamo's dynamic shapes: the size it was traced at),
+    so costs and memory of a symbolic graph are those of its example; other values as they are."""
+    if isinstance(x, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint  # no guard added
+        return optimization_hint(x, fallback=1)
+    return x
+
+
+def arg_values(node: fx.Node):
+    """(args, kwargs) of ``node`` with every node replaced by its example value."""
+    return tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+
+
+def profile_key(node: fx.Node, device: str) -> str:
+    """op + tensor shapes/dtypes/strides + other arguments + device: one measurement each."""
+    def describe(a):
+        if isinstance(a, torch.Tensor):
+            return (f"T{tuple(map(size_hint, a.shape))}:{str(a.dtype).replace('torch.', '')}:"
+                    f"{tuple(map(size_hint, a.stride()))}")
+        return repr(size_hint(a))
+    args, kwargs = arg_values(node)
+    parts = [describe(a) for a in tree_flatten(args)[0]]
+    parts += [f"{k}={describe(v)}" for k, v in sorted(kwargs.items())]
+    return f"{op_name(node)}|{device}|{','.join(parts)}"
