@@ -93,9 +93,7 @@ class PassPipeline:
         if isinstance(cost, Profiled) and not cost.measured_in_context(gm):
             inputs = self._real_inputs(index, phase)
             if inputs is not None:
-                # warm-up 3: a new variant's first calls build oneDNN primitives (cold, a prepacked ResNet-50
-                # measured 1.6x slower and flipped the choice); medians of 5 rounds: one noisy round cannot
-                cost.profile_graph(gm, inputs, rounds=5, warmup=3, new_keys_only=True)
+                cost.profile_graph(gm, inputs, new_keys_only=True)
 
     # --- the transform -----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict, inputs=None) -> fx.GraphModule:
