@@ -155,7 +155,7 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
             raise CaptureError(f"strict=True: capture of {type(model).__name__} failed: "
                                f"{describe_error(error)}") from error
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
-        module._fall_back(f"dynamo could not capture the model: {describe_error(error)}")
+        module._fall_back(f"the model's capture ({how}) failed: {describe_error(error)}")
     module._graph_breaks = new_graph_breaks(breaks_before)
     if module._fallback_reason is None and not session.captured():
         retried = capture_from_trace(model, inputs, session, training, module._graph_breaks)

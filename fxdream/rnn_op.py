@@ -36,9 +36,15 @@ for _key in ("CPU", "CUDA"):
 
 @torch.library.register_fake("fxdream::rnn_inference", lib=_LIB)
 def _(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first):
-    # output: the input's shape with features = directions × hidden; the state: hx's shape
+    # output: the input's shape with features = directions × hidden, and eager's strides: the
+    # kernels run time-major, so a batch_first output is a (batch, time) view of a (time, batch)
+    # tensor (claimed contiguous, a later view of it traced fine and failed on the real one)
     features = (2 if bidirectional else 1) * hx.shape[-1]
-    return input.new_empty((*input.shape[:-1], features)), hx.new_empty(hx.shape)
+    if batch_first:
+        output = input.new_empty((input.shape[1], input.shape[0], features)).transpose(0, 1)
+    else:
+        output = input.new_empty((*input.shape[:-1], features))
+    return output, hx.new_empty(hx.shape)
 
 
 rnn_inference = torch.ops.fxdream.rnn_inference.default

@@ -59,17 +59,41 @@ def test_training_with_an_rnn_is_unchanged():
     assert_same_training_step(model, optimized, (x,))
 
 
-def test_the_op_matches_torch_vf_and_its_fake_shapes():
-    gru = nn.GRU(4, 5, num_layers=2, bidirectional=True).eval()
-    x, hx = torch.randn(7, 2, 4), torch.zeros(4, 2, 5)
-    out, h = rnn_inference(x, hx, list(gru._flat_weights), "gru", True, 2, True, False)
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_the_op_matches_torch_vf_and_its_fake_shapes_and_strides(batch_first):
+    gru = nn.GRU(4, 5, num_layers=2, bidirectional=True, batch_first=batch_first).eval()
+    x, hx = torch.randn(7, 2, 4), torch.zeros(4, 7 if batch_first else 2, 5)
+    out, h = rnn_inference(x, hx, list(gru._flat_weights), "gru", True, 2, True, batch_first)
     ref_out, ref_h = gru(x, hx)
     assert torch.equal(out, ref_out) and torch.equal(h, ref_h)
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fake = rnn_inference(mode.from_tensor(x), mode.from_tensor(hx),
-                             [mode.from_tensor(w) for w in gru._flat_weights], "gru", True, 2, True, False)
-    assert [tuple(t.shape) for t in fake] == [(7, 2, 10), (4, 2, 5)]
+                             [mode.from_tensor(w) for w in gru._flat_weights], "gru", True, 2, True, batch_first)
+    assert [(tuple(t.shape), t.stride()) for t in fake] == [(tuple(t.shape), t.stride()) for t in (ref_out, ref_h)]
+
+
+class AllStepsHead(nn.Module):
+    """A head on every step of a batch_first GRU's output, which is not contiguous in eager."""
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(6, 8, 3, padding=1)
+        self.rnn, self.fc = nn.GRU(8, 12, batch_first=True, bidirectional=True), nn.Linear(24, 2)
+
+    def forward(self, x):
+        y, _ = self.rnn(torch.relu(self.conv(x)).transpose(1, 2))
+        return self.fc(y).sum(1)
+
+
+def test_a_batch_first_output_used_whole_is_captured_and_exact():
+    # the op's fake output once claimed contiguous strides: the Linear's view traced, then failed
+    # on the real (time-major) output, and the model ran eagerly
+    torch.manual_seed(0)
+    model, x = AllStepsHead().eval(), torch.randn(3, 6, 10)
+    optimized = fxdream.optimize(model, (x,), passes="auto", eager_check=False, strict=True)
+    assert any(n.target is rnn_inference for n in _call_functions(optimized))
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
 
 
 def test_the_analytic_cost_of_a_recurrence_is_at_least_its_steps_in_sequence():
