@@ -3,6 +3,6 @@ sigmoid / tanh (ReLU only), to measure what those post-ops add:
 
     python -m fxdream ab benchmarks/mobile_like.py:build --pass fuse_conv_bias_act --load benchmarks/relu_only.py
 """
-from fxdream.passes import fuse_conv_bias_act
+from fxdream.passes import conv_sites  # fuse_conv_bias_act's matcher
 
-fuse_conv_bias_act.INFERENCE_ACTS.clear()
+conv_sites.INFERENCE_ACTS.clear()

@@ -19,9 +19,8 @@ returns exactly the values the already-built backward graph expects.
 """
 from __future__ import annotations
 
-import operator
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -33,11 +32,11 @@ from fxdream.annotate import LAYER
 from fxdream.pass_api import PassContext, PassResult, register_pass
 from fxdream.pass_pipeline import copy_graph_module
 from fxdream.sim.graph_regions import aliases_input
+from fxdream.sim.op_keys import real_tensors
 
-aten = torch.ops.aten
-CONV, RELU, ADD = aten.convolution.default, aten.relu.default, aten.add.Tensor
-BN = aten._native_batch_norm_legit_no_training.default
-CLONE = aten.clone.default
+from .conv_sites import SKIPPED, Site, find_sites, fusable_acts, onednn_act, value_of
+
+CLONE = torch.ops.aten.clone.default
 CL, NCHW = torch.channels_last, torch.contiguous_format
 TRAINABLE = (torch.ops.fxdream.conv_bias_relu.default, torch.ops.fxdream.conv_bias_add_relu.default)
 
@@ -52,160 +51,6 @@ class Variant:
 NCHW_FUSED = Variant("nchw")
 CHANNELS_LAST = Variant("channels_last", channels_last=True)
 PREPACKED = Variant("channels_last+prepacked", channels_last=True, prepack=True)
-
-
-@dataclass
-class Site:
-    """One match; ``last`` is the node whose value the fused op replaces."""
-    conv: fx.Node
-    parts: list = field(default_factory=list)
-    bn: fx.Node | None = None
-    bn_out: fx.Node | None = None
-    add: fx.Node | None = None
-    other_index: int = 1
-    act: fx.Node | None = None   # the activation fused in: relu, or in CPU inference one of INFERENCE_ACTS
-
-    @property
-    def last(self) -> fx.Node:
-        return self.act or self.add or self.bn_out or self.conv
-
-    @property
-    def kind(self) -> str:
-        return "+".join(self.parts)
-
-    @property
-    def layer(self) -> str:
-        return self.conv.meta.get(LAYER) or self.conv.name
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _users(node: fx.Node) -> str:
-    return ", ".join(u.name for u in node.users)
-
-
-def _real_tensors():
-    """Real math while aot_autograd's fake mode is on (private torch API, isolated here)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    return unset_fake_temporarily()
-
-
-def _conv_problem(conv: fx.Node, ctx: PassContext) -> str | None:
-    """Why this convolution cannot be fused, or None."""
-    if len(conv.args) != 9 or conv.kwargs:
-        return "unexpected convolution signature"
-    x, w = _val(conv.args[0]), _val(conv.args[1])
-    if conv.args[6]:
-        return "transposed convolution"
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(w, torch.Tensor):
-        return "not a 2-d convolution (the fused kernels this pass uses are 2-d)"
-    if x.device.type == "cuda":
-        return None if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {x.dtype}"
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return None
-    return f"{x.device.type} {x.dtype}: no fused kernel"
-
-
-def _sole_user(node: fx.Node, target) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 and users[0].op == "call_function" and users[0].target is target else None
-
-
-def _foldable_bn(conv: fx.Node, ctx: PassContext, notes: list) -> fx.Node | None:
-    bn = _sole_user(conv, BN)
-    if bn is None or bn.args[0] is not conv:
-        if any(u.op == "call_function" and u.target is BN for u in conv.users):
-            notes.append(f"{conv.meta.get(LAYER, conv.name)}: batch norm not folded: the conv output is "
-                         f"also used by {_users(conv)}")
-        return None
-    tensors = [conv.args[1], conv.args[2], *bn.args[1:5]]
-    if any(t is not None and (t.op != "placeholder" or t.name not in ctx.params) for t in tensors):
-        notes.append(f"{conv.meta.get(LAYER, conv.name)}: batch norm not folded: its weights are not "
-                     "known constants")
-        return None
-    outs = list(bn.users)
-    if not all(u.target is operator.getitem for u in outs) or [u.args[1] for u in outs] != [0]:
-        notes.append(f"{conv.meta.get(LAYER, conv.name)}: batch norm not folded: its statistics are used")
-        return None
-    return bn
-
-
-# oneDNN's unary post-ops beyond ReLU (MobileNet's hardswish, EfficientNet's SiLU): CPU inference
-# only (the trainable ops' backward is ReLU's); measured here on a 3x3 depthwise conv at bs1,
-# conv+SiLU fused 434 µs against 1689 µs for the conv, then SiLU; hardtanh is ReLU6 (MobileNetV2),
-# with its bounds. The ops and names are fxdream.ops.UNARY's, the fused op's post-ops.
-INFERENCE_ACTS = {op: name for name, op in ops.UNARY.items() if op is not RELU}
-
-
-def _onednn_act(node: fx.Node, acts: dict) -> str:
-    """The fused op's ``act`` for an activation node ("hardtanh:0.0,6.0" carries the bounds)."""
-    name = acts[node.target]
-    if name == "hardtanh":
-        low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min_val", -1.0)
-        high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max_val", 1.0)
-        return f"hardtanh:{float(low)},{float(high)}"
-    return name
-
-
-def _fusable_acts(ctx: PassContext) -> dict:
-    """Activation op → oneDNN's name for it, for a conv not followed by an add."""
-    acts = {RELU: "relu"}
-    if ctx.frozen and ctx.device == "cpu":
-        acts.update(INFERENCE_ACTS)
-    return acts
-
-
-_SKIPPED = ": skipped: "  # a note on a convolution left alone: "layer: skipped: why" (the reason counts them)
-
-
-def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]]:
-    """Walk from every convolution through [bn] → [add → relu] or [act]; notes say what was left."""
-    sites, notes, unfused, claimed = [], [], 0, set()
-    for conv in graph.nodes:
-        if conv.op != "call_function" or conv.target is not CONV:
-            continue
-        problem = _conv_problem(conv, ctx)
-        if problem is not None:
-            notes.append(f"{conv.meta.get(LAYER, conv.name)}{_SKIPPED}{problem}")
-            continue
-        site = Site(conv, ["conv"] + (["bias"] if conv.args[2] is not None else []))
-        cur = conv
-        if ctx.frozen and (bn := _foldable_bn(conv, ctx, notes)) is not None:
-            site.bn, site.bn_out, cur = bn, next(iter(bn.users)), next(iter(bn.users))
-            site.parts.append("bn")
-        add = _sole_user(cur, ADD)
-        if (add is not None and add not in claimed and not add.kwargs and len(add.args) == 2
-                and add.args[0] is not add.args[1]):
-            index = 1 if add.args[0] is cur else 0
-            other, relu = _val(add.args[index]), _sole_user(add, RELU)
-            if (isinstance(add.args[index], fx.Node) and isinstance(other, torch.Tensor)
-                    and other.shape == _val(cur).shape and other.dtype == _val(cur).dtype and relu is not None):
-                site.add, site.other_index, site.act, cur = add, index, relu, relu
-                site.parts += ["add", "relu"]
-            elif any(u.target is RELU for u in add.users):
-                notes.append(f"{site.layer}: add+relu not fused: the sum is also used by {_users(add)}")
-        if site.act is None:
-            acts = _fusable_acts(ctx)
-            site.act = next((u for u in [_sole_user(cur, t) for t in acts] if u is not None), None)
-            if site.act is not None and any(isinstance(a, fx.Node) for a in site.act.args[1:]):
-                site.act = None  # a hardtanh whose bounds are computed: oneDNN needs numbers
-            if site.act is not None:
-                site.parts.append(site.act.target.overloadpacket.__name__)  # relu, silu, hardswish...
-            elif (blocked := next((u for u in cur.users if u.op == "call_function" and u.target in acts),
-                                  None)) is not None:
-                notes.append(f"{site.layer}: {blocked.target.overloadpacket.__name__} not fused: {cur.name} "
-                             f"is also used by {_users(cur)}")
-        if ctx.frozen or site.act is not None:
-            sites.append(site)
-            claimed.update((site.add, site.act))
-        else:
-            unfused += 1
-    if unfused:
-        notes.append(f"{unfused} conv(s) not followed by relu or add+relu (e.g. conv → batch norm in "
-                     "training): left as they are")
-    return sites, notes
 
 
 def fold_batch_norm(weight, bias, gamma, beta, mean, var, eps: float):
@@ -228,7 +73,7 @@ class _Builder:
         self.gm, self.ctx, self.variant = copy_graph_module(gm), ctx, variant
         self.folded = {} if folded is None else folded  # conv name → (w', b'), shared by the variants
         self.graph = self.gm.graph
-        self.original = {n.name: _val(n) for n in self.graph.nodes}
+        self.original = {n.name: value_of(n) for n in self.graph.nodes}
         self.fake_mode = next(v.fake_mode for v in self.original.values() if isinstance(v, FakeTensor))
         self.stand_ins: dict[str, torch.Tensor] = {}   # get_attr target → fake tensor (for packed weights)
 
@@ -257,7 +102,7 @@ class _Builder:
                 w, b = self._frozen_weights(site, x, w, b, stride, padding, dilation, groups)
                 packed = w.op == "get_attr" and getattr(self.gm, w.target).is_mkldnn
                 target = ops.conv_fused_inference_prepacked if packed else ops.conv_fused_inference
-                act = _onednn_act(site.act, _fusable_acts(self.ctx)) if site.act is not None else "none"
+                act = onednn_act(site.act, fusable_acts(self.ctx)) if site.act is not None else "none"
                 args = (x, w, b, other, stride, padding, dilation, groups, act)
             fused = self.graph.call_function(target, args)
         fused.meta.update(conv.meta)
@@ -276,7 +121,7 @@ class _Builder:
         bias = params.get(b.name) if b is not None and b.op == "placeholder" else None
         if weight is None or (b is not None and bias is None):
             return w, b  # not constants: use them as they come, in whatever layout
-        with _real_tensors(), torch.no_grad():
+        with real_tensors(), torch.no_grad():
             weight, bias = weight.detach(), None if bias is None else bias.detach()
             if site.bn is not None:
                 if site.conv.name not in self.folded:
@@ -286,8 +131,8 @@ class _Builder:
             elif not self.variant.channels_last:
                 return w, b  # nothing to change: the live placeholders
             fmt = CL if self.variant.channels_last else NCHW
-            if self.variant.prepack and ops.can_prepack(_val(x), weight):
-                value = ops.prepack_conv_weight(weight, stride, padding, dilation, groups, _val(x).shape)
+            if self.variant.prepack and ops.can_prepack(value_of(x), weight):
+                value = ops.prepack_conv_weight(weight, stride, padding, dilation, groups, value_of(x).shape)
             else:
                 value = weight.contiguous(memory_format=fmt)
             stand_in = self._fake_like(weight, fmt)
@@ -310,12 +155,12 @@ class _Builder:
     def _fake_of(self, node: fx.Node):
         if node.op == "get_attr":
             if node.target not in self.stand_ins:
-                value = _val(node)
+                value = value_of(node)
                 if value is None:
                     value = getattr(self.gm, node.target)
                 self.stand_ins[node.target] = value if isinstance(value, FakeTensor) else self._fake_like(value)
             return self.stand_ins[node.target]
-        return _val(node)
+        return value_of(node)
 
     def _fake_like(self, t: torch.Tensor, fmt=None) -> torch.Tensor:
         """A fake tensor with ``t``'s shape and strides, or ``fmt`` (no symbols added to the shape env)."""
@@ -350,7 +195,7 @@ class _Builder:
                 node.meta["val"] = self._fake_run(node)
 
     def _restore(self, arg: fx.Node, user: fx.Node, converted) -> fx.Node:
-        before, now = self.original.get(arg.name), _val(arg)
+        before, now = self.original.get(arg.name), value_of(arg)
         if not isinstance(before, torch.Tensor) or not isinstance(now, torch.Tensor) or before.dim() != 4:
             return arg
         fmt = NCHW if before.is_contiguous() else CL if before.is_contiguous(memory_format=CL) else None
@@ -361,7 +206,7 @@ class _Builder:
         return self._convert(arg, fmt, user, converted)
 
     def _convert(self, arg: fx.Node, fmt, user: fx.Node, converted) -> fx.Node:
-        value = _val(arg)
+        value = value_of(arg)
         if not isinstance(value, torch.Tensor) or value.dim() != 4 or value.is_contiguous(memory_format=fmt):
             return arg
         key = (arg.name, fmt)
@@ -405,7 +250,7 @@ class FuseConvBiasAct:
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         sites, notes = find_sites(gm.graph, ctx)
         if not sites:
-            skipped = Counter(n.split(_SKIPPED, 1)[1] for n in notes if _SKIPPED in n)
+            skipped = Counter(n.split(SKIPPED, 1)[1] for n in notes if SKIPPED in n)
             why = "; ".join(f"{k} convolution(s): {problem}" for problem, k in skipped.items())
             return PassResult(gm, False, "no conv+bias+relu, conv+add+relu or conv+bn pattern to fuse"
                               + (f" ({why})" if why else ""), tuple(notes))

@@ -7,7 +7,7 @@ from torch import nn
 import fxdream
 from fxdream import models, ops
 from fxdream.pass_api import PassContext, resolve_passes
-from fxdream.passes import fuse_conv_bias_act as fuse
+from fxdream.passes import conv_sites, fuse_conv_bias_act as fuse
 
 from conftest import assert_same_training_step
 
@@ -242,7 +242,7 @@ def test_batch_norm_folding_math():
     captured = fxdream.capture(model, (x,))
     result = resolve_passes([PASS])[0](captured.forward, pass_context(model, captured))
     assert result.modified and result.reason.startswith("fused 1 conv+bias+bn;"), result.reason
-    assert not any(n.target is fuse.BN for n in result.graph_module.graph.nodes if n.op == "call_function")
+    assert not any(n.target is conv_sites.BN for n in result.graph_module.graph.nodes if n.op == "call_function")
     with torch.no_grad():
         torch.testing.assert_close(run_forward(result.graph_module, captured), model(x), atol=1e-5, rtol=1e-5)
 
@@ -282,7 +282,7 @@ def test_site_with_another_user_is_skipped_with_a_note(training):
     captured = fxdream.capture(model, (x,), training=training)
     result = resolve_passes([PASS])[0](captured.forward, pass_context(model, captured, training))
     assert any(n.startswith("conv: relu not fused: convolution is also used by") for n in result.notes), result.notes
-    assert any(n.target is fuse.RELU for n in result.graph_module.graph.nodes if n.op == "call_function")
+    assert any(n.target is conv_sites.RELU for n in result.graph_module.graph.nodes if n.op == "call_function")
     if training:  # nothing else to gain: left alone
         assert not result.modified
     else:  # the conv alone still becomes oneDNN's (prepacked) conv; the relu stays
