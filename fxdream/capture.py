@@ -9,7 +9,6 @@ what it saw so reports and simulations can read it.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from functorch.compile import aot_module_simplified, make_boxed_func
 
 from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
+from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
 from .rnn_op import keep_rnns_whole, outside_keep_rnns_whole
 
@@ -256,99 +256,6 @@ def _model_state_of(fw: fx.GraphModule, state: list) -> dict:
     return {name: t for name, t in zip(placeholders, state) if t is not None}
 
 
-def compile_with(model: torch.nn.Module, session: CaptureSession) -> Callable:
-    """torch.compile with static shapes (one capture per input shape, as CUDA graphs need)."""
-    limit = _raise_recompile_limit()
-    forward = getattr(type(model).forward, "__code__", None)
-    if forward is not None and len(_cache_entries(forward)) >= limit:
-        # each optimize() is a new backend: the 65th of one class in a process ran eagerly, silently
-        torch._dynamo.eval_frame.remove_from_cache(forward)  # private, isolated
-        session.notes.append(f"dynamo's cache for {type(model).__name__}.forward was full ({limit} "
-                             f"compilations earlier in this process); cleared it to capture this one")
-    _clear_skip_marks(model)
-    return torch.compile(model, backend=session, dynamic=False)
-
-
-def _clear_skip_marks(model: torch.nn.Module) -> None:
-    """Dynamo marks a function it gave up on (an RNN in training, a break in a loop), and the
-    resume functions after a break, to be skipped for the rest of the process: a later capture
-    of the same class (inference, where it would trace) got less or nothing, silently. Every
-    such function from the files of the model's own (not torch's) modules goes back to the
-    default, so dynamo tries again."""
-    try:  # private, isolated
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.convert_frame import input_codes
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-        torch_dir = os.path.dirname(torch.__file__)
-        files = {code.co_filename for m in model.modules()
-                 if (code := getattr(type(m).forward, "__code__", None)) is not None
-                 and not code.co_filename.startswith(torch_dir)}
-        for ref in list(input_codes.seen):
-            code = ref()
-            if code is not None and code.co_filename in files:
-                set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
-    except Exception:
-        pass
-
-
-def _cache_entries(code) -> list:
-    try:
-        return torch._dynamo.eval_frame._debug_get_cache_entry_list(code)  # private, isolated
-    except Exception:
-        return []
-
-
-def _raise_recompile_limit(at_least: int = 64) -> int:
-    # Every optimize() call is a distinct backend, and dynamo counts one cache entry per
-    # backend against a per-function limit (default 8) after which it silently runs eager.
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    if getattr(config, name) < at_least:
-        setattr(config, name, at_least)
-    return getattr(config, name)
-
-
-_SKIPPED = "\0skipped\0"  # marks a reason dynamo gave for running a whole function eagerly
-
-
-def graph_break_counts() -> dict[str, int]:
-    """Dynamo's graph-break reasons seen so far in this process (private counters, isolated
-    here): breaks it resumed after, and ("unimplemented") breaks where it gave up on the whole
-    function (in a loop, at an RNN module), which it does not count as graph breaks."""
-    from torch._dynamo.utils import counters
-    return {**counters["graph_break"], **{_SKIPPED + r: n for r, n in counters["unimplemented"].items()}}
-
-
-def new_graph_breaks(before: dict[str, int]) -> tuple[str, ...]:
-    after = graph_break_counts()
-    return tuple(dict.fromkeys(  # distinct, in order
-        _first_line(reason[len(_SKIPPED):]) + " (dynamo ran that whole function eagerly)"
-        if reason.startswith(_SKIPPED) else _first_line(reason)
-        for reason, n in after.items() if n > before.get(reason, 0)))
-
-
-def _first_line(reason: str) -> str:
-    """Dynamo's headline, its one-line explanation, and where in the user's code it happened."""
-    lines = [ln.strip() for ln in reason.strip().splitlines() if ln.strip()]
-    if not lines:
-        return reason
-    text = lines[0]
-    detail = next((ln for ln in lines[1:] if ln.startswith("Explanation:")), "")
-    if detail:
-        text += " — " + detail[len("Explanation:"):].strip()
-    if "from user code:" in lines:
-        where = lines[lines.index("from user code:") + 1:][:1]
-        text += "" if not where else f" (at {where[0]})"
-    return text
-
-
-def describe_error(error: BaseException) -> str:
-    inner = getattr(error, "inner_exception", None)  # BackendCompilerFailed: the backend's own error
-    if inner is not None:
-        return f"{type(error).__name__} in fxdream's backend: {type(inner).__name__}: {_first_line(str(inner))}"
-    return f"{type(error).__name__}: {_first_line(str(error))}"
-
-
 @contextlib.contextmanager
 def preserved_state(model: torch.nn.Module):
     """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
@@ -425,10 +332,10 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
     session = CaptureSession(model)
     was_training = model.training
     model.train(training)
-    breaks_before = graph_break_counts()
+    breaks_before, how = graph_break_counts(), "dynamo"
     try:
         from .fx_capture import capture_from_trace, compile_model  # fx_capture imports this module
-        runner, _ = compile_model(model, inputs, session, training)
+        runner, how = compile_model(model, inputs, session, training)
         run_once(runner, model, inputs, training)
         if not session.captured():
             retried = capture_from_trace(model, inputs, session, training, new_graph_breaks(breaks_before))
@@ -438,7 +345,7 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
             run_once(model, model, inputs, training)  # the model's own error, if eager fails too
         finally:
             model.train(was_training)
-        raise CaptureError(f"dynamo could not capture {type(model).__name__}: {describe_error(error)}") from error
+        raise CaptureError(f"the capture of {type(model).__name__} ({how}) failed: {describe_error(error)}") from error
     captured = session.captured()
     step, notes = None, ()
     try:

@@ -22,8 +22,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .capture import (CaptureSession, compile_with, graph_break_counts, new_graph_breaks,
-                      preserved_state, run_once)
+from .capture import CaptureSession, preserved_state, run_once
+from .dynamo_glue import compile_with, graph_break_counts, new_graph_breaks
 
 
 def _signature(args: tuple) -> tuple:

@@ -6,8 +6,8 @@ from typing import Callable
 
 import torch
 
-from .capture import (CaptureError, CaptureSession, describe_error, graph_break_counts,
-                      new_graph_breaks, one_step, preserved_state, run_once)
+from .capture import CaptureError, CaptureSession, one_step, preserved_state, run_once
+from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
 from .fx_capture import capture_from_trace, compile_model
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved

@@ -5,7 +5,8 @@ import torch.nn as nn
 
 import fxdream
 from fxdream.annotate import op_name
-from fxdream.capture import CaptureSession, compile_with, run_once
+from fxdream.capture import CaptureSession, run_once
+from fxdream.dynamo_glue import compile_with
 from fxdream.pass_api import PassContext, PassResult
 from fxdream.pass_pipeline import PassPipeline
 from fxdream.predict import cost_model_for

@@ -207,8 +207,7 @@ def test_a_training_step_with_no_differentiable_output_is_built_verified_and_tim
 
 
 def test_a_full_dynamo_cache_for_the_models_forward_is_cleared_and_said(monkeypatch):
-    import sys
-    capture = sys.modules["fxdream.capture"]  # the package exports a function of the same name
+    from fxdream import dynamo_glue
 
     class Fresh(nn.Module):  # a class of its own: no cache entries from other tests
         def __init__(self):
@@ -217,7 +216,7 @@ def test_a_full_dynamo_cache_for_the_models_forward_is_cleared_and_said(monkeypa
 
         def forward(self, x):
             return torch.relu(self.lin(x))
-    monkeypatch.setattr(capture, "_raise_recompile_limit", lambda: 2)  # dynamo's real limit: 64
+    monkeypatch.setattr(dynamo_glue, "_raise_recompile_limit", lambda: 2)  # dynamo's real limit: 64
     x = torch.randn(2, 4)
     notes = []
     for _ in range(3):
