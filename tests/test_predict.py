@@ -176,6 +176,39 @@ def test_symbolic_sizes_are_costed_and_materialized_at_their_traced_sizes():
     assert tensor_bytes(relu.meta["val"]) == 3 * 4 * 4
 
 
+_CALLS = [0]
+
+
+def _third_call_slow(x):
+    """Sleeps 1 ms, but 7 ms on every third call: three instances in one graph, one op and shape."""
+    import time
+    _CALLS[0] += 1
+    time.sleep(0.007 if _CALLS[0] % 3 == 0 else 0.001)
+    return x
+
+
+def test_a_keys_cost_is_the_mean_of_its_instances_in_the_graph():
+    # instances of one op and shape can cost differently in context (a MobileNet-like net: one
+    # of three convs of one shape ~480 µs slower, run after run); the pooled median was the
+    # fast instances' cost, and the graph was predicted faster than it ran
+    import torch.fx as fx
+    graph = fx.Graph()
+    y = graph.placeholder("x")
+    for _ in range(3):
+        y = graph.call_function(_third_call_slow, (y,))
+    graph.output(y)
+    gm = fx.GraphModule(nn.Module(), graph)
+    x = torch.zeros(2)
+    for node in gm.graph.nodes:
+        node.meta["val"] = x
+    _CALLS[0] = 0
+    cost = cost_model_for("cpu", "profiled")
+    cost.profile_graph(gm, (x,), rounds=3, warmup=0)
+    (key,) = cost.samples
+    assert len(cost.samples[key]) == 3  # one sample per round: (1 + 1 + 7) / 3 ms
+    assert 2500 < cost.measurements[key] < 5000  # the pooled median would be ~1000 µs
+
+
 def test_ops_are_timed_by_clock_reads_in_a_copy_of_the_generated_code():
     # an fx.Interpreter between ops made small ops look slower than in the graph (MNIST bs1:
     # 462 µs summed vs 258 µs a run); the copy gives the same outputs and times every compute op
