@@ -5,9 +5,12 @@ torch.compile with inductor freezing (the recommended CPU inference mode); and
 torch.fx.experimental.optimization.optimize_for_inference. Each is built (build time
 recorded) and built again ("rebuild": fxdream reuses the costs it measured, inductor its
 caches), checked against eager, then all are timed interleaved (median of rounds of blocks).
-fxdream's prediction for its own rows is put beside the measurement.
+fxdream's prediction for its own rows is put beside the measurement. With --training a
+runner times a training step (forward, loss, backward); freezing and optimize_for_inference
+are inference-only and are listed as such.
 
     python benchmarks/cpu_ab.py --models resnet50 --batches 1,8 --out benchmarks/results/cpu_ab_<date>
+    python benchmarks/cpu_ab.py --models resnet18,mnist_convnet --batches 1,8,32 --training
 """
 from __future__ import annotations
 
@@ -22,24 +25,27 @@ import torch
 
 import fxdream
 from fxdream import models
-from fxdream.ab import PROFILING, interleaved_profiler
+from fxdream.ab import PROFILING, interleaved_profiler, measured_step, step_fn
+from fxdream.capture import one_step
 from fxdream.measure import time_interleaved
+from fxdream.numerics import max_abs_diff
 from fxdream.predict import predict
 
 PEERS = ("eager", "fxdream", "inductor", "inductor_freezing", "optimize_for_inference")
+INFERENCE_ONLY = ("inductor_freezing", "optimize_for_inference")
 
 
-def _build_runner(name: str, model, inputs, passes):
-    """(callable, build seconds, report or None) for one runner, inference under no_grad."""
+def _build_runner(name: str, model, inputs, passes, training: bool = False):
+    """(callable, build seconds, report or None) for one runner."""
     started = time.perf_counter()
     report = None
     if name == "eager":
         fn = model
     elif name == "fxdream":
-        fn = fxdream.optimize(model, inputs, passes=passes)
+        fn = fxdream.optimize(model, inputs, passes=passes, training=training)
         report = fn.report
     elif name in ("inductor", "inductor_freezing"):
-        fn = compile_inductor(model, inputs, freezing=name == "inductor_freezing")
+        fn = compile_inductor(model, inputs, freezing=name == "inductor_freezing", training=training)
     elif name == "optimize_for_inference":
         from torch.fx.experimental.optimization import optimize_for_inference
         fn = optimize_for_inference(copy.deepcopy(model))
@@ -48,7 +54,7 @@ def _build_runner(name: str, model, inputs, passes):
     return fn, time.perf_counter() - started, report
 
 
-def compile_inductor(model, inputs, freezing: bool):
+def compile_inductor(model, inputs, freezing: bool, training: bool = False):
     """torch.compile (inductor) of a copy of ``model``, compiled now, with or without freezing.
 
     No torch._dynamo.reset() (it drops every compiled runner built before, fxdream's included),
@@ -63,74 +69,95 @@ def compile_inductor(model, inputs, freezing: bool):
         return compile_fx(gm, example_inputs)
     with inductor_config.patch(freezing=freezing):
         fn = torch.compile(copy.deepcopy(model), backend=inductor)
-        with torch.no_grad():
-            fn(*inputs)
+        one_step(fn, inputs, training)  # compiles now (forward and, in training, backward)
     return fn
 
 
 def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: int, block: int,
-             rebuild: bool = True) -> dict:
-    model, inputs, _ = models.build(model_name, batch)
-    model.eval()
-    with torch.no_grad():
-        expected = model(*inputs)
+             rebuild: bool = True, training: bool = False) -> dict:
+    model, inputs, loss_fn = models.build(model_name, batch)
+    model.train(training)
     built, rows = {}, {}
     for name in runners:
+        if training and name in INFERENCE_ONLY:
+            rows[name] = dict(error="inference only")
+            continue
         try:
-            fn, seconds, report = _build_runner(name, model, inputs, passes)
-            with torch.no_grad():
-                diff = (fn(*inputs) - expected).abs().max().item()
+            fn, seconds, report = _build_runner(name, model, inputs, passes, training)
+            diff = max_abs_diff(model, fn, inputs, training, loss_fn)
         except Exception as error:  # a peer that cannot build here is reported, not fatal
             rows[name] = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
             continue
         built[name] = fn
         rows[name] = dict(build_s=seconds, max_abs_diff=diff)
         if rebuild and name != "eager":  # warm: fxdream reuses its measured costs, inductor its caches
-            rows[name]["rebuild_s"] = _build_runner(name, model, inputs, passes)[1]
+            rows[name]["rebuild_s"] = _build_runner(name, model, inputs, passes, training)[1]
         if report is not None:
             rows[name].update(predicted_baseline_ms=report.predicted_baseline_ms,
                               predicted_ms=report.predicted_optimized_ms,
                               passes=[f"{p.name}: {p.reason}" for p in report.passes])
 
-    def call(fn):
-        def run():
-            with torch.no_grad():
-                fn(*inputs)
-        return run
-    runners = {n: call(fn) for n, fn in built.items()}
+    runners = {n: step_fn(fn, inputs, loss_fn, training) for n, fn in built.items()}
     fast = built.get("fxdream")
     if fast is not None:
         runners[PROFILING], cost = interleaved_profiler(fast.captured, block, fast.rewritten_graphs, "cpu")
+        step = measured_step(fast, model, inputs, loss_fn, training, cost)
     times = time_interleaved(runners, rounds=rounds, block=block, desc=f"{model_name} bs{batch}")
     times.pop(PROFILING, None)
     if fast is not None:
         rows["fxdream"].update(
-            predicted_interleaved_baseline_ms=predict(fast.captured, cost, False).time_ms,
-            predicted_interleaved_ms=predict(fast.captured, cost, False, graphs=fast.rewritten_graphs).time_ms)
+            predicted_interleaved_baseline_ms=predict(fast.captured, cost, training, step=step).time_ms,
+            predicted_interleaved_ms=predict(fast.captured, cost, training, graphs=fast.rewritten_graphs,
+                                             step=step).time_ms)
     eager_ms = times["eager"].median_ms if "eager" in times else None
     for name, m in times.items():
         rows[name].update(median_ms=m.median_ms, spread_pct=m.spread_pct,
                           speedup_vs_eager=(eager_ms / m.median_ms) if eager_ms else None)
-    return dict(model=model_name, batch=batch, runners=rows)
+    return dict(model=model_name, batch=batch, training=training, runners=rows)
 
 
 def to_markdown(cases: list[dict]) -> str:
     """Predicted at build time, and from costs profiled interleaved with the timed rounds."""
-    lines = ["| model | batch | runner | ms (measured) | vs eager | build s | rebuild s | predicted ms (build) "
-             "| predicted ms (interleaved) | max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | batch | mode | runner | ms (measured) | vs eager | build s | rebuild s "
+             "| predicted ms (build) | predicted ms (interleaved) | max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in cases:
+        head = f"| {case['model']} | {case['batch']} | {'train' if case.get('training') else 'infer'}"
         for name, r in case["runners"].items():
             if "error" in r:
-                lines.append(f"| {case['model']} | {case['batch']} | {name} | failed: {r['error']} | | | | | | |")
+                lines.append(f"{head} | {name} | not run: {r['error']} | | | | | | |")
                 continue
             rebuild = f"{r['rebuild_s']:.1f}" if "rebuild_s" in r else "–"
+            speedup = f"{r['speedup_vs_eager']:.2f}x" if r.get("speedup_vs_eager") else "–"
             preds = [f"{r[k]:.2f} ({100 * (r[k] / r['median_ms'] - 1):+.1f} %)" if r.get(k) else "–"
                      for k in ("predicted_ms", "predicted_interleaved_ms")]
-            lines.append(f"| {case['model']} | {case['batch']} | {name} | {r['median_ms']:.2f} "
-                         f"| {r['speedup_vs_eager']:.2f}x | {r['build_s']:.1f} | {rebuild} | {preds[0]} | {preds[1]} "
-                         f"| {r['max_abs_diff']:.1e} |")
+            lines.append(f"{head} | {name} | {r['median_ms']:.2f} | {speedup} | {r['build_s']:.1f} | {rebuild} "
+                         f"| {preds[0]} | {preds[1]} | {r['max_abs_diff']:.1e} |")
     return "\n".join(lines)
+
+
+def plot(cases: list[dict], path: str) -> None:
+    """Speed-up over eager per runner, grouped by (model, batch, mode)."""
+    from fxdream.sim.trace import _figure_api
+    Figure, Canvas = _figure_api()
+    names = [n for n in PEERS if n != "eager" and any("speedup_vs_eager" in c["runners"].get(n, {}) for c in cases)]
+    width = 0.8 / max(1, len(names))
+    fig = Figure(figsize=(max(4, 1.6 * len(cases)), 3.5))
+    Canvas(fig)
+    ax = fig.subplots()
+    top = 1.0
+    for i, name in enumerate(names):
+        ys = [c["runners"].get(name, {}).get("speedup_vs_eager") or 0 for c in cases]
+        top = max(top, *ys)
+        ax.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(cases))], ys, width, label=name)
+    ax.axhline(1, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)), [f"{c['model']}\nbs{c['batch']} {'train' if c.get('training') else 'infer'}"
+                                      for c in cases])
+    ax.set_ylabel("speed-up over eager (measured)")
+    ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=7, ncol=2, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -142,6 +169,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--no-rebuild", action="store_true", help="skip timing a second build of each runner")
+    parser.add_argument("--training", action="store_true", help="time training steps (inference-only peers skipped)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG (it needs matplotlib)")
     parser.add_argument("--out", default=f"benchmarks/results/cpu_ab_{datetime.date.today().isoformat()}")
     args = parser.parse_args(argv)
     passes = "auto" if args.passes == "auto" else [p for p in args.passes.split(",") if p]
@@ -150,7 +179,7 @@ def main(argv=None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             print(f"{model_name} bs{batch}: building {args.runners} ...", flush=True)
             cases.append(run_case(model_name, batch, args.runners.split(","), passes, args.rounds, args.block,
-                                  rebuild=not args.no_rebuild))
+                                  rebuild=not args.no_rebuild, training=args.training))
             print(to_markdown(cases[-1:]), flush=True)
     table = to_markdown(cases)
     meta = dict(device="cpu", threads=torch.get_num_threads(), torch=torch.__version__,
@@ -160,7 +189,11 @@ def main(argv=None) -> int:
     with open(args.out + ".md", "w") as f:
         f.write(table + "\n")
     print(table)
-    print(f"wrote {args.out}.json and .md")
+    written = [".json", ".md"]
+    if not args.no_plot:
+        plot(cases, args.out + ".png")
+        written.append(".png")
+    print(f"wrote {args.out}{', '.join(written)}")
     return 0
 
 

@@ -26,10 +26,9 @@ import fxdream
 from fxdream import models
 from fxdream.capture import preserved_state
 from fxdream.host_gaps import StepCalls, measure_host_gaps, worth_measuring
+from fxdream.ab import interleaved_profiler
 from fxdream.measure import time_interleaved
 from fxdream.predict import cost_model_for, predict
-
-from cpu_ab import interleaved_profiler  # benchmarks/ is on sys.path when this script runs
 
 
 def _step(module, inputs, loss_fn, training):
@@ -69,7 +68,7 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
     once_s = time.perf_counter() - started
     block = max(1, min(20, int(0.25 / max(once_s, 1e-6))))
     # profiled once per timed block, beside the measurement; ``cost`` profiles after it
-    profile, beside = interleaved_profiler(optimized.captured, block)
+    profile, beside = interleaved_profiler(optimized.captured, block, None, "cpu")
     graphs = len(optimized.report.graphs)
     # host time outside the graphs (graph breaks, autograd), as optimize() and simulate() add
     # it; measured on one step per timed block, beside the measurement too
@@ -150,7 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=f"benchmarks/results/fidelity_cpu_{datetime.date.today().isoformat()}")
     args = parser.parse_args(argv)
     cost = cost_model_for("cpu", "profiled")
-    rows = []
+    rows, skipped = [], []
     cases = [(m, int(b), mode == "train") for m in args.models.split(",") for b in args.batches.split(",")
              for mode in args.modes.split(",")]
     for i, (name, batch, training) in enumerate(cases, 1):
@@ -158,7 +157,9 @@ def main(argv=None) -> int:
         try:
             row = one_row(name, batch, training, args.max_step_s, args.rounds, cost)
         except Exception as error:  # e.g. BatchNorm in training at batch 1: report, go on
-            print(f"skipped ({type(error).__name__}: {str(error).splitlines()[0][:100]})")
+            why = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+            print(f"skipped ({why})")
+            skipped.append(dict(model=name, batch=batch, training=training, reason=why))
             continue
         rows.append(row)
         print(f"measured {row['measured_ms']:.2f} ms, predicted {row['predicted_ms']:.2f} ms, "
@@ -168,12 +169,15 @@ def main(argv=None) -> int:
     meta = dict(device="cpu", threads=torch.get_num_threads(), torch=torch.__version__,
                 date=datetime.date.today().isoformat())
     with open(args.out + ".json", "w") as f:
-        json.dump(dict(meta, rows=rows), f, indent=1)
+        json.dump(dict(meta, rows=rows, skipped=skipped), f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write(table + "\n")
     if rows:
         plot(rows, args.out + ".png")
     print(f"wrote {args.out}.json/.md/.png")
+    if cases and not rows:
+        print("fidelity: every case was skipped", file=sys.stderr)
+        return 1
     return 0
 
 

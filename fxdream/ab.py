@@ -97,7 +97,8 @@ class ABResult:
         return "\n".join(lines)
 
 
-def _step(module, inputs, loss_fn, training):
+def step_fn(module, inputs, loss_fn, training):
+    """One inference call (no_grad), or one training step: grads cleared, forward, loss, backward."""
     if not training:
         def infer():
             with torch.no_grad():
@@ -136,10 +137,11 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
         profile, cost = interleaved_profiler(optimized.captured, block, optimized.rewritten_graphs, spec)
         # one measured step for both: passes rewrite the graphs, not the eager code around them
         # (two measurements would differ by noise and give an unchanged graph a predicted delta)
-        step = _measured_step(baseline, model, inputs, loss_fn, training, cost)
+        step = measured_step(baseline, model, inputs, loss_fn, training, cost)
         measured = time_interleaved(
-            {"eager": _step(model, inputs, loss_fn, training), "baseline": _step(baseline, inputs, loss_fn, training),
-             "optimized": _step(optimized, inputs, loss_fn, training), PROFILING: profile},
+            {"eager": step_fn(model, inputs, loss_fn, training),
+             "baseline": step_fn(baseline, inputs, loss_fn, training),
+             "optimized": step_fn(optimized, inputs, loss_fn, training), PROFILING: profile},
             rounds=rounds, block=block, progress=progress, desc=f"{model_name} bs{batch}")
         before = predict(baseline.captured, cost, training, step=step)
         after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs, step=step)
@@ -167,13 +169,13 @@ def interleaved_profiler(captured, every: int, graphs: dict | None, device) -> t
     return run, cost
 
 
-def _measured_step(module, model, inputs, loss_fn, training, cost) -> StepCalls | None:
+def measured_step(module, model, inputs, loss_fn, training, cost) -> StepCalls | None:
     """The graph calls and host time outside the graphs of this very step (training, graph
     breaks), as optimize() adds them to its predictions; None where costs are not measured here."""
     if not isinstance(cost, Profiled) or not worth_measuring(training, len(module.captured)):
         return None
     with preserved_state(model):
-        return measure_host_gaps(_step(module, inputs, loss_fn, training), module._session.clock)
+        return measure_host_gaps(step_fn(module, inputs, loss_fn, training), module._session.clock)
 
 
 def plot_ab(result: ABResult, path: str) -> None:

@@ -1,0 +1,69 @@
+"""The benchmark scripts run end to end on a small model (they are not timed here: their
+figures come from real runs). A script whose imports rot skips every case silently, so
+these runs assert that rows come out, correct, with the files the README points to."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_ab_times_every_runner_and_marks_inference_only_peers_in_training(tmp_path):
+    pytest.importorskip("matplotlib")
+    cpu_ab = _script("cpu_ab")
+    out = str(tmp_path / "ab")
+    assert cpu_ab.main(["--models", "mnist_convnet", "--batches", "2", "--training", "--rounds", "2",
+                        "--block", "1", "--no-rebuild",
+                        "--runners", "eager,fxdream,inductor_freezing,optimize_for_inference",
+                        "--out", out]) == 0
+    case, = json.loads(pathlib.Path(out + ".json").read_text())["cases"]
+    assert case["training"] is True
+    runners = case["runners"]
+    assert runners["inductor_freezing"] == {"error": "inference only"}
+    assert runners["optimize_for_inference"] == {"error": "inference only"}
+    fast = runners["fxdream"]
+    assert fast["max_abs_diff"] < 1e-4  # outputs and every parameter's gradient
+    assert fast["median_ms"] > 0 and fast["predicted_interleaved_ms"] > 0
+    assert pathlib.Path(out + ".png").stat().st_size > 0
+    assert "| mnist_convnet | 2 | train | inductor_freezing | not run: inference only |" in \
+        pathlib.Path(out + ".md").read_text()
+
+
+def test_cpu_ab_inference_runs_the_inference_peer(tmp_path):
+    cpu_ab = _script("cpu_ab")
+    out = str(tmp_path / "ab")
+    assert cpu_ab.main(["--models", "mnist_convnet", "--batches", "1", "--rounds", "2", "--block", "1",
+                        "--no-rebuild", "--no-plot", "--runners", "eager,optimize_for_inference",
+                        "--out", out]) == 0
+    case, = json.loads(pathlib.Path(out + ".json").read_text())["cases"]
+    peer = case["runners"]["optimize_for_inference"]
+    assert peer["max_abs_diff"] < 1e-4 and peer["speedup_vs_eager"] > 0
+
+
+def test_fidelity_measures_and_predicts_each_case(tmp_path):
+    pytest.importorskip("matplotlib")
+    fidelity = _script("fidelity")
+    out = str(tmp_path / "fid")
+    assert fidelity.main(["--models", "mnist_convnet", "--batches", "2", "--modes", "infer,train",
+                          "--rounds", "2", "--out", out]) == 0
+    result = json.loads(pathlib.Path(out + ".json").read_text())
+    assert result["skipped"] == []
+    assert [r["training"] for r in result["rows"]] == [False, True]
+    for row in result["rows"]:
+        assert row["measured_ms"] > 0 and row["predicted_ms"] > 0
+
+
+def test_fidelity_fails_when_every_case_is_skipped(tmp_path, capsys):
+    fidelity = _script("fidelity")
+    assert fidelity.main(["--models", "no_such_model", "--batches", "1", "--modes", "infer",
+                          "--out", str(tmp_path / "fid")]) == 1
+    assert "every case was skipped" in capsys.readouterr().err
