@@ -30,7 +30,7 @@ import torch
 
 import fxdream
 from fxdream import models
-from fxdream.ab import _step
+from fxdream.ab import step_fn
 from fxdream.measure import time_interleaved
 
 
@@ -43,7 +43,7 @@ def label(subset: tuple[str, ...]) -> str:
 
 
 def _eager_step_s(model, inputs, loss_fn, training: bool) -> float:
-    step = _step(model, inputs, loss_fn, training)
+    step = step_fn(model, inputs, loss_fn, training)
     step()
     started = time.perf_counter()
     step()
@@ -64,8 +64,8 @@ def run_case(name: str, batch: int, training: bool, passes: list[str], rounds: i
     auto = fxdream.optimize(model, inputs, passes="auto", training=training)
     auto_build_s = time.perf_counter() - started
     chosen = tuple(dict.fromkeys(p.name for p in auto.report.passes if p.applied and p.name in passes))
-    runners = {key: _step(m, inputs, loss_fn, training) for key, m in built.items()}
-    runners["auto"] = _step(auto, inputs, loss_fn, training)
+    runners = {key: step_fn(m, inputs, loss_fn, training) for key, m in built.items()}
+    runners["auto"] = step_fn(auto, inputs, loss_fn, training)
     measured = time_interleaved(runners, rounds=rounds, block=block,
                                 desc=f"{name} bs{batch} {'train' if training else 'infer'}")
     best = min((k for k in measured if k != "auto"), key=lambda k: measured[k].median_ms)

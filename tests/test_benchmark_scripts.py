@@ -4,6 +4,7 @@ these runs assert that rows come out, correct, with the files the README points 
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -13,8 +14,18 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCHMARKS.glob("*.py")))
+def test_every_benchmark_script_imports_and_says_what_it_measures(name, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when the script runs
+    assert (_script(name).__doc__ or "").strip()
 
 
 def test_cpu_ab_times_every_runner_and_marks_inference_only_peers_in_training(tmp_path):
