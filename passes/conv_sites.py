@@ -121,7 +121,7 @@ SKIPPED = ": skipped: "  # a note on a convolution left alone: "layer: skipped: 
 
 def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]]:
     """Walk from every convolution through [bn] → [add → relu] or [act]; notes say what was left."""
-    sites, notes, unfused, claimed = [], [], 0, set()
+    sites, notes, claimed = [], [], set()
     for conv in graph.nodes:
         if conv.op != "call_function" or conv.target is not CONV:
             continue
@@ -160,8 +160,13 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
             sites.append(site)
             claimed.update((site.add, site.act))
         else:
-            unfused += 1
-    if unfused:
-        notes.append(f"{unfused} conv(s) not followed by relu or add+relu (e.g. conv → batch norm in "
-                     "training): left as they are")
+            notes.append(f"{site.layer}{SKIPPED}{_why_nothing_follows(cur)}")
     return sites, notes
+
+
+def _why_nothing_follows(out: fx.Node) -> str:
+    """Why a conv (not frozen: nothing folds) has nothing to fuse after it."""
+    if any(u.op == "call_function" and "batch_norm" in str(getattr(u.target, "__name__", u.target))
+           for u in out.users):
+        return "followed by batch norm in training, whose batch statistics leave nothing to fold"
+    return "not followed by relu or add+relu"
