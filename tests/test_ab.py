@@ -70,15 +70,15 @@ def test_ab_training_checks_gradients_too():
 
 def test_training_predictions_include_the_measured_host_gaps_and_inference_runs_without_grad():
     import fxdream
-    from fxdream.ab import _measured_step, _step
+    from fxdream.ab import measured_step, step_fn
     from fxdream.predict import cost_model_for
     model, inputs, loss_fn = build(2)
     cost = cost_model_for("cpu", "profiled")
     inference = fxdream.optimize(model.eval(), inputs)
-    assert _measured_step(inference, model, inputs, loss_fn, False, cost) is None  # one graph, no autograd
-    assert not _step(model, inputs, loss_fn, False)().requires_grad  # eager timed under no_grad too
+    assert measured_step(inference, model, inputs, loss_fn, False, cost) is None  # one graph, no autograd
+    assert not step_fn(model, inputs, loss_fn, False)().requires_grad  # eager timed under no_grad too
     training = fxdream.optimize(model.train(), inputs, training=True)
-    step = _measured_step(training, model, inputs, loss_fn, True, cost)
+    step = measured_step(training, model, inputs, loss_fn, True, cost)
     assert step.calls == ("g0.fw", "g0.bw") and all(us >= 0 for us in step.gaps_us + (step.end_us,))
     assert all(p.grad is None for p in model.parameters())
 
