@@ -59,7 +59,10 @@ def node_dtype(node: fx.Node) -> str:
     return "float32"
 
 
-PROFILE_BUDGET_S = 1.0  # in-context profiling of one graph: no new round past this, after MIN_ROUNDS
+# In-context profiling of one graph: no new round past this, after MIN_ROUNDS. At 1.0 s a
+# ResNet-50 bs1 graph (30-45 ms a run) got 5 rounds; with 3, its first build took 2.0 → 1.7 s
+# (warm process) and the prediction was no further off (3 builds each, interleaved).
+PROFILE_BUDGET_S = 0.1
 
 
 class Analytic:
@@ -221,7 +224,7 @@ class Profiled:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
         Past ``MIN_ROUNDS`` timed rounds, no new round starts once they took ``budget_s``: a
-        large graph (ResNet-50 at batch 8: 0.55 s a run here) stops at 3 rounds, not 5.
+        graph that runs for more than ~30 ms (ResNet-50 at batch 1) stops at 3 rounds, not 5.
         One warm-up run: its first call builds a new variant's oneDNN primitives; rounds timed
         one by one (ResNet-50 bs1 and bs8: the unfused graph and both fused variants) were
         level from the second run on, and a median of ≥ 3 rounds outvotes one slow round.
