@@ -1,4 +1,5 @@
 """Device table and CPU calibration."""
+import dataclasses
 import time
 
 import pytest
@@ -49,4 +50,18 @@ def test_calibrate_cpu_is_fast_and_cached():
     assert c.kind == "cpu" and c.num_sms is None
     assert c.peak_flops["float32"] > 1e8                        # > 0.1 GFLOP/s on anything
     assert c.mem_bandwidth > 1e8 and c.dispatch_overhead_us > 0
-    assert get_device("CPU") is c and calibrate_cpu() is c      # cached per process
+    assert calibrate_cpu() is c                                  # cached per process
+    host = get_device("CPU")                                     # its numbers are the calibration's
+    assert host is get_device("cpu") and host.peak_flops == c.peak_flops and host.mem_bandwidth == c.mem_bandwidth
+
+
+def test_the_host_spec_calibrates_when_a_number_is_read(monkeypatch):
+    from fxdream.sim import devices
+    monkeypatch.setattr(devices, "_CPU_CACHE", {})
+    host = get_device("cpu")
+    assert (host.name, host.kind, host.num_sms, host.launch_overhead_us) == ("cpu", "cpu", None, 0.0)
+    assert devices._CPU_CACHE == {}                              # a measured-cost build reads no more
+    assert host.dispatch_overhead_us > 0 and "cpu" in devices._CPU_CACHE
+    widened = dataclasses.replace(host, peak_flops={"float32": 1.0, "bfloat16": 2.0})
+    assert type(widened) is DeviceSpec and widened.flops("bfloat16") == 2.0
+    assert widened.mem_bandwidth == host.mem_bandwidth
