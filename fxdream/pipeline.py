@@ -141,6 +141,8 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
     """Capture (one throw-away step) with the pass pipeline as the graph transform."""
     model.train(training)
     cost_model = cost_model_for(this_machine_device(target), cost, reuse=True) if selected and cost else None
+    if isinstance(cost_model, Profiled):
+        cost_model.measure_overheads()  # before the capture: inside it they read several times higher
     pipeline = PassPipeline(selected, PassContext(device=target.type, training=training,
                                                   cost_model=cost_model, memory_budget=memory_budget), auto=auto)
     session = CaptureSession(model, transform=pipeline if selected else None)

@@ -156,6 +156,17 @@ class Profiled:
                 self.measurements[key] = measure_graph_call_us(self.torch_device)
         return self.measurements[key]
 
+    def measure_overheads(self) -> None:
+        """Measure the per-call and per-op host overheads now, outside any capture: measured in
+        the middle of one (aot_autograd's compiler callback, where they were first needed), the
+        cost of calling a compiled graph read 26.6 µs instead of 7.3 µs, which alone put MNIST's
+        0.15 ms inference 12-14 % over its measured time."""
+        self.graph_call_us()
+        self.view_us()
+        if self._call_overhead_us is None:
+            with real_tensors():
+                self._call_overhead_us = measure_call_overhead_us()
+
     def view_us(self) -> float:
         key = f"__view__|{self.torch_device.type}"
         if key not in self.measurements:
