@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-all venv
+.PHONY: demo test test-all ab venv
 
 venv: $(VENV)/.installed
 
@@ -17,3 +17,6 @@ test: venv
 
 test-all: venv
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow"
+
+ab: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m ab
