@@ -12,8 +12,8 @@ optimized module's outputs (and in training every gradient) differ from eager's 
 ``atol``; never on timings, which belong to the machine of the moment. The tables are printed
 in the terminal summary; ``--fxdream-ab-json=PATH`` writes every result of the session to one file.
 
-Tests marked ``ab`` time real models, so they are skipped unless selected by marker
-(``pytest -m ab``): a plain ``pytest`` run stays a correctness run.
+Tests marked ``ab`` that use the fixture time real models, so they are skipped unless selected
+by marker (``pytest -m ab``): a plain ``pytest`` run stays a correctness run.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if re.search(r"\bab\b", config.getoption("markexpr", "") or ""):
         return  # the run selects by the marker: it asked for the A/B tests (or excluded them)
-    for item in items:
-        if item.get_closest_marker("ab") is not None:
+    for item in items:  # only fxdream's A/B tests: another plugin's ``ab`` marker is left alone
+        if item.get_closest_marker("ab") is not None and "fxdream_ab" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.skip(reason=AB_ONLY))
 
 

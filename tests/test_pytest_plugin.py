@@ -42,6 +42,11 @@ def test_broken_pass(fxdream_ab):
 
 def test_plain():
     pass
+
+
+@pytest.mark.ab
+def test_another_plugins_ab_marker():  # not an fxdream A/B test: runs in a plain run
+    pass
 '''
 
 
@@ -49,7 +54,7 @@ def test_ab_tests_are_skipped_in_a_plain_run(pytester):
     pytester.makepyfile(AB_TESTS)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(passed=1, skipped=2)
+    result.assert_outcomes(passed=2, skipped=2)
     assert "an A/B timing test: run it with `pytest -m ab`" in result.stdout.str()
 
 
@@ -57,7 +62,7 @@ def test_selected_ab_tests_run_and_a_pass_that_changes_results_fails(pytester):
     pytester.makepyfile(AB_TESTS)
     out = pytester.path / "ab.json"
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "ab", f"--fxdream-ab-json={out}")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=1)
     text = result.stdout.str()
     assert "nudge_relu changed the results: max abs diff" in text and "> atol 0.001" in text
     assert "fxdream A/B (measured; predicted columns are predictions)" in text
