@@ -61,15 +61,27 @@ def compile_inductor(model, inputs, freezing: bool, training: bool = False):
     and a backend object of its own: dynamo lets compiled copies of one class share a cache
     entry when the backend is the same (a freezing copy built after a plain one ran the plain
     graph). Freezing is patched around the compile (options={"freezing": True} did not freeze).
+    Every copy adds cache entries to the class's forward: past dynamo's recompile limit (8) it
+    ran the copy eagerly, silently (a 3-batch run timed "inductor" at bs32 as eager), so the
+    limit is raised, and a compile that produced no graph is an error, not a row.
     """
     import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
+    from fxdream.dynamo_glue import _raise_recompile_limit
+    _raise_recompile_limit(256)
+    compiled = []
+
     def inductor(gm, example_inputs):
+        compiled.append(gm)
         return compile_fx(gm, example_inputs)
     with inductor_config.patch(freezing=freezing):
         fn = torch.compile(copy.deepcopy(model), backend=inductor)
         one_step(fn, inputs, training)  # compiles now (forward and, in training, backward)
+    if not compiled:
+        raise RuntimeError(f"dynamo compiled no graph (it ran the model eagerly; "
+                           f"recompiles: {dict(counters['recompiles'])})")
     return fn
 
 

@@ -82,3 +82,19 @@ def test_fidelity_fails_when_every_case_is_skipped(tmp_path, capsys):
     assert fidelity.main(["--models", "no_such_model", "--batches", "1", "--modes", "infer",
                           "--out", str(tmp_path / "fid")]) == 1
     assert "every case was skipped" in capsys.readouterr().err
+
+
+def test_a_peer_that_dynamo_ran_eagerly_is_an_error_not_a_row(monkeypatch):
+    """Past dynamo's recompile limit a compiled copy runs eagerly, silently: cpu_ab must say so."""
+    import torch
+    from fxdream import dynamo_glue, models
+    cpu_ab = _script("cpu_ab")
+    model, inputs, _ = models.build("mnist_convnet", 1, tiny=True)
+    model.eval()
+    cpu_ab.compile_inductor(model, inputs, freezing=False)  # fills the class's cache entry
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(config, name, 1)
+    monkeypatch.setattr(dynamo_glue, "_raise_recompile_limit", lambda at_least=64: 1)
+    with pytest.raises(RuntimeError, match="dynamo compiled no graph"):
+        cpu_ab.compile_inductor(model, inputs, freezing=False)
