@@ -92,9 +92,7 @@ def test_a_peer_that_dynamo_ran_eagerly_is_an_error_not_a_row(monkeypatch):
     model, inputs, _ = models.build("mnist_convnet", 1, tiny=True)
     model.eval()
     cpu_ab.compile_inductor(model, inputs, freezing=False)  # fills the class's cache entry
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(config, name, 1)
     monkeypatch.setattr(dynamo_glue, "_raise_recompile_limit", lambda at_least=64: 1)
-    with pytest.raises(RuntimeError, match="dynamo compiled no graph"):
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            pytest.raises(RuntimeError, match="dynamo compiled no graph"):
         cpu_ab.compile_inductor(model, inputs, freezing=False)
