@@ -88,8 +88,8 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
     """Measure this host: fp32 matmul FLOP/s, copy bandwidth, per-op dispatch overhead.
 
     About ``seconds`` in total (split between the three), cached for the process unless
-    ``refresh``.  Best-of-N timings: the peak is what the roofline needs.  It is part of the
-    first build in a process, and with measured costs only ops timed nowhere else use it:
+    ``refresh``.  Best-of-N timings: the peak is what the roofline needs.  The host's spec in
+    ``DEVICES`` calls it when one of its numbers is first read (analytic costs, what-ifs);
     0.1 s gave the same peaks as 0.3 s within a few % here (one copy bandwidth of six was 15 %
     low)."""
     if "cpu" in _CPU_CACHE and not refresh:
