@@ -66,8 +66,8 @@ def _suggests_channels_last(t: Tensor) -> bool:
 
 
 def _mkldnn_ok(x: Tensor, weight: Tensor) -> bool:
-    """oneDNN's fused conv: 4-d CPU input, float32 (or bf16 where the CPU has it)."""
-    if x.device.type != "cpu" or x.dim() != 4 or not torch.backends.mkldnn.is_available():
+    """oneDNN's fused conv: a 1-d to 3-d conv's CPU input, float32 (or bf16 where the CPU has it)."""
+    if x.device.type != "cpu" or x.dim() not in (3, 4, 5) or not torch.backends.mkldnn.is_available():
         return False
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return True
@@ -79,7 +79,7 @@ def _aten_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
     if weight.is_mkldnn:
         weight = weight.to_dense()
     y = torch.ops.aten.convolution.default(x, weight, bias, list(stride), list(padding), list(dilation),
-                                           False, [0, 0], groups)
+                                           False, [0] * (x.dim() - 2), groups)
     if other is not None:
         y = torch.ops.aten.add.Tensor(y, other)
     name, scalars = onednn_unary(act)
@@ -89,6 +89,9 @@ def _aten_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
 def _cpu_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
     if not _mkldnn_ok(x, weight):
         return _aten_conv(x, weight, bias, other, stride, padding, dilation, groups, act)
+    if other is not None and x.dim() == 3:  # oneDNN's add post-op is 2-d/3-d: a 1-d conv is a 2-d one of height 1
+        return _cpu_conv(x.unsqueeze(2), weight.unsqueeze(2), bias, other.unsqueeze(2), [1, *stride],
+                         [0, *padding], [1, *dilation], groups, act).squeeze(2)
     # private oneDNN entry points (the ones inductor's CPU fusion emits), isolated here
     try:
         if other is None:
@@ -128,10 +131,9 @@ def _fused_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
 
 
 def conv_output_shape(x_shape: Sequence[int], weight_shape: Sequence[int], stride, padding, dilation) -> list[int]:
-    n, _, h, w = x_shape
     spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1
-               for size, k, s, p, d in zip((h, w), weight_shape[2:], stride, padding, dilation)]
-    return [n, weight_shape[0], *spatial]
+               for size, k, s, p, d in zip(x_shape[2:], weight_shape[2:], stride, padding, dilation)]
+    return [x_shape[0], weight_shape[0], *spatial]
 
 
 def _fake_output(x: Tensor, weight: Tensor, stride, padding, dilation, packed: bool = False) -> Tensor:
@@ -147,14 +149,14 @@ def _fake_output(x: Tensor, weight: Tensor, stride, padding, dilation, packed: b
 @torch.library.custom_op("fxdream::conv_bias_relu", mutates_args=())
 def conv_bias_relu(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int], padding: list[int],
                    dilation: list[int], groups: int) -> Tensor:
-    """relu(conv2d(x, weight, bias)) in one oneDNN / cuDNN call."""
+    """relu(conv(x, weight, bias)) (1-d to 3-d) in one oneDNN / cuDNN call."""
     return _fused_conv(x, weight, bias, None, stride, padding, dilation, groups, "relu")
 
 
 @torch.library.custom_op("fxdream::conv_bias_add_relu", mutates_args=())
 def conv_bias_add_relu(x: Tensor, weight: Tensor, bias: Optional[Tensor], other: Tensor, stride: list[int],
                        padding: list[int], dilation: list[int], groups: int) -> Tensor:
-    """relu(conv2d(x, weight, bias) + other) in one oneDNN / cuDNN call."""
+    """relu(conv(x, weight, bias) + other) in one oneDNN / cuDNN call."""
     return _fused_conv(x, weight, bias, other, stride, padding, dilation, groups, "relu")
 
 
@@ -181,7 +183,7 @@ def _conv_relu_grads(ctx, grad):
     masked = torch.ops.aten.threshold_backward.default(grad, output, 0)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     dx, dw, db = torch.ops.aten.convolution_backward.default(
-        masked, x, weight, ctx.bias_sizes, stride, padding, dilation, False, [0, 0], groups,
+        masked, x, weight, ctx.bias_sizes, stride, padding, dilation, False, [0] * (x.dim() - 2), groups,
         [need_x, need_w, need_b and ctx.bias_sizes is not None])
     return masked, dx, dw, db
 
@@ -241,7 +243,7 @@ def _(x, weight, bias, other, stride, padding, dilation, groups, act):
 
 
 conv_fused_inference = torch.ops.fxdream.conv_fused_inference.default
-"""act(conv2d(x, weight, bias) [+ other]), act one of ``UNARY`` (oneDNN's names; "hardtanh:LO,HI")
+"""act(conv(x, weight, bias) [+ other]) (1-d to 3-d), act one of ``UNARY`` (oneDNN's names; "hardtanh:LO,HI")
 or "none"; no gradient."""
 conv_fused_inference_prepacked = torch.ops.fxdream.conv_fused_inference.prepacked
 """The same with a weight from ``prepack_conv_weight``; the output is always channels_last."""
@@ -260,7 +262,8 @@ def prepack_conv_weight(weight: Tensor, stride, padding, dilation, groups: int, 
 
 
 def can_prepack(x: Tensor, weight: Tensor) -> bool:
-    return _mkldnn_ok(x, weight)
+    """2-d only: the prepacked op's output is channels_last, a 4-d layout."""
+    return x.dim() == 4 and _mkldnn_ok(x, weight)
 
 
 @register_flop_formula([torch.ops.fxdream.conv_bias_relu, torch.ops.fxdream.conv_bias_add_relu,
@@ -274,9 +277,9 @@ def _fused_conv_flops(x_shape, w_shape, *_, out_shape=None, **__) -> int:
 @register_flop_formula([torch.ops.mkldnn._convolution_pointwise, torch.ops.mkldnn._convolution_pointwise_])
 def _onednn_conv_flops(a, b, c, *_, out_shape=None, **__) -> int:
     """(X, W, B, ...), (X, other, W, ...) or, in place, (other, X, W, ...): the weight is the
-    third argument when that is 4-d. conv_flop_count reads only the batch from the input, which
-    ``other`` (the output's shape) has too."""
-    if c is not None and len(c) == 4:
+    third argument when that has the input's rank. conv_flop_count reads only the batch from the
+    input, which ``other`` (the output's shape) has too."""
+    if c is not None and len(c) == len(a):
         return conv_flop_count(a, c, out_shape)
     return conv_flop_count(a, b, out_shape)
 

@@ -58,12 +58,14 @@ def _conv_problem(conv: fx.Node, ctx: PassContext) -> str | None:
     x, w = value_of(conv.args[0]), value_of(conv.args[1])
     if conv.args[6]:
         return "transposed convolution"
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not isinstance(w, torch.Tensor):
-        return "not a 2-d convolution (the fused kernels this pass uses are 2-d)"
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return "unknown input or weight"
     if x.device.type == "cuda":
+        if x.dim() != 4:
+            return f"a {x.dim() - 2}-d convolution on CUDA (the cuDNN fused kernels this pass uses are 2-d)"
         return None if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {x.dtype}"
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        return None
+        return None if x.dim() in (3, 4, 5) else f"a {x.dim() - 2}-d convolution (oneDNN's fused conv is 1-d to 3-d)"
     return f"{x.device.type} {x.dtype}: no fused kernel"
 
 

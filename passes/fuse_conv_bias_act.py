@@ -130,7 +130,7 @@ class _Builder:
                 weight, bias = self.folded[site.conv.name]
             elif not self.variant.channels_last:
                 return w, b  # nothing to change: the live placeholders
-            fmt = CL if self.variant.channels_last else NCHW
+            fmt = CL if self.variant.channels_last and weight.dim() == 4 else NCHW
             if self.variant.prepack and ops.can_prepack(value_of(x), weight):
                 value = ops.prepack_conv_weight(weight, stride, padding, dilation, groups, value_of(x).shape)
             else:
@@ -219,17 +219,18 @@ class _Builder:
         return converted[key]
 
 
-def _variants(ctx: PassContext) -> tuple[Variant, ...]:
+def _variants(ctx: PassContext, sites: list[Site]) -> tuple[Variant, ...]:
     """By the target device (a GPU spec planned from this CPU gets the GPU variants). On CPU,
     prepacked is channels_last minus the per-call weight reorders (a weight that cannot be
-    packed stays channels_last in it): timing both only lets noise pick the worse."""
-    if not ctx.frozen:
+    packed stays channels_last in it): timing both only lets noise pick the worse. Layouts
+    and packing are 2-d only: with no 2-d site every variant would be NCHW."""
+    if not ctx.frozen or not any(value_of(s.conv.args[0]).dim() == 4 for s in sites):
         return (NCHW_FUSED,)
     return (NCHW_FUSED, PREPACKED) if ctx.device == "cpu" else (NCHW_FUSED, CHANNELS_LAST)
 
 
-def _default(ctx: PassContext) -> Variant:
-    return PREPACKED if ctx.frozen and ctx.device == "cpu" else NCHW_FUSED
+def _default(ctx: PassContext, sites: list[Site]) -> Variant:
+    return PREPACKED if PREPACKED in _variants(ctx, sites) else NCHW_FUSED
 
 
 def _summary(sites: list[Site]) -> str:
@@ -256,7 +257,7 @@ class FuseConvBiasAct:
                               + (f" ({why})" if why else ""), tuple(notes))
         candidates, failed, folded = {}, [], {}
         # without a cost model there is nothing to compare: build the default variant only
-        for variant in _variants(ctx) if ctx.predict_us is not None else (_default(ctx),):
+        for variant in _variants(ctx, sites) if ctx.predict_us is not None else (_default(ctx, sites),):
             try:
                 candidates[variant] = self._build(gm, ctx, variant, folded)
             except Exception as error:  # a variant that cannot be built is reported, not fatal
