@@ -196,7 +196,11 @@ class _Builder:
 
     def _restore(self, arg: fx.Node, user: fx.Node, converted) -> fx.Node:
         before, now = self.original.get(arg.name), value_of(arg)
-        if not isinstance(before, torch.Tensor) or not isinstance(now, torch.Tensor) or before.dim() != 4:
+        if not isinstance(before, torch.Tensor) or not isinstance(now, torch.Tensor):
+            return arg
+        if before.dim() == 3 and before.is_contiguous() and not now.is_contiguous():  # a 1-d conv's NLC
+            return self._convert(arg, NCHW, user, converted)
+        if before.dim() != 4:
             return arg
         fmt = NCHW if before.is_contiguous() else CL if before.is_contiguous(memory_format=CL) else None
         if fmt is None:
@@ -207,7 +211,8 @@ class _Builder:
 
     def _convert(self, arg: fx.Node, fmt, user: fx.Node, converted) -> fx.Node:
         value = value_of(arg)
-        if not isinstance(value, torch.Tensor) or value.dim() != 4 or value.is_contiguous(memory_format=fmt):
+        if not isinstance(value, torch.Tensor) or value.dim() != (4 if fmt is CL else value.dim()) \
+                or value.is_contiguous(memory_format=fmt):
             return arg
         key = (arg.name, fmt)
         if key not in converted:
@@ -223,8 +228,10 @@ def _variants(ctx: PassContext, sites: list[Site]) -> tuple[Variant, ...]:
     """By the target device (a GPU spec planned from this CPU gets the GPU variants). On CPU,
     prepacked is channels_last minus the per-call weight reorders (a weight that cannot be
     packed stays channels_last in it): timing both only lets noise pick the worse. Layouts
-    and packing are 2-d only: with no 2-d site every variant would be NCHW."""
-    if not ctx.frozen or not any(value_of(s.conv.args[0]).dim() == 4 for s in sites):
+    and packing are for 2-d convs (and on CPU 1-d ones, run as 2-d over height 1): with no
+    such site every variant would be NCHW."""
+    dims = {value_of(s.conv.args[0]).dim() for s in sites}
+    if not ctx.frozen or not dims & ({3, 4} if ctx.device == "cpu" else {4}):
         return (NCHW_FUSED,)
     return (NCHW_FUSED, PREPACKED) if ctx.device == "cpu" else (NCHW_FUSED, CHANNELS_LAST)
 

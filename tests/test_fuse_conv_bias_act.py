@@ -209,17 +209,47 @@ class ResidualNd(nn.Module):
         return torch.relu(self.bn2(self.conv2(y)) + y)
 
 
-@pytest.mark.parametrize("nd", [1, 3])
-def test_1d_and_3d_convolutions_fold_and_fuse_in_nchw(nd):
+@pytest.mark.parametrize("nd,variant,target", [(1, "channels_last+prepacked", ops.conv_fused_inference_prepacked),
+                                                (3, "nchw", ops.conv_fused_inference)])
+def test_1d_and_3d_convolutions_fold_and_fuse(nd, variant, target):
+    """1-d convs run as 2-d ones of height 1, so they get prepacked weights and channels_last
+    (NLC) activations too; 3-d convs are fused in NCHW (layouts and packing are 2-d)."""
     torch.manual_seed(0)
     model, x = ResidualNd(nd, bias=False).eval(), torch.randn(2, 4, *[6] * nd)
     for bn in (model.bn1, model.bn2):
         bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
     optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
     (row,) = optimized.report.passes
-    # layouts and prepacking are 2-d only: the default variant here is NCHW
-    assert row.applied and row.reason == "fused 1 conv+bn+relu, 1 conv+bn+add+relu; nchw: no cost model was given, so chosen by default"
-    assert fused_targets(optimized.rewritten_graphs[(0, "fw")]) == [ops.conv_fused_inference] * 2
+    assert row.applied and row.reason == (f"fused 1 conv+bn+relu, 1 conv+bn+add+relu; {variant}: "
+                                          "no cost model was given, so chosen by default")
+    assert fused_targets(optimized.rewritten_graphs[(0, "fw")]) == [target] * 2
+    with torch.no_grad():
+        out = optimized(x)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    assert out.is_contiguous()  # NLC inside, NCL again at the output
+
+
+class ConvThenTranspose(nn.Module):
+    """A 1-d conv feeding a view (transpose, as before an RNN): it must see NCL strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        y = torch.relu(self.norm(self.conv(x)))
+        return y.transpose(1, 2).reshape(y.shape[0], -1) * 2
+
+
+def test_a_1d_conv_output_is_given_back_in_ncl_before_a_view():
+    torch.manual_seed(0)
+    model, x = ConvThenTranspose().eval(), torch.randn(2, 4, 10)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    assert "channels_last+prepacked" in optimized.report.passes[0].reason
+    graph = optimized.rewritten_graphs[(0, "fw")].graph
+    (fused,) = [n for n in graph.nodes if n.target in FUSED]
+    (restore,) = fused.users  # NLC → NCL, then the transpose
+    assert restore.target is fuse.CLONE and restore.kwargs == {"memory_format": torch.contiguous_format}
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x), atol=1e-5, rtol=1e-5)
 

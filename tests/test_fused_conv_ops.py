@@ -118,3 +118,21 @@ def test_1d_and_3d_fused_ops_match_aten_forward_and_grads(nd):
     with torch.no_grad():
         out = ops.conv_fused_inference(x, w, b, other, stride, padding, dilation, groups, "hardtanh:0.0,6.0")
         torch.testing.assert_close(out, torch.clamp(ref() + other, 0, 6), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["ncl", "nlc"])
+def test_1d_conv_runs_as_2d_over_height_1_with_the_layout_its_fake_says(layout):
+    """An NLC input (a 1-d conv's output in a prepacked graph) gives an NLC output, and so does
+    a prepacked weight; the fake impl says the same strides (what the graph is planned with)."""
+    x, w, b, other, stride, padding, dilation, groups = _conv_args(1, requires_grad=False)
+    if layout == "nlc":
+        x, other = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (x, other))
+    expected = torch.relu(torch.nn.functional.conv1d(x, w, b, stride, padding, dilation, groups) + other)
+    packed = ops.prepack_conv_weight(w, stride, padding, dilation, groups, x.shape)
+    for op, weight in ((ops.conv_fused_inference, w), (ops.conv_fused_inference_prepacked, packed)):
+        out = op(x, weight, b, other, stride, padding, dilation, groups, "relu")
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+        assert ops.is_channels_last(out) == (layout == "nlc" or weight is packed)
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fake = op(*(mode.from_tensor(t) for t in (x, w, b, other)), stride, padding, dilation, groups, "relu")
+        assert fake.shape == out.shape and fake.stride() == out.stride()
