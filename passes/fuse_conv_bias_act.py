@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 from fxdream import ops
 from fxdream.annotate import LAYER
+from fxdream.onednn_direct import call_onednn_directly
 from fxdream.pass_api import PassContext, PassResult, register_pass
 from fxdream.pass_pipeline import copy_graph_module
 from fxdream.sim.graph_regions import aliases_input
@@ -85,7 +86,7 @@ class _Builder:
         self.graph.lint()
         self.gm.recompile()
         if self.variant.prepack:
-            ops.call_onednn_directly(self.gm)
+            call_onednn_directly(self.gm)
         return self.gm
 
     # --- one site ---------------------------------------------------------------------------

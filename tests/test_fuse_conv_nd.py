@@ -1,0 +1,92 @@
+"""fuse_conv_bias_act on 1-d and 3-d convolutions (CPU): BN folded, post-ops and the residual
+add fused; 1-d convs run as 2-d ones of height 1 (prepacked, NLC inside, NCL at the edges)."""
+import pytest
+import torch
+from torch import nn
+
+import fxdream
+from fxdream import ops
+from fxdream.passes import fuse_conv_bias_act as fuse
+
+from conftest import assert_same_training_step
+from test_fuse_conv_bias_act import PASS, FUSED, fused_targets
+
+
+class ResidualNd(nn.Module):
+    """conv+bn+relu, then conv+bn+add+relu (a residual block), in ``nd`` spatial dimensions."""
+
+    def __init__(self, nd: int, bias: bool):
+        super().__init__()
+        conv, norm = getattr(nn, f"Conv{nd}d"), getattr(nn, f"BatchNorm{nd}d")
+        self.conv1, self.conv2 = conv(4, 8, 3, padding=1, bias=bias), conv(8, 8, 3, padding=1, bias=bias)
+        self.bn1, self.bn2 = norm(8), norm(8)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + y)
+
+
+@pytest.mark.parametrize("nd,variant,target", [(1, "channels_last+prepacked", ops.conv_fused_inference_prepacked),
+                                                (3, "nchw", ops.conv_fused_inference)])
+def test_1d_and_3d_convolutions_fold_and_fuse(nd, variant, target):
+    """1-d convs run as 2-d ones of height 1, so they get prepacked weights and channels_last
+    (NLC) activations too; 3-d convs are fused in NCHW (layouts and packing are 2-d)."""
+    torch.manual_seed(0)
+    model, x = ResidualNd(nd, bias=False).eval(), torch.randn(2, 4, *[6] * nd)
+    for bn in (model.bn1, model.bn2):
+        bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    (row,) = optimized.report.passes
+    assert row.applied and row.reason == (f"fused 1 conv+bn+relu, 1 conv+bn+add+relu; {variant}: "
+                                          "no cost model was given, so chosen by default")
+    assert fused_targets(optimized.rewritten_graphs[(0, "fw")]) == [target] * 2
+    with torch.no_grad():
+        out = optimized(x)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    assert out.is_contiguous()  # NLC inside, NCL again at the output
+
+
+class ConvThenTranspose(nn.Module):
+    """A 1-d conv feeding a view (transpose, as before an RNN): it must see NCL strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        y = torch.relu(self.norm(self.conv(x)))
+        return y.transpose(1, 2).reshape(y.shape[0], -1) * 2
+
+
+def test_a_1d_conv_output_is_given_back_in_ncl_before_a_view():
+    torch.manual_seed(0)
+    model, x = ConvThenTranspose().eval(), torch.randn(2, 4, 10)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    assert "channels_last+prepacked" in optimized.report.passes[0].reason
+    graph = optimized.rewritten_graphs[(0, "fw")].graph
+    (fused,) = [n for n in graph.nodes if n.target in FUSED]
+    (restore,) = fused.users  # NLC → NCL, then the transpose
+    assert restore.target is fuse.CLONE and restore.kwargs == {"memory_format": torch.contiguous_format}
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nd", [1, 3])
+def test_1d_and_3d_training_step_equals_eager(nd):
+    torch.manual_seed(0)
+    model, x = ConvAddReluNd(nd), torch.randn(2, 3, *[6] * nd)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], training=True, cost=None)
+    assert "1 conv+bias+relu, 1 conv+bias+add+relu" in optimized.report.passes[0].reason
+    assert set(fused_targets(optimized.rewritten_graphs[(0, "fw")])) == set(ops.FUSED_OPS[:2])
+    assert assert_same_training_step(model, optimized, (x,), atol=1e-5) == 4
+
+
+class ConvAddReluNd(nn.Module):
+    def __init__(self, nd: int):
+        super().__init__()
+        conv = getattr(nn, f"Conv{nd}d")
+        self.conv1, self.conv2 = conv(3, 8, 3, padding=1), conv(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv1(x))
+        return torch.relu(self.conv2(y) + y)
