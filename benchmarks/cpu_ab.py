@@ -11,6 +11,7 @@ are inference-only and are listed as such.
 
     python benchmarks/cpu_ab.py --models resnet50 --batches 1,8 --out benchmarks/results/cpu_ab_<date>
     python benchmarks/cpu_ab.py --models resnet18,mnist_convnet --batches 1,8,32 --training
+    python benchmarks/cpu_ab.py --models benchmarks/audio_like.py:build --batches 1,8   (your own model)
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import fxdream
 from fxdream import models
 from fxdream.ab import PROFILING, interleaved_profiler, measured_step, step_fn
 from fxdream.capture import one_step
+from fxdream.cli import user_model
 from fxdream.measure import time_interleaved
 from fxdream.numerics import max_abs_diff
 from fxdream.predict import predict
@@ -87,7 +89,8 @@ def compile_inductor(model, inputs, freezing: bool, training: bool = False):
 
 def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: int, block: int,
              rebuild: bool = True, training: bool = False) -> dict:
-    model, inputs, loss_fn = models.build(model_name, batch)
+    user_build = user_model(model_name)  # FILE.py:FUNCTION, as the CLI takes it
+    model, inputs, loss_fn = user_build(batch) if user_build else models.build(model_name, batch)
     model.train(training)
     built, rows = {}, {}
     for name in runners:
