@@ -36,6 +36,7 @@ def user_model(spec: str, device: str = "cpu", tiny: bool = False):
             raise ValueError(f"model {spec!r}: no file {where!r}")
         loader = importlib.util.spec_from_file_location(f"fxdream_model_{abs(hash(where))}", where)
         module = importlib.util.module_from_spec(loader)
+        sys.modules[loader.name] = module  # importable by name: inductor imports a model's module
         loader.loader.exec_module(module)
     else:
         try:

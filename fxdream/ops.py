@@ -36,7 +36,6 @@ from typing import Optional, Sequence
 import torch
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
-
 Tensor = torch.Tensor
 # oneDNN's unary post-op name → the ATen op it computes (the unfused reference and fallback)
 # ("hardtanh:LO,HI" carries its bounds: ReLU6 is "hardtanh:0.0,6.0")
@@ -272,7 +271,7 @@ conv_fused_inference = torch.ops.fxdream.conv_fused_inference.default
 """act(conv(x, weight, bias) [+ other]) (1-d to 3-d), act one of ``UNARY`` (oneDNN's names; "hardtanh:LO,HI")
 or "none"; no gradient."""
 conv_fused_inference_prepacked = torch.ops.fxdream.conv_fused_inference.prepacked
-"""The same with a weight from ``prepack_conv_weight``; the output is always channels_last."""
+"""The same with a weight from ``prepack_conv_weight``; the output is always channels_last (1-d: NLC)."""
 INFERENCE_OPS = (conv_fused_inference, conv_fused_inference_prepacked)
 
 

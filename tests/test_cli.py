@@ -70,7 +70,24 @@ def build(batch):
 
 def not_a_pair(batch):
     return 42
+
+class Mine(nn.Linear):
+    pass
+
+def build_mine(batch):
+    return Mine(4, 2), torch.randn(batch, 4)
 '''
+
+
+def test_a_model_file_is_importable_by_its_module_name(tmp_path):
+    """inductor imports a model class's module by name: a file loaded as a user model must be
+    in sys.modules (it was not, and torch.compile failed on it with ModuleNotFoundError)."""
+    import importlib
+    from fxdream.cli import user_model
+    path = tmp_path / "mine.py"
+    path.write_text(USER_MODEL)
+    model, inputs, _ = user_model(f"{path}:build_mine")(2)
+    assert importlib.import_module(type(model).__module__).Mine is type(model)
 
 
 def test_your_own_model_from_a_file_in_ab_simulate_and_explain(tmp_path, capsys):
