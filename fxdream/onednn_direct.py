@@ -76,7 +76,7 @@ def call_onednn_directly(gm) -> int:
         if node.op != "call_function" or node.target is not conv_fused_inference_prepacked:
             continue
         x, w, b, other, stride, padding, dilation, groups, act = node.args
-        if x.meta["val"].dim() != 4:
+        if x.meta["val"].dim() == 3:
             continue  # a 1-d conv: the wrapper runs it as 2-d over height 1
         attrs = (list(padding), list(stride), list(dilation), groups)
         if other is None:

@@ -57,18 +57,26 @@ def _check_act(act: str) -> None:
 
 
 # --- helpers -------------------------------------------------------------------------------
+def channels_last_format(dim: int):
+    """The channels-last memory format of a ``dim``-d tensor (2-d and 3-d convs), or None."""
+    return {4: torch.channels_last, 5: torch.channels_last_3d}.get(dim)
+
+
 def _suggests_channels_last(t: Tensor) -> bool:
     """ATen's ``suggest_memory_format`` (what oneDNN and cuDNN choose the output layout by), by its
     Python mirror in torch._prims_common (private; isolated here)."""
     from torch._prims_common import suggest_memory_format
-    return t.dim() == 4 and t.layout == torch.strided and suggest_memory_format(t) == torch.channels_last
+    fmt = channels_last_format(t.dim())
+    return fmt is not None and t.layout == torch.strided and suggest_memory_format(t) == fmt
 
 
 def is_channels_last(t: Tensor) -> bool:
-    """channels_last in 2-d, or its 1-d analogue (N, C, L) with strides (L·C, 1, C): "NLC"."""
+    """channels_last (3-d convs: channels_last_3d), or its 1-d analogue (N, C, L) with strides
+    (L·C, 1, C): "NLC"."""
     if t.dim() == 3:
         return t.stride(1) == 1 and t.shape[1] > 1 and t.transpose(1, 2).is_contiguous()
-    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+    fmt = channels_last_format(t.dim())
+    return fmt is not None and t.is_contiguous(memory_format=fmt)
 
 
 def as_2d(stride, padding, dilation) -> tuple[list, list, list]:
@@ -163,7 +171,7 @@ def _fake_output(x: Tensor, weight: Tensor, stride, padding, dilation, packed: b
         out4 = _fake_output(x.unsqueeze(2), weight.unsqueeze(2), *as_2d(stride, padding, dilation), packed)
         return out.as_strided(out.shape, [out4.stride(0), out4.stride(1), out4.stride(3)])
     if packed or _suggests_channels_last(x) or _suggests_channels_last(weight):
-        out = out.contiguous(memory_format=torch.channels_last)
+        out = out.contiguous(memory_format=channels_last_format(out.dim()))
     return out
 
 
@@ -243,7 +251,7 @@ def _fused_conv_prepacked(x, weight, bias, other, stride, padding, dilation, gro
         return out
     if out.dim() == 3:
         return out.unsqueeze(2).contiguous(memory_format=torch.channels_last).squeeze(2)
-    return out.contiguous(memory_format=torch.channels_last)
+    return out.contiguous(memory_format=channels_last_format(out.dim()))
 
 
 _SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? other, int[] stride, int[] padding, "
@@ -271,7 +279,8 @@ conv_fused_inference = torch.ops.fxdream.conv_fused_inference.default
 """act(conv(x, weight, bias) [+ other]) (1-d to 3-d), act one of ``UNARY`` (oneDNN's names; "hardtanh:LO,HI")
 or "none"; no gradient."""
 conv_fused_inference_prepacked = torch.ops.fxdream.conv_fused_inference.prepacked
-"""The same with a weight from ``prepack_conv_weight``; the output is always channels_last (1-d: NLC)."""
+"""The same with a weight from ``prepack_conv_weight``; the output is always channels_last
+(3-d convs: channels_last_3d; 1-d: NLC)."""
 INFERENCE_OPS = (conv_fused_inference, conv_fused_inference_prepacked)
 
 
@@ -280,8 +289,8 @@ def prepack_conv_weight(weight: Tensor, stride, padding, dilation, groups: int, 
 
     What inductor's CPU freezing does (``mkldnn._reorder_convolution_weight``, private,
     isolated here). The result is an opaque MKLDNN tensor for ``conv_fused_inference_prepacked``
-    (CPU only), whose outputs are channels_last. A 1-d conv's weight is packed for the 2-d conv
-    of height 1 it runs as (its outputs: NLC).
+    (CPU only), whose outputs are channels_last (3-d convs: channels_last_3d). A 1-d conv's
+    weight is packed for the 2-d conv of height 1 it runs as (its outputs: NLC).
     """
     weight, input_size = weight.detach(), list(input_size)
     if weight.dim() == 3:
@@ -292,8 +301,7 @@ def prepack_conv_weight(weight: Tensor, stride, padding, dilation, groups: int, 
 
 
 def can_prepack(x: Tensor, weight: Tensor) -> bool:
-    """1-d and 2-d: the prepacked op's output is channels_last (2-d) or NLC (1-d)."""
-    return x.dim() in (3, 4) and _mkldnn_ok(x, weight)
+    return _mkldnn_ok(x, weight)
 
 
 @register_flop_formula([torch.ops.fxdream.conv_bias_relu, torch.ops.fxdream.conv_bias_add_relu,

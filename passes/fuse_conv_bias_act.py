@@ -38,7 +38,7 @@ from fxdream.sim.op_keys import real_tensors
 from .conv_sites import SKIPPED, Site, find_sites, fusable_acts, onednn_act, value_of
 
 CLONE = torch.ops.aten.clone.default
-CL, NCHW = torch.channels_last, torch.contiguous_format
+NCHW = torch.contiguous_format
 TRAINABLE = (torch.ops.fxdream.conv_bias_relu.default, torch.ops.fxdream.conv_bias_add_relu.default)
 
 
@@ -131,7 +131,7 @@ class _Builder:
                 weight, bias = self.folded[site.conv.name]
             elif not self.variant.channels_last:
                 return w, b  # nothing to change: the live placeholders
-            fmt = CL if self.variant.channels_last and weight.dim() == 4 else NCHW
+            fmt = (self.variant.channels_last and ops.channels_last_format(weight.dim())) or NCHW
             if self.variant.prepack and ops.can_prepack(value_of(x), weight):
                 value = ops.prepack_conv_weight(weight, stride, padding, dilation, groups, value_of(x).shape)
             else:
@@ -177,8 +177,9 @@ class _Builder:
 
     def _propagate(self) -> None:
         """Re-derive every value's fake tensor in order (strides change with channels_last);
-        convert conv inputs to channels_last once, and back to the original layout before any
-        view (views depend on strides) and at the outputs."""
+        convert conv inputs to channels_last (channels_last_3d) once, and back to the original
+        layout before any view (views depend on strides) and at the outputs; a 1-d conv's input
+        is converted inside the op."""
         converted: dict[tuple[str, object], fx.Node] = {}
         for node in list(self.graph.nodes):
             if node.op in ("placeholder", "get_attr"):
@@ -188,7 +189,8 @@ class _Builder:
                                      node.args)
                 continue
             if self.variant.channels_last and node.target in ops.INFERENCE_OPS:
-                node.args = (self._convert(node.args[0], CL, node, converted),) + tuple(node.args[1:])
+                fmt = ops.channels_last_format(value_of(node.args[0]).dim())  # 1-d: inside the op
+                node.args = (self._convert(node.args[0], fmt, node, converted),) + tuple(node.args[1:])
             elif aliases_input(node):  # e.g. the view before a classifier: depends on the input's strides
                 node.args = tree_map(lambda a: self._restore(a, node, converted) if isinstance(a, fx.Node) else a,
                                      node.args)
@@ -201,9 +203,11 @@ class _Builder:
             return arg
         if before.dim() == 3 and before.is_contiguous() and not now.is_contiguous():  # a 1-d conv's NLC
             return self._convert(arg, NCHW, user, converted)
-        if before.dim() != 4:
+        channels_last = ops.channels_last_format(before.dim())
+        if channels_last is None:
             return arg
-        fmt = NCHW if before.is_contiguous() else CL if before.is_contiguous(memory_format=CL) else None
+        fmt = NCHW if before.is_contiguous() else channels_last if before.is_contiguous(
+            memory_format=channels_last) else None
         if fmt is None:
             if now.stride() != before.stride():
                 raise ValueError(f"cannot restore the layout of {arg.name} (strides {before.stride()})")
@@ -212,8 +216,8 @@ class _Builder:
 
     def _convert(self, arg: fx.Node, fmt, user: fx.Node, converted) -> fx.Node:
         value = value_of(arg)
-        if not isinstance(value, torch.Tensor) or value.dim() != (4 if fmt is CL else value.dim()) \
-                or value.is_contiguous(memory_format=fmt):
+        if fmt is None or not isinstance(value, torch.Tensor) or value.is_contiguous(memory_format=fmt) \
+                or fmt not in (NCHW, ops.channels_last_format(value.dim())):
             return arg
         key = (arg.name, fmt)
         if key not in converted:
@@ -228,13 +232,15 @@ class _Builder:
 def _variants(ctx: PassContext, sites: list[Site]) -> tuple[Variant, ...]:
     """By the target device (a GPU spec planned from this CPU gets the GPU variants). On CPU,
     prepacked is channels_last minus the per-call weight reorders (a weight that cannot be
-    packed stays channels_last in it): timing both only lets noise pick the worse. Layouts
-    and packing are for 2-d convs (and on CPU 1-d ones, run as 2-d over height 1): with no
-    such site every variant would be NCHW."""
-    dims = {value_of(s.conv.args[0]).dim() for s in sites}
-    if not ctx.frozen or not dims & ({3, 4} if ctx.device == "cpu" else {4}):
+    packed stays channels_last in it): timing both only lets noise pick the worse. On CPU
+    every fused conv can be packed (a 1-d one runs as 2-d over height 1); channels_last on
+    CUDA is for 2-d and 3-d convs."""
+    if not ctx.frozen:
         return (NCHW_FUSED,)
-    return (NCHW_FUSED, PREPACKED) if ctx.device == "cpu" else (NCHW_FUSED, CHANNELS_LAST)
+    if ctx.device == "cpu":
+        return (NCHW_FUSED, PREPACKED)
+    dims = {value_of(s.conv.args[0]).dim() for s in sites}
+    return (NCHW_FUSED, CHANNELS_LAST) if dims & {4, 5} else (NCHW_FUSED,)
 
 
 def _default(ctx: PassContext, sites: list[Site]) -> Variant:

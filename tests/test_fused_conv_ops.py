@@ -136,3 +136,16 @@ def test_1d_conv_runs_as_2d_over_height_1_with_the_layout_its_fake_says(layout):
         with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
             fake = op(*(mode.from_tensor(t) for t in (x, w, b, other)), stride, padding, dilation, groups, "relu")
         assert fake.shape == out.shape and fake.stride() == out.stride()
+
+
+def test_3d_conv_with_a_prepacked_weight_gives_channels_last_3d_as_its_fake_says():
+    x, w, b, other, stride, padding, dilation, groups = _conv_args(3, requires_grad=False)
+    packed = ops.prepack_conv_weight(w, stride, padding, dilation, groups, x.shape)
+    out = ops.conv_fused_inference_prepacked(x, packed, b, other, stride, padding, dilation, groups, "relu")
+    expected = torch.relu(torch.nn.functional.conv3d(x, w, b, stride, padding, dilation, groups) + other)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    assert out.is_contiguous(memory_format=torch.channels_last_3d)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:  # the graph's stand-in: the plain weight
+        fake = ops.conv_fused_inference_prepacked(*(mode.from_tensor(t) for t in (x, w, b, other)), stride,
+                                                  padding, dilation, groups, "relu")
+    assert fake.shape == out.shape and fake.stride() == out.stride()
