@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from .ops import ONEDNN_CONV, ONEDNN_CONV_ADD_, conv_fused_inference_prepacked, onednn_unary
+from .ops import ONEDNN_CONV, ONEDNN_CONV_ADD_, channels_last_format, conv_fused_inference_prepacked, onednn_unary
 from .sim.graph_regions import aliases_input
 
 
@@ -21,9 +21,10 @@ def _residual_is_free(node, other, order: dict) -> bool:
     a constant or a view of one), channels_last like the conv's output, and read by nobody
     after ``node`` (``order``: node → position in the graph)."""
     value = other.meta.get("val") if isinstance(other, fx.Node) else None
-    if other.op != "call_function" or not isinstance(value, Tensor) or value.dim() != 4:
+    if other.op != "call_function" or not isinstance(value, Tensor):
         return False
-    if not value.is_contiguous(memory_format=torch.channels_last):
+    channels_last = channels_last_format(value.dim())  # 2-d and 3-d convs
+    if channels_last is None or not value.is_contiguous(memory_format=channels_last):
         return False
     source = other.args[0] if other.target is operator.getitem else other  # max_pool's (values, indices)
     if source.target is not ONEDNN_CONV_ADD_ and (  # that one's own residual was checked likewise

@@ -92,3 +92,27 @@ class ConvAddReluNd(nn.Module):
     def forward(self, x):
         y = torch.relu(self.conv1(x))
         return torch.relu(self.conv2(y) + y)
+
+
+class Residual3d(nn.Module):
+    """A stem, then an identity residual block: the block's input is read last by its first conv."""
+
+    def __init__(self):
+        super().__init__()
+        unit = lambda c_in: [nn.Conv3d(c_in, 8, 3, padding=1, bias=False), nn.BatchNorm3d(8)]  # noqa: E731
+        self.stem, self.body = nn.Sequential(*unit(3), nn.ReLU()), nn.Sequential(*unit(8), nn.ReLU(), *unit(8))
+
+    def forward(self, x):
+        y = self.stem(x)
+        return torch.relu(self.body(y) + y)
+
+
+def test_a_3d_residual_is_accumulated_in_place_in_channels_last_3d():
+    torch.manual_seed(0)
+    model, x = Residual3d().eval(), torch.randn(2, 3, 4, 6, 6)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    assert fused_targets(optimized.rewritten_graphs[(0, "fw")]) == [ops.ONEDNN_CONV] * 2 + [ops.ONEDNN_CONV_ADD_]
+    with torch.no_grad():
+        out = optimized(x)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    assert out.is_contiguous()
