@@ -322,6 +322,15 @@ def _onednn_conv_flops(a, b, c, *_, out_shape=None, **__) -> int:
     return conv_flop_count(a, b, out_shape)
 
 
+@register_flop_formula(torch.ops.mkldnn._linear_pointwise)
+def _onednn_linear_flops(x_shape, w_shape, *_, out_shape=None, **__) -> int:
+    """prepack_linear's op: 2·rows·in·out, as addmm's (the post-op is memory traffic)."""
+    rows = 1
+    for size in x_shape[:-1]:
+        rows *= size
+    return 2 * rows * x_shape[-1] * w_shape[0]
+
+
 # --- the ops a rewritten graph may hold (onednn_direct puts the oneDNN ones in) -----------
 ONEDNN_CONV = torch.ops.mkldnn._convolution_pointwise.default
 ONEDNN_CONV_ADD_ = torch.ops.mkldnn._convolution_pointwise_.binary  # accumulates into ``other``

@@ -142,6 +142,18 @@ class Profiled:
                 self.measurements[key] = self._measure(node)
         return self.measurements[key]
 
+    def isolated_us(self, node: fx.Node) -> float:
+        """``node``'s op timed alone at its shapes (a loop of calls), even where it was timed in
+        context: a pass comparing two ops before building a graph with either compares like with
+        like. Cached per key."""
+        if is_view(node):
+            return 0.0
+        key = "isolated|" + profile_key(node, self.torch_device.type)
+        if key not in self.measurements:
+            with real_tensors():
+                self.measurements[key] = self._measure(node)
+        return self.measurements[key]
+
     def dispatch_us(self, node: fx.Node) -> float:
         launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us
         return self.call_overhead_us() + (self.view_us() if is_view(node) else 0.0) + launch

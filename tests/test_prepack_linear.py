@@ -1,0 +1,122 @@
+"""prepack_linear: linear layers as oneDNN's packed linear (with ReLU/GELU as its post-op) in
+CPU inference, where measured faster; equal to eager; declines and says why otherwise."""
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxdream
+from fxdream import models
+from fxdream.pass_api import PassContext, resolve_passes
+from fxdream.passes import prepack_linear as pack
+from fxdream.sim.cost import Profiled
+from fxdream.sim.devices import DEVICES
+
+PASS = "prepack_linear"
+
+
+class Mlp(nn.Module):
+    """Linear+ReLU, Linear+GELU (tanh) on a 3-d input (a view between), a bias-less Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = nn.functional.gelu(self.fc2(h), approximate="tanh")
+        return self.fc3(h) * 2
+
+
+def linear_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is pack.LINEAR]
+
+
+def test_packs_every_linear_and_fuses_its_activation_without_measured_costs():
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(2, 5, 16)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    (row,) = optimized.report.passes
+    assert row.applied and row.reason == "packed 3 of 3 linear layer(s), 2 with the activation fused", row.reason
+    graph = optimized.rewritten_graphs[(0, "fw")]
+    assert [n.args[3:] for n in linear_nodes(graph)] == [("relu", [], ""), ("gelu", [], "tanh"), ("none", [], "")]
+    remaining = {n.target for n in graph.graph.nodes if n.op == "call_function"}
+    assert not remaining & {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.relu.default,
+                            torch.ops.aten.gelu.default, torch.ops.aten.t.default}
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_one_row_is_left_alone_without_measured_costs_and_the_reason_says_so():
+    model, x = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval(), torch.randn(1, 8)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    (row,) = optimized.report.passes
+    assert not row.applied and row.reason == ("packing is not faster at any of the 1 linear layer(s) "
+                                              "(no measured costs: none has more than one row)")
+    assert row.notes == ("0: no measured costs: left as it was (1 row: packing was slower here)",)
+
+
+class TimedAlone(Profiled):
+    """A Profiled cost model whose isolated timings are given: packed ``packed_us``, addmm 10 µs, the rest 0."""
+
+    def __init__(self, packed_us: float):
+        super().__init__(DEVICES["cpu"])
+        self.packed_us = packed_us
+
+    def isolated_us(self, node):
+        return self.packed_us if node.target is pack.LINEAR else 10.0 if node.target is pack.ADDMM else 0.0
+
+
+def run_pass(model, x, cost_model, predicted: list):
+    """The pass on ``model``'s captured forward, ``predict_us`` answering ``predicted`` in turn."""
+    captured = fxdream.capture(model, (x,))
+    names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
+    params = dict(zip(names, captured.example_inputs[:2]))  # weight, bias (the live parameters)
+    answers = iter(predicted)
+    ctx = PassContext(device="cpu", params=params, cost_model=cost_model, predict_us=lambda gm: next(answers))
+    return captured, resolve_passes([PASS])[0](fxdream.pipeline.copy_graph_module(captured.forward), ctx)
+
+
+@pytest.mark.parametrize("packed_us,applied", [(1.0, True), (10.0, False)])
+def test_a_site_is_packed_only_where_its_packed_op_is_faster_alone(packed_us, applied):
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval(), torch.randn(4, 8)
+    # in context (unpacked, then packed) packing wins too
+    captured, result = run_pass(model, x, TimedAlone(packed_us), [100.0, 50.0])
+    assert result.modified is applied
+    assert ("10 µs unpacked" in result.notes[0]) and result.notes[0].endswith("packed" if applied else "left as it was")
+    if applied:
+        assert result.reason == "packed 1 of 1 linear layer(s), 1 with the activation fused (predicted: 0.100 → 0.050 ms)"
+        with torch.no_grad():
+            torch.testing.assert_close(result.graph_module(*captured.example_inputs)[0], model(x))
+
+
+def test_declines_when_the_graph_is_not_faster_in_context():
+    model, x = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval(), torch.randn(4, 8)
+    _, result = run_pass(model, x, TimedAlone(1.0), [100.0, 150.0])
+    assert not result.modified and result.reason == "not faster in context (predicted: 0.100 → 0.150 ms)"
+
+
+@pytest.mark.parametrize("training,device,reason", [
+    (True, "cpu", "inference forward graphs only (the weights must be constants)"),
+    (False, "cuda", "CPU only (oneDNN's packed linear)")])
+def test_applies_to_cpu_inference_only(training, device, reason):
+    assert resolve_passes([PASS])[0].applies_to(PassContext(device=device, training=training)) == reason
+
+
+@pytest.mark.parametrize("name", ["mnist_convnet", "vgg19", "bert_base"])
+def test_zoo_models_equal_eager(name):
+    model, inputs, _ = models.build(name, 2, tiny=True)
+    model.eval()
+    optimized = fxdream.optimize(model, inputs, passes=["fuse_conv_bias_act", PASS], cost=None)
+    assert optimized.report.passes[-1].applied
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs), model(*inputs), atol=1e-4, rtol=1e-4)
+
+
+def test_packed_linear_counts_the_matmul_flops():
+    x, w = torch.randn(6, 16), torch.randn(32, 16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 6)
+    with FlopCounterMode(display=False) as counter:
+        pack.LINEAR(x, packed, None, "none", [], "")
+    assert counter.get_total_flops() == 2 * 6 * 16 * 32  # the analytic cost model reads these
