@@ -150,7 +150,8 @@ def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
         verdict = "packed" if after < GAIN * before else "left as it was"
         out_features, in_features = ctx.params[site.weight.name].shape
         act = f" + {site.act.target.overloadpacket.__name__}" if site.act is not None else ""
-        notes.append(f"{site.layer}: {site.rows} rows, {in_features} → {out_features}{act}: "
+        notes.append(f"{site.layer}: {site.rows} row{'s' if site.rows != 1 else ''}, {in_features} → "
+                     f"{out_features}{act}: "
                      f"{before:.0f} µs unpacked, {after:.0f} µs packed (alone) → {verdict}")
         if verdict == "packed":
             keep.append(site)
