@@ -108,6 +108,8 @@ def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dic
                                                                      site.rows)
         packed = packs[key]
         name = f"_fxdream_{site.mm.name}_packed_weight"
+        while hasattr(gm, name):
+            name += "_"
         gm.register_buffer(name, packed, persistent=False)
         with graph.inserting_before(site.mm):
             w_node = graph.get_attr(name)
@@ -130,31 +132,49 @@ def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dic
     return new
 
 
+def _shape(site: Site, ctx: PassContext) -> tuple:
+    """What the site's timing depends on: rows, weight shape, input strides, bias, post-op."""
+    x, bias = site.operands()
+    act = _post_op(site.act) if site.act is not None else ("none", [], "")
+    return (site.rows, tuple(ctx.params[site.weight.name].shape), tuple(x.meta["val"].stride()),
+            bias is not None, act[0], act[2])
+
+
+def _describe(site: Site, ctx: PassContext, count: int) -> str:
+    out_features, in_features = ctx.params[site.weight.name].shape
+    act = f" + {site.act.target.overloadpacket.__name__}" if site.act is not None else ""
+    like = f" (and {count - 1} more of its shape)" if count > 1 else ""
+    return (f"{site.layer}{like}: {site.rows} row{'s' if site.rows != 1 else ''}, {in_features} → "
+            f"{out_features}{act}")
+
+
 def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
                    packs: dict) -> tuple[list[Site], list[str]]:
-    """The sites whose packed op, timed alone at its shapes, beats addmm (+ the activation)."""
+    """The sites whose packed op, timed alone at its shapes, beats addmm (+ the activation): one
+    site of each shape is packed in a trial copy of the graph and timed."""
     cost = ctx.cost_model
     if not isinstance(cost, Profiled):
         return [s for s in sites if s.rows > 1], [
             f"{s.layer}: no measured costs: " + (f"packed ({s.rows} rows)" if s.rows > 1 else
                                                  "left as it was (1 row: packing was slower here)") for s in sites]
+    groups: dict[tuple, list[Site]] = {}
+    for site in sites:
+        groups.setdefault(_shape(site, ctx), []).append(site)
     trial = copy_graph_module(gm)
     by_name = {n.name: n for n in trial.graph.nodes}
     same = lambda node: None if node is None else by_name[node.name]  # noqa: E731
-    trial_sites = [Site(same(s.mm), same(s.weight), same(s.view), same(s.act)) for s in sites]
-    packed = _rewrite(trial, trial_sites, ctx, packs)
+    firsts = [group[0] for group in groups.values()]
+    packed = _rewrite(trial, [Site(same(s.mm), same(s.weight), same(s.view), same(s.act)) for s in firsts],
+                      ctx, packs)
     keep, notes = [], []
-    for site in sites:
+    for site, group in zip(firsts, groups.values()):
         before = cost.isolated_us(site.mm) + (cost.isolated_us(site.act) if site.act is not None else 0.0)
         after = cost.isolated_us(packed[site.mm.name])
         verdict = "packed" if after < GAIN * before else "left as it was"
-        out_features, in_features = ctx.params[site.weight.name].shape
-        act = f" + {site.act.target.overloadpacket.__name__}" if site.act is not None else ""
-        notes.append(f"{site.layer}: {site.rows} row{'s' if site.rows != 1 else ''}, {in_features} → "
-                     f"{out_features}{act}: "
-                     f"{before:.0f} µs unpacked, {after:.0f} µs packed (alone) → {verdict}")
+        notes.append(f"{_describe(site, ctx, len(group))}: {before:.0f} µs unpacked, {after:.0f} µs packed "
+                     f"(alone) → {verdict}")
         if verdict == "packed":
-            keep.append(site)
+            keep.extend(group)
     return keep, notes
 
 
