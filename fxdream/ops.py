@@ -331,6 +331,12 @@ def _onednn_linear_flops(x_shape, w_shape, *_, out_shape=None, **__) -> int:
     return 2 * rows * x_shape[-1] * w_shape[0]
 
 
+@register_flop_formula(torch.ops.mkl._mkl_linear)
+def _mkl_linear_flops(x_shape, _packed_shape, w_shape, *_, out_shape=None, **__) -> int:
+    """prepack_linear's MKL op (x, packed, w, bias, rows): the packed buffer's shape is opaque."""
+    return _onednn_linear_flops(x_shape, w_shape)
+
+
 # --- the ops a rewritten graph may hold (onednn_direct puts the oneDNN ones in) -----------
 ONEDNN_CONV = torch.ops.mkldnn._convolution_pointwise.default
 ONEDNN_CONV_ADD_ = torch.ops.mkldnn._convolution_pointwise_.binary  # accumulates into ``other``

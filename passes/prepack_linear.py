@@ -1,21 +1,23 @@
-"""prepack_linear: in CPU inference, a linear layer as oneDNN's linear with its weight prepacked
-once, and a ReLU or GELU right after it as the kernel's post-op.
+"""prepack_linear: in CPU inference, a linear layer as a linear kernel with its weight prepacked
+once (oneDNN's, with a ReLU or GELU right after it as its post-op, or MKL's packed GEMM).
 
-What inductor's CPU freezing does for linear layers. At ATen level a linear is
-``addmm(bias, x, t(w))`` (``mm(x, t(w))`` without bias; a 3-d input is viewed to 2-d around it);
-with ``w`` a known constant (inference), it becomes ``mkldnn._linear_pointwise(x, packed, bias,
-act)`` with ``packed = mkldnn._reorder_linear_weight(w, rows)`` made at build time: oneDNN's
-blocked layout, the same size as ``w`` (MKL's packed GEMM, which freezing uses for float32, kept
-1.2-9x the weight's size here). Measured alone on this CPU (2 threads): 8 rows 4096 → 4096
-3666 → 1684 µs, 8 rows 25088 → 4096 (VGG's first classifier layer) 38.4 → 17.8 ms, 128 rows
-768 → 3072 (BERT's FFN) with GELU 1795 → 1645 µs; but 1 row 2048 → 1000 (ResNet's classifier)
-154 → 185 µs. So each site is timed both ways at its shapes (``Profiled.isolated_us``) and
-packed only where that is faster; the pass then declines unless the graph with those sites,
-timed in context, is predicted faster than without. Without measured costs it packs the
-sites with more than one row (the measurements above) and says so.
+What inductor's CPU freezing does for linear layers (it uses MKL's for float32). At ATen level
+a linear is ``addmm(bias, x, t(w))`` (``mm(x, t(w))`` without bias; a 3-d input is viewed to
+2-d around it); with ``w`` a known constant (inference) it becomes ``mkldnn._linear_pointwise(x,
+packed, bias, act)`` with ``packed = mkldnn._reorder_linear_weight(w, rows)`` made at build
+time (oneDNN's blocked layout, the same size as ``w``), or ``mkl._mkl_linear`` with MKL's packed
+buffer, which was 1.2-9x the weight's size here (968x for a 64x32 weight): tried only up to 4x.
+Measured alone on this CPU (2 threads), addmm → oneDNN / MKL packed: 8 rows 4096 → 4096 3666 →
+1684 / 1442 µs, 8 rows 25088 → 4096 (VGG's first classifier layer) 38.4 → 17.8 / 20.9 ms, 128
+rows 768 → 3072 1863 → 1660 / 1554 µs; but 1 row 2048 → 1000 (ResNet's classifier) 154 → 185
+/ 163 µs. So one site of each shape is timed all ways (``Profiled.isolated_us``) and each site
+takes the fastest; the pass then declines unless the graph, timed in context, is predicted
+faster than without. Without measured costs it packs (oneDNN) the sites with more than one row
+and says so.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,9 @@ aten = torch.ops.aten
 ADDMM, MM, T = aten.addmm.default, aten.mm.default, aten.t.default
 VIEWS = (aten.view.default, aten._unsafe_view.default)
 LINEAR = torch.ops.mkldnn._linear_pointwise.default
-GAIN = 0.95  # a site is packed when its packed op (with its post-op) takes < 95 % of the unpacked ones
+MKL_LINEAR = torch.ops.mkl._mkl_linear.default
+ONEDNN, MKL = "oneDNN", "MKL"
+MKL_MAX_GROWTH = 4.0  # MKL's packed buffer at most 4x the weight (it was 968x for a 64x32 weight here)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Site:
     weight: fx.Node
     view: fx.Node | None = None
     act: fx.Node | None = None
+    kind: str = ONEDNN  # whose packed linear: oneDNN's (the activation fused) or MKL's
 
     @property
     def layer(self) -> str:
@@ -97,16 +102,11 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
 
 
 def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dict) -> dict[str, fx.Node]:
-    """Each site's linear as the packed oneDNN op; returns the old node's name → the new node.
-    ``packs`` keeps the packed weights by (weight, rows) for a second rewrite of the same graph."""
+    """Each site's linear as a packed op (``site.kind``'s); returns the old node's name → the new node.
+    ``packs`` keeps the packed weights by (weight, rows, kind) for a second rewrite of the graph."""
     graph, new = gm.graph, {}
     for site in sites:
-        key = (site.weight.name, site.rows)
-        if key not in packs:
-            with real_tensors(), torch.no_grad():
-                packs[key] = torch.ops.mkldnn._reorder_linear_weight(ctx.params[site.weight.name].detach(),
-                                                                     site.rows)
-        packed = packs[key]
+        packed = _packed(ctx.params[site.weight.name], site.rows, site.kind, packs)
         name = f"_fxdream_{site.mm.name}_packed_weight"
         while hasattr(gm, name):
             name += "_"
@@ -114,22 +114,35 @@ def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dic
         with graph.inserting_before(site.mm):
             w_node = graph.get_attr(name)
             w_node.meta.update({"val": packed, LAYER: site.mm.meta.get(LAYER, "")})
-            attr, scalars, algorithm = _post_op(site.act) if site.act is not None else ("none", [], "")
             x, bias = site.operands()
-            linear = graph.call_function(LINEAR, (x, w_node, bias, attr, scalars, algorithm))
+            if site.kind == MKL:  # no post-ops: the activation stays
+                linear = graph.call_function(MKL_LINEAR, (x, w_node, site.weight, bias, site.rows))
+            else:
+                attr, scalars, algorithm = _post_op(site.act) if site.act is not None else ("none", [], "")
+                linear = graph.call_function(LINEAR, (x, w_node, bias, attr, scalars, algorithm))
         linear.meta.update(site.mm.meta)
         wt = site.mm.args[-1]
         site.mm.replace_all_uses_with(linear)
         graph.erase_node(site.mm)
         if not wt.users:
             graph.erase_node(wt)
-        if site.act is not None:  # applied inside: the view (if any) now carries the activation's value
+        if site.act is not None and site.kind == ONEDNN:  # applied inside: the view (if any) now carries it
             site.act.replace_all_uses_with(site.view if site.view is not None else linear)
             graph.erase_node(site.act)
         new[site.mm.name] = linear
     graph.lint()
     gm.recompile()
     return new
+
+
+def _packed(weight: torch.Tensor, rows: int, kind: str, packs: dict) -> torch.Tensor:
+    key = (id(weight), rows, kind)
+    if key not in packs:
+        with real_tensors(), torch.no_grad():
+            reorder = torch.ops.mkl._mkl_reorder_linear_weight if kind == MKL else \
+                torch.ops.mkldnn._reorder_linear_weight
+            packs[key] = reorder(weight.detach(), rows)
+    return packs[key]
 
 
 def _shape(site: Site, ctx: PassContext) -> tuple:
@@ -148,33 +161,51 @@ def _describe(site: Site, ctx: PassContext, count: int) -> str:
             f"{out_features}{act}")
 
 
+def _trial(gm: fx.GraphModule, sites: list[Site], kind: str, ctx: PassContext, packs: dict) -> dict[str, fx.Node]:
+    """``sites`` packed by ``kind`` in a copy of ``gm``: the old node's name → its packed op."""
+    trial = copy_graph_module(gm)
+    by_name = {n.name: n for n in trial.graph.nodes}
+    same = lambda node: None if node is None else by_name[node.name]  # noqa: E731
+    return _rewrite(trial, [Site(same(s.mm), same(s.weight), same(s.view), same(s.act), kind) for s in sites],
+                    ctx, packs)
+
+
+def _mkl_fits(site: Site, ctx: PassContext, packs: dict) -> bool:
+    weight = ctx.params[site.weight.name]
+    return torch._C.has_mkl and _packed(weight, site.rows, MKL, packs).numel() <= MKL_MAX_GROWTH * weight.numel()
+
+
 def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
                    packs: dict) -> tuple[list[Site], list[str]]:
-    """The sites whose packed op, timed alone at its shapes, beats addmm (+ the activation): one
-    site of each shape is packed in a trial copy of the graph and timed."""
+    """The sites to pack, each with the kind whose op, timed alone at its shapes, beat addmm (+ the
+    activation) and the other kind: one site of each shape is packed in trial copies and timed."""
     cost = ctx.cost_model
     if not isinstance(cost, Profiled):
         return [s for s in sites if s.rows > 1], [
-            f"{s.layer}: no measured costs: " + (f"packed ({s.rows} rows)" if s.rows > 1 else
+            f"{s.layer}: no measured costs: " + (f"packed by oneDNN ({s.rows} rows)" if s.rows > 1 else
                                                  "left as it was (1 row: packing was slower here)") for s in sites]
     groups: dict[tuple, list[Site]] = {}
     for site in sites:
         groups.setdefault(_shape(site, ctx), []).append(site)
-    trial = copy_graph_module(gm)
-    by_name = {n.name: n for n in trial.graph.nodes}
-    same = lambda node: None if node is None else by_name[node.name]  # noqa: E731
     firsts = [group[0] for group in groups.values()]
-    packed = _rewrite(trial, [Site(same(s.mm), same(s.weight), same(s.view), same(s.act)) for s in firsts],
-                      ctx, packs)
+    onednn = _trial(gm, firsts, ONEDNN, ctx, packs)
+    mkl = _trial(gm, [s for s in firsts if _mkl_fits(s, ctx, packs)], MKL, ctx, packs)
     keep, notes = [], []
     for site, group in zip(firsts, groups.values()):
-        before = cost.isolated_us(site.mm) + (cost.isolated_us(site.act) if site.act is not None else 0.0)
-        after = cost.isolated_us(packed[site.mm.name])
-        verdict = "packed" if after < GAIN * before else "left as it was"
-        notes.append(f"{_describe(site, ctx, len(group))}: {before:.0f} µs unpacked, {after:.0f} µs packed "
-                     f"(alone) → {verdict}")
-        if verdict == "packed":
-            keep.extend(group)
+        act_us = cost.isolated_us(site.act) if site.act is not None else 0.0
+        times = {"as captured": cost.isolated_us(site.mm) + act_us, ONEDNN: cost.isolated_us(onednn[site.mm.name])}
+        if site.mm.name in mkl:
+            times[MKL] = cost.isolated_us(mkl[site.mm.name]) + act_us
+        best = min(times, key=times.get)
+        listing = ", ".join(f"{k} {v:.0f} µs" for k, v in times.items())
+        unfit = "" if MKL in times else " (MKL's packed buffer would exceed 4x the weight)"
+        notes.append(f"{_describe(site, ctx, len(group))}: {listing}{unfit} (alone) → "
+                     + ("left as it was" if best == "as captured" else f"packed by {best}"))
+        if best != "as captured":
+            keep.extend(Site(s.mm, s.weight, s.view, s.act, best) for s in group)
+    used = {(id(ctx.params[s.weight.name]), s.rows, s.kind) for s in keep}
+    for key in [k for k in packs if k not in used]:
+        del packs[key]  # let the trials' other buffers go now
     return keep, notes
 
 
@@ -204,9 +235,11 @@ class PrepackLinear:
                               + ("" if isinstance(ctx.cost_model, Profiled) else " (no measured costs: none has "
                                  "more than one row)"), tuple(notes))
         _rewrite(gm, keep, ctx, packs)
-        acts = sum(s.act is not None for s in keep)
-        what = f"packed {len(keep)} of {len(sites)} linear layer(s)" + (f", {acts} with the activation fused"
-                                                                         if acts else "")
+        kinds = Counter(s.kind for s in keep)
+        acts = sum(s.act is not None and s.kind == ONEDNN for s in keep)
+        what = (f"packed {len(keep)} of {len(sites)} linear layer(s) ("
+                + ", ".join(f"{n} by {kind}" for kind, n in kinds.items()) + ")"
+                + (f", {acts} with the activation fused" if acts else ""))
         if ctx.predict_us is None:
             return PassResult(gm, True, what, tuple(notes))
         before, after = ctx.predict_us(original), ctx.predict_us(gm)

@@ -37,7 +37,7 @@ def test_packs_every_linear_and_fuses_its_activation_without_measured_costs():
     model, x = Mlp().eval(), torch.randn(2, 5, 16)
     optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
     (row,) = optimized.report.passes
-    assert row.applied and row.reason == "packed 3 of 3 linear layer(s), 2 with the activation fused", row.reason
+    assert row.applied and row.reason == "packed 3 of 3 linear layer(s) (3 by oneDNN), 2 with the activation fused"
     graph = optimized.rewritten_graphs[(0, "fw")]
     assert [n.args[3:] for n in linear_nodes(graph)] == [("relu", [], ""), ("gelu", [], "tanh"), ("none", [], "")]
     remaining = {n.target for n in graph.graph.nodes if n.op == "call_function"}
@@ -57,14 +57,15 @@ def test_one_row_is_left_alone_without_measured_costs_and_the_reason_says_so():
 
 
 class TimedAlone(Profiled):
-    """A Profiled cost model whose isolated timings are given: packed ``packed_us``, addmm 10 µs, the rest 0."""
+    """A Profiled cost model whose isolated timings are given: oneDNN's packed op ``packed_us``,
+    MKL's ``mkl_us``, addmm 10 µs, the rest 0."""
 
-    def __init__(self, packed_us: float):
+    def __init__(self, packed_us: float, mkl_us: float = 100.0):
         super().__init__(DEVICES["cpu"])
-        self.packed_us = packed_us
+        self.us = {pack.LINEAR: packed_us, pack.MKL_LINEAR: mkl_us, pack.ADDMM: 10.0}
 
     def isolated_us(self, node):
-        return self.packed_us if node.target is pack.LINEAR else 10.0 if node.target is pack.ADDMM else 0.0
+        return self.us.get(node.target, 0.0)
 
 
 def run_pass(model, x, cost_model, predicted: list):
@@ -84,11 +85,26 @@ def test_a_site_is_packed_only_where_its_packed_op_is_faster_alone(packed_us, ap
     # in context (unpacked, then packed) packing wins too
     captured, result = run_pass(model, x, TimedAlone(packed_us), [100.0, 50.0])
     assert result.modified is applied
-    assert ("10 µs unpacked" in result.notes[0]) and result.notes[0].endswith("packed" if applied else "left as it was")
+    assert result.notes[0] == (f"0: 4 rows, 8 → 4 + relu: as captured 10 µs, oneDNN {packed_us:.0f} µs (MKL's packed "
+                               "buffer would exceed 4x the weight) (alone) → "
+                               + ("packed by oneDNN" if applied else "left as it was"))
     if applied:
-        assert result.reason == "packed 1 of 1 linear layer(s), 1 with the activation fused (predicted: 0.100 → 0.050 ms)"
+        assert result.reason == ("packed 1 of 1 linear layer(s) (1 by oneDNN), 1 with the activation fused "
+                                 "(predicted: 0.100 → 0.050 ms)")
         with torch.no_grad():
             torch.testing.assert_close(result.graph_module(*captured.example_inputs)[0], model(x))
+
+
+def test_mkl_is_chosen_where_faster_and_its_buffer_small_enough_and_keeps_the_activation():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()).eval(), torch.randn(4, 1024)  # MKL: 3.3x
+    captured, result = run_pass(model, x, TimedAlone(5.0, mkl_us=2.0), [100.0, 50.0])
+    assert result.modified and result.reason.startswith("packed 1 of 1 linear layer(s) (1 by MKL) (predicted")
+    assert result.notes[0].endswith("as captured 10 µs, oneDNN 5 µs, MKL 2 µs (alone) → packed by MKL")
+    targets = [n.target for n in result.graph_module.graph.nodes if n.op == "call_function"]
+    assert targets == [pack.MKL_LINEAR, torch.ops.aten.relu.default]  # MKL's op has no post-ops
+    with torch.no_grad():
+        torch.testing.assert_close(result.graph_module(*captured.example_inputs)[0], model(x), atol=1e-4, rtol=1e-5)
 
 
 def test_declines_when_the_graph_is_not_faster_in_context():
@@ -114,9 +130,12 @@ def test_zoo_models_equal_eager(name):
         torch.testing.assert_close(optimized(*inputs), model(*inputs), atol=1e-4, rtol=1e-4)
 
 
-def test_packed_linear_counts_the_matmul_flops():
+def test_packed_linears_count_the_matmul_flops():
     x, w = torch.randn(6, 16), torch.randn(32, 16)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 6)
-    with FlopCounterMode(display=False) as counter:
-        pack.LINEAR(x, packed, None, "none", [], "")
-    assert counter.get_total_flops() == 2 * 6 * 16 * 32  # the analytic cost model reads these
+    counts = []
+    for run in (lambda: pack.LINEAR(x, torch.ops.mkldnn._reorder_linear_weight(w, 6), None, "none", [], ""),
+                lambda: pack.MKL_LINEAR(x, torch.ops.mkl._mkl_reorder_linear_weight(w, 6), w, None, 6)):
+        with FlopCounterMode(display=False) as counter:
+            run()
+        counts.append(counter.get_total_flops())
+    assert counts == [2 * 6 * 16 * 32] * 2  # the analytic cost model reads these
