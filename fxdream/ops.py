@@ -322,19 +322,38 @@ def _onednn_conv_flops(a, b, c, *_, out_shape=None, **__) -> int:
     return conv_flop_count(a, b, out_shape)
 
 
-@register_flop_formula(torch.ops.mkldnn._linear_pointwise)
-def _onednn_linear_flops(x_shape, w_shape, *_, out_shape=None, **__) -> int:
-    """prepack_linear's op: 2·rows·in·out, as addmm's (the post-op is memory traffic)."""
+def optional_op(namespace: str, name: str):
+    """``torch.ops.<namespace>.<name>`` (an overload packet), or None where this build lacks it
+    (MKL's ops are not in builds without MKL, e.g. on ARM)."""
+    try:
+        return getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+ONEDNN_LINEAR = optional_op("mkldnn", "_linear_pointwise")
+MKL_LINEAR = optional_op("mkl", "_mkl_linear")
+
+
+def _linear_flops(x_shape, w_shape) -> int:
+    """2·rows·in·out, as addmm's (a post-op is memory traffic)."""
     rows = 1
     for size in x_shape[:-1]:
         rows *= size
     return 2 * rows * x_shape[-1] * w_shape[0]
 
 
-@register_flop_formula(torch.ops.mkl._mkl_linear)
-def _mkl_linear_flops(x_shape, _packed_shape, w_shape, *_, out_shape=None, **__) -> int:
-    """prepack_linear's MKL op (x, packed, w, bias, rows): the packed buffer's shape is opaque."""
-    return _onednn_linear_flops(x_shape, w_shape)
+if ONEDNN_LINEAR is not None:
+    @register_flop_formula(ONEDNN_LINEAR)
+    def _onednn_linear_flops(x_shape, w_shape, *_, out_shape=None, **__) -> int:
+        """prepack_linear's oneDNN op (x, packed w, bias, post-op...)."""
+        return _linear_flops(x_shape, w_shape)
+
+if MKL_LINEAR is not None:
+    @register_flop_formula(MKL_LINEAR)
+    def _mkl_linear_flops(x_shape, _packed_shape, w_shape, *_, out_shape=None, **__) -> int:
+        """prepack_linear's MKL op (x, packed, w, bias, rows): the packed buffer's shape is opaque."""
+        return _linear_flops(x_shape, w_shape)
 
 
 # --- the ops a rewritten graph may hold (onednn_direct puts the oneDNN ones in) -----------

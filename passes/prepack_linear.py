@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from fxdream import ops
 from fxdream.annotate import LAYER
 from fxdream.pass_api import PassContext, PassResult, register_pass
 from fxdream.pass_pipeline import copy_graph_module
@@ -32,8 +33,8 @@ from fxdream.sim.op_keys import real_tensors
 aten = torch.ops.aten
 ADDMM, MM, T = aten.addmm.default, aten.mm.default, aten.t.default
 VIEWS = (aten.view.default, aten._unsafe_view.default)
-LINEAR = torch.ops.mkldnn._linear_pointwise.default
-MKL_LINEAR = torch.ops.mkl._mkl_linear.default
+LINEAR = ops.ONEDNN_LINEAR.default if ops.ONEDNN_LINEAR is not None else None
+MKL_LINEAR = ops.MKL_LINEAR.default if ops.MKL_LINEAR is not None else None  # None: a build without MKL
 ONEDNN, MKL = "oneDNN", "MKL"
 MKL_MAX_GROWTH = 4.0  # MKL's packed buffer at most 4x the weight (it was 968x for a 64x32 weight here)
 
@@ -172,7 +173,8 @@ def _trial(gm: fx.GraphModule, sites: list[Site], kind: str, ctx: PassContext, p
 
 def _mkl_fits(site: Site, ctx: PassContext, packs: dict) -> bool:
     weight = ctx.params[site.weight.name]
-    return torch._C.has_mkl and _packed(weight, site.rows, MKL, packs).numel() <= MKL_MAX_GROWTH * weight.numel()
+    return MKL_LINEAR is not None and \
+        _packed(weight, site.rows, MKL, packs).numel() <= MKL_MAX_GROWTH * weight.numel()
 
 
 def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
@@ -198,7 +200,8 @@ def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
             times[MKL] = cost.isolated_us(mkl[site.mm.name]) + act_us
         best = min(times, key=times.get)
         listing = ", ".join(f"{k} {v:.0f} µs" for k, v in times.items())
-        unfit = "" if MKL in times else " (MKL's packed buffer would exceed 4x the weight)"
+        unfit = "" if MKL in times else " (MKL's packed buffer would exceed 4x the weight)" \
+            if MKL_LINEAR is not None else " (no MKL in this torch)"
         notes.append(f"{_describe(site, ctx, len(group))}: {listing}{unfit} (alone) → "
                      + ("left as it was" if best == "as captured" else f"packed by {best}"))
         if best != "as captured":
@@ -218,8 +221,8 @@ class PrepackLinear:
             return "CPU only (oneDNN's packed linear)"
         if not ctx.frozen:
             return "inference forward graphs only (the weights must be constants)"
-        if not torch.backends.mkldnn.is_available():
-            return "this torch has no oneDNN"
+        if not torch.backends.mkldnn.is_available() or LINEAR is None:
+            return "this torch has no oneDNN (its packed linear)"
         return None
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -107,6 +107,14 @@ def test_mkl_is_chosen_where_faster_and_its_buffer_small_enough_and_keeps_the_ac
         torch.testing.assert_close(result.graph_module(*captured.example_inputs)[0], model(x), atol=1e-4, rtol=1e-5)
 
 
+def test_a_torch_without_mkl_packs_with_onednn_and_says_so(monkeypatch):
+    monkeypatch.setattr(pack, "MKL_LINEAR", None)  # what ops.optional_op gives on a build without MKL
+    model, x = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()).eval(), torch.randn(4, 1024)
+    _, result = run_pass(model, x, TimedAlone(5.0, mkl_us=2.0), [100.0, 50.0])
+    assert result.modified and "(1 by oneDNN)" in result.reason
+    assert result.notes[0].endswith("oneDNN 5 µs (no MKL in this torch) (alone) → packed by oneDNN")
+
+
 def test_declines_when_the_graph_is_not_faster_in_context():
     model, x = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval(), torch.randn(4, 8)
     _, result = run_pass(model, x, TimedAlone(1.0), [100.0, 150.0])
