@@ -24,6 +24,11 @@ def test_fuse_attention_inference(fxdream_ab):
     fxdream_ab("bert_base", passes=["fuse_attention"], batch_sizes=(1,))
 
 
+def test_prepack_linear_inference(fxdream_ab):
+    fxdream_ab("bert_base", passes=["prepack_linear"], batch_sizes=(1,))
+    fxdream_ab("mnist_convnet", passes=["prepack_linear"], batch_sizes=(8, 32))
+
+
 def test_the_tutorials_gelu_tanh_pass(fxdream_ab):
     runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "gelu_tanh.py"))
     fxdream_ab("bert_base", passes=["gelu_tanh"], batch_sizes=(1,), tiny=True, atol=1e-2)  # tanh GELU: ≤ 1e-3 per op
