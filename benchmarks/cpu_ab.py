@@ -25,10 +25,9 @@ import time
 import torch
 
 import fxdream
-from fxdream import models
 from fxdream.ab import PROFILING, interleaved_profiler, measured_step, step_fn
 from fxdream.capture import one_step
-from fxdream.cli import user_model
+from fxdream.cli import build_model
 from fxdream.measure import time_interleaved
 from fxdream.numerics import max_abs_diff
 from fxdream.predict import predict
@@ -89,9 +88,7 @@ def compile_inductor(model, inputs, freezing: bool, training: bool = False):
 
 def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: int, block: int,
              rebuild: bool = True, training: bool = False) -> dict:
-    user_build = user_model(model_name)  # FILE.py:FUNCTION, as the CLI takes it
-    model, inputs, loss_fn = user_build(batch) if user_build else models.build(model_name, batch)
-    model.train(training)
+    model, inputs, loss_fn = build_model(model_name, batch, training=training)  # zoo or FILE.py:FUNCTION
     built, rows = {}, {}
     for name in runners:
         if training and name in INFERENCE_ONLY:

@@ -8,7 +8,8 @@ import time
 import torch
 
 
-def _build(name: str, batch: int, tiny: bool, training: bool):
+def build_model(name: str, batch: int, tiny: bool = False, training: bool = False):
+    """(model, inputs, loss_fn) for a zoo name or a user model (``FILE.py:FUNCTION``), in the mode asked."""
     user = user_model(name, tiny=tiny)
     if user is not None:
         model, inputs, loss_fn = user(batch)
@@ -63,7 +64,7 @@ def user_model(spec: str, device: str = "cpu", tiny: bool = False):
 
 def cmd_capture(args) -> int:
     import fxdream
-    model, inputs, _ = _build(args.model, args.batch, args.tiny, args.training)
+    model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     started = time.perf_counter()
     captured = fxdream.capture(model, inputs, training=args.training)
     seconds = time.perf_counter() - started
@@ -79,7 +80,7 @@ def cmd_demo(args) -> int:
     import fxdream
     from fxdream.measure import time_interleaved
     from fxdream.sim.profile_store import PROFILE_DIR_ENV
-    model, inputs, _ = _build(args.model, args.batch, args.tiny, training=False)
+    model, inputs, _ = build_model(args.model, args.batch, args.tiny, training=False)
     model.eval()
     print(f"fxdream demo: {args.model} batch {args.batch}, inference on this CPU (torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads)\n")
@@ -113,7 +114,7 @@ def cmd_simulate(args) -> int:
     """Predict one iteration of a zoo model on a device; write a Perfetto trace and a PNG."""
     from fxdream.predict import simulate
     from fxdream.sim.trace import plot_timeline, write_chrome_trace
-    model, inputs, _ = _build(args.model, args.batch, args.tiny, args.training)
+    model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"simulating {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} with {args.cost} costs ...", flush=True)
     passes = () if not args.passes else ("auto" if args.passes == "auto" else args.passes.split(","))
@@ -138,7 +139,7 @@ def cmd_whatif(args) -> int:
     from fxdream.capture import capture
     from fxdream.predict import cost_model_for, predict
     from fxdream.sim.lower import OPTIMIZERS
-    model, inputs, _ = _build(args.model, args.batch, args.tiny, True)
+    model, inputs, _ = build_model(args.model, args.batch, args.tiny, True)
     print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
     captured = capture(model, inputs, training=True)
     base = predict(captured, cost_model_for(args.device, args.cost), True, OPTIMIZERS[args.optimizer])
@@ -211,7 +212,7 @@ def cmd_explain(args) -> int:
     from fxdream.plan import plan
     from fxdream.sim.trace import plot_comparison, write_chrome_trace
     _load_plugins(args.load)
-    model, inputs, _ = _build(args.model, args.batch, args.tiny, args.training)
+    model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} ...", flush=True)
     captured = fxdream.capture(model, inputs, training=args.training)
