@@ -134,21 +134,19 @@ class Profiled:
         self.samples: dict[str, list[float]] = {}  # in-context times (µs) by key, every run so far
 
     def kernel_us(self, node: fx.Node) -> float:
-        if is_view(node):
-            return 0.0
-        key = profile_key(node, self.torch_device.type)
-        if key not in self.measurements:
-            with real_tensors():
-                self.measurements[key] = self._measure(node)
-        return self.measurements[key]
+        return self._cached(node, "")
 
     def isolated_us(self, node: fx.Node) -> float:
         """``node``'s op timed alone at its shapes (a loop of calls), even where it was timed in
         context: a pass comparing two ops before building a graph with either compares like with
         like. Cached per key."""
+        return self._cached(node, "isolated|")
+
+    def _cached(self, node: fx.Node, prefix: str) -> float:
+        """The measurement under ``prefix`` + the node's key, micro-benchmarked once if missing."""
         if is_view(node):
             return 0.0
-        key = "isolated|" + profile_key(node, self.torch_device.type)
+        key = prefix + profile_key(node, self.torch_device.type)
         if key not in self.measurements:
             with real_tensors():
                 self.measurements[key] = self._measure(node)
