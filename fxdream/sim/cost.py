@@ -242,16 +242,16 @@ class Profiled:
                     if gm is not None:
                         self.profile_graph(gm, bw_inputs, rounds, warmup, new_keys_only=new_only)
 
-    def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 1,
+    def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 0,
                       budget_s: float = PROFILE_BUDGET_S, new_keys_only: bool = False) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
         Past ``MIN_ROUNDS`` timed rounds, no new round starts once they took ``budget_s``: a
         graph that runs for more than ~30 ms (ResNet-50 at batch 1) stops at 3 rounds, not 5.
-        One warm-up run: its first call builds a new variant's oneDNN primitives; rounds timed
+        No warm-up run: the first call builds a new variant's oneDNN primitives, but rounds timed
         one by one (ResNet-50 bs1 and bs8: the unfused graph and both fused variants) were
-        level from the second run on, and a median of ≥ 3 rounds outvotes one slow round.
-        Three warm-ups made a ResNet-50 bs8 build 3.4 s longer (medians of 4: 15.6 vs 12.2 s)
+        level from the second run on, and the median of ≥ 3 rounds outvotes the one slow
+        round (a warm-up run cost ResNet-50's first build ~0.25 s at bs1). Three warm-ups made a ResNet-50 bs8 build 3.4 s longer (medians of 4: 15.6 vs 12.2 s)
         and predicted no closer (median optimized 465 vs 420 ms; measured 396-400 ms).
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were."""
