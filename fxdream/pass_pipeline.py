@@ -99,9 +99,10 @@ class PassPipeline:
         return inputs
 
     def _profile_candidate(self, gm: fx.GraphModule, phase: str, index: int) -> None:
-        """A rewrite's new ops are timed in context too, so before and after compare alike."""
+        """A rewrite's new ops are timed in context too, so before and after compare alike
+        (unless they are a tiny share of the graph: ``Profiled.worth_timing_in_context``)."""
         cost = self.base_context.cost_model
-        if isinstance(cost, Profiled) and not cost.measured_in_context(gm):
+        if isinstance(cost, Profiled) and cost.to_time_in_context(gm):
             inputs = self._real_inputs(index, phase)
             if inputs is not None:
                 cost.profile_graph(gm, inputs, new_keys_only=True)

@@ -98,6 +98,31 @@ def test_a_rewrites_profile_adds_only_its_new_ops():
     assert [k for k in cost.samples if k not in before] == [profile_key(relu, "cpu")]
 
 
+def test_new_ops_under_one_percent_of_the_graph_are_not_worth_timed_runs_of_it():
+    from fxdream.pass_pipeline import copy_graph_module
+    from fxdream.sim.cost import FEW_NEW_OPS, MIN_SHARE
+    model, x = Small().eval(), torch.randn(2, 3, 8, 8)
+    captured = fxdream.capture(model, (x,))
+    cost = cost_model_for("cpu", "profiled")
+    base = captured.forward
+    keys = [profile_key(n, "cpu") for n in base.graph.nodes if n.op == "call_function" and not is_view(n)]
+    for key in keys:  # pretend every base op was timed in context at 100 µs
+        cost.samples[key], cost.measurements[key] = [100.0], 100.0
+    assert not cost.to_time_in_context(base)
+    rewritten = copy_graph_module(base)
+    relu = next(n for n in rewritten.graph.nodes if n.target is torch.ops.aten.relu.default)
+    relu.target = torch.ops.aten.sigmoid.default
+    rewritten.recompile()
+    new_key, total_us = profile_key(relu, "cpu"), 100.0 * (len(keys) - 1)
+    cost.measurements[new_key] = 0.9 * MIN_SHARE * total_us  # "timed alone": under the share
+    assert not cost.to_time_in_context(rewritten)
+    cost.measurements[new_key] = 2 * MIN_SHARE * total_us  # over it
+    assert cost.to_time_in_context(rewritten)
+    fresh = Profiled(cost.device)  # more new ops than FEW_NEW_OPS: timed in context, decided at once
+    assert len(set(keys)) > FEW_NEW_OPS
+    assert fresh.to_time_in_context(base) and not fresh.measurements
+
+
 def test_profile_round_trips_through_json(tmp_path):
     cost = cost_model_for("cpu", "profiled")
     model, x = Small(), torch.randn(2, 3, 8, 8)
