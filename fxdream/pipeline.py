@@ -223,10 +223,12 @@ def _check_against_eager(model, module: OptimizedModule, inputs, training: bool)
     eager = _step(model, inputs, training)
     with preserved_state(model), torch.set_grad_enabled(training):
         call_ms = []
-        for _ in range(2):  # the faster of two: a first call can be cold
+        for _ in range(2):  # the faster of two: a first call can be cold, but not 5x the limit
             started = time.perf_counter()
             eager()
             call_ms.append((time.perf_counter() - started) * 1e3)
+            if call_ms[0] > 5 * EAGER_CHECK_MAX_CALL_MS:  # ResNet-50 bs8: a second call was ~0.5 s more
+                break
         one_call_ms = min(call_ms)
         if one_call_ms > EAGER_CHECK_MAX_CALL_MS:
             module._session.notes.append(

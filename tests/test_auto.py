@@ -6,6 +6,7 @@ import torch.nn as nn
 import fxdream
 from fxdream.annotate import op_name
 from fxdream.capture import CaptureSession, run_once
+from fxdream.capture import one_step as pipeline_one_step
 from fxdream.dynamo_glue import compile_with
 from fxdream.pass_api import PassContext, PassResult
 from fxdream.pass_pipeline import PassPipeline
@@ -199,7 +200,10 @@ def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off
 def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
     import fxdream.pipeline as pipeline
     monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 0.0)
-    optimized = fxdream.optimize(Net().eval(), (torch.randn(8, 64),), passes="auto", eager_check=True)
+    model, calls = Net().eval(), []
+    monkeypatch.setattr(pipeline, "one_step", lambda m, *args: calls.append(m) or pipeline_one_step(m, *args))
+    optimized = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto", eager_check=True)
     report = optimized.report
     assert report.measured_eager_ms is None and not report.ran_eagerly
     assert any(n.startswith("not timed against eager: an eager call takes") for n in report.notes)
+    assert calls.count(model) == 1  # over 5x the limit, the first call is not timed again
