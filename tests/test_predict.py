@@ -280,3 +280,18 @@ def test_host_overheads_are_measured_before_the_capture_not_inside_it(monkeypatc
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
     fxdream.optimize(model, (torch.randn(1, 3, 8, 8),), passes=["fuse_conv_bias_act"], cost="profiled")
     assert events[:2] == ["graph call measured", "capture"]
+
+
+def test_ops_are_timed_without_the_python_dispatcher_aot_turns_on(monkeypatch):
+    # a training capture (dynamo: aot has a shape env) runs its compiler callbacks under the
+    # Python dispatcher; timed there, every op paid a trip through Python (a GRU: 5x)
+    import fxdream.sim.cost as cost_module
+    key, seen, time_graph = torch._C.DispatchKey.PythonDispatcher, [], cost_module.time_graph
+
+    def recording(*args, **kwargs):
+        seen.append(torch._C._dispatch_tls_is_dispatch_key_included(key))
+        return time_graph(*args, **kwargs)
+    monkeypatch.setattr(cost_module, "time_graph", recording)
+    model, x = Small(), torch.randn(2, 3, 8, 8)
+    fxdream.optimize(model, (x,), passes="auto", training=True)
+    assert seen and not any(seen)
