@@ -272,6 +272,18 @@ def preserved_state(model: torch.nn.Module):
                     buffer.copy_(saved)
             for p, saved in grads.items():
                 p.grad = saved
+            _refresh_rnn_weights(model)
+
+
+def _refresh_rnn_weights(model: torch.nn.Module) -> None:
+    """A capture runs ``nn.RNNBase.forward`` on stand-ins for the parameters (aot_autograd's fake
+    ones), which the module keeps in ``_flat_weights`` until a later forward notices and refreshes
+    them: refresh them now. Left stale, the model held fake tensors, and its next forward changed
+    its Python attributes, so a second optimize() of a GRU model lost the torch.fx path."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.RNNBase) and hasattr(m, "_weights_have_changed") \
+                and m._weights_have_changed():  # private torch API, guarded
+            m._update_flat_weights()
 
 
 def differentiable_scalar(output) -> torch.Tensor | None:

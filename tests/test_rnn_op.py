@@ -51,6 +51,20 @@ def test_an_rnn_layer_is_one_op_in_inference_and_exact(kind, cls):
         assert torch.equal(optimized(x2), model(x2))
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_a_build_leaves_the_rnn_holding_its_own_weights(training):
+    # the capture runs the GRU on aot's fake parameters; left in _flat_weights, the model's next
+    # forward swapped them back (a Python side effect): a second build lost the torch.fx path
+    torch.manual_seed(0)
+    model, x = Recurrent("gru").train(training), torch.randn(3, 5, 6)
+    for _ in range(2):
+        optimized = fxdream.optimize(model, (x,), training=training, eager_check=False)
+        gru = model.rnn
+        assert all(w is getattr(gru, name) for w, name in zip(gru._flat_weights, gru._flat_weights_names))
+        if not training:
+            assert optimized.report.capture == "torch.fx symbolic_trace"
+
+
 def test_training_with_an_rnn_is_unchanged():
     torch.manual_seed(0)
     model, x = Recurrent("gru").train(), torch.randn(3, 5, 6)
