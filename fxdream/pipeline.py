@@ -40,17 +40,33 @@ class OptimizedModule(torch.nn.Module):
         self._build_seconds = 0.0
         self._capture = "dynamo"
         self._extras: dict = {}  # whole-model predictions, verification, measurements
+        self._compilations: dict[tuple, int] = {}  # call signature → compilations for it
 
     def forward(self, *args, **kwargs):
         if self._fallback_reason is not None:
             return self._call(self.model, args, kwargs)
+        compiled = len(self._session.records)
         try:
-            return self._call(self._runner, args, kwargs)
+            output = self._call(self._runner, args, kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
             if self._strict:
                 raise
             self._fall_back(f"compilation failed on a later call: {describe_error(error)}")
             return self._call(self.model, args, kwargs)
+        if len(self._session.records) > compiled:
+            self._count_compilation(args, kwargs)
+        return output
+
+    def _count_compilation(self, args, kwargs) -> None:
+        """Run eagerly once dynamo has compiled calls of one kind ``RECOMPILE_LIMIT`` times: a
+        guard on something that changes every call (a counter the forward increments) recompiled
+        on every call, ~130 ms each with the passes, up to dynamo's limit (64 here)."""
+        key = call_signature(args, kwargs) + (torch.is_grad_enabled() and not self._inference, self.model.training)
+        count = self._compilations[key] = self._compilations.get(key, 0) + 1
+        if count >= RECOMPILE_LIMIT and not self._strict:
+            self._fall_back(f"dynamo compiled calls with the same input shapes {count} times: something its "
+                            f"guards check changes on every call (e.g. a Python number the forward updates, "
+                            f"such as a call counter), and each compilation runs the passes again")
 
     def _call(self, fn: Callable, args, kwargs):
         if self._inference:
@@ -159,6 +175,8 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
         module._fall_back(f"the model's capture ({how}) failed: {describe_error(error)}")
     module._graph_breaks = new_graph_breaks(breaks_before)
+    if session.records:
+        module._compilations[call_signature(inputs, {}) + (training, training)] = 1
     if module._fallback_reason is None and not session.captured():
         retried = capture_from_trace(model, inputs, session, training, module._graph_breaks)
         if retried is not None:
@@ -170,6 +188,19 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
                            + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
     return module
+
+
+RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before running eagerly
+
+
+def call_signature(args: tuple, kwargs: dict) -> tuple:
+    """What makes two calls alike for dynamo with static shapes: tensors' shapes, dtypes and
+    devices; other values as they are (their types, where they cannot be hashed)."""
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+        return x if isinstance(x, (int, float, bool, str, type(None))) else type(x)
+    return tuple(leaf(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)))
 
 
 def beyond_rounding(diff: float, model, inputs) -> bool:

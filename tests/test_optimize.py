@@ -113,6 +113,39 @@ def test_new_input_shape_recaptures_and_stays_correct():
     assert [g.input_shapes for g in optimized.report.graphs] == [((2, 3, 8, 8),), ((5, 3, 16, 16),)]
 
 
+
+class CountsCalls(Small):
+    """A Python int the forward increments: dynamo guards on it and compiles every call again."""
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_model_dynamo_compiles_on_every_call_runs_eagerly_with_the_reason(training):
+    torch.manual_seed(0)
+    model, x = CountsCalls().train(training), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], training=training)
+    for _ in range(6):
+        with torch.set_grad_enabled(training):
+            torch.testing.assert_close(optimized(x), Small.forward(model, x))
+    report = optimized.report
+    assert report.ran_eagerly and "compiled calls with the same input shapes 3 times" in report.fallback_reason
+    assert len(report.graphs) <= 3  # not one compilation per call (up to dynamo's limit of 64)
+    assert model.calls > 6
+
+
+def test_new_shapes_compile_each_once_and_keep_the_graphs():
+    optimized = fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),))
+    for batch in (3, 4, 5, 6, 3, 4):
+        optimized(torch.randn(batch, 3, 8, 8))
+    assert not optimized.report.ran_eagerly and len(optimized.report.graphs) == 5
+
+
 def test_many_optimized_copies_of_one_class_are_each_captured():
     # every optimize() is its own dynamo backend; dynamo's default limit of 8 cache
     # entries per function would otherwise make later ones run eagerly without a word
