@@ -11,8 +11,9 @@ on some 7x7 channels_last convs, pytorch#68506), so the pass builds every varian
 device allows (CPU inference: NCHW, channels_last + weights prepacked once; CUDA: NCHW,
 channels_last) and keeps the fastest by ``ctx.predict_us`` (the pipeline's measured cost model);
 every variant's predicted time goes in the notes. When none is predicted faster than the
-graph as it is, the pass declines (also when named explicitly: that fusion can be slower is
-the point). Without a cost model it takes channels_last + prepacked on CPU and NCHW on
+graph as it is, the pass declines under ``passes="auto"``; named explicitly (forced), it applies
+the fastest variant and says it is predicted slower, so an A/B run can check that prediction
+too (it used to decline there as well, and a predicted loss was never measured). Without a cost model it takes channels_last + prepacked on CPU and NCHW on
 CUDA and says so. Training graphs get the trainable
 ops (``fxdream::conv_bias_relu``, ``fxdream::conv_bias_add_relu``) in NCHW: the forward
 returns exactly the values the already-built backward graph expects.
@@ -294,11 +295,12 @@ class FuseConvBiasAct:
             chosen = min(times, key=times.get)
             listing = ", ".join([f"unfused {base / 1e3:.3f} ms"]
                                 + [f"{v.name} {t / 1e3:.3f} ms" for v, t in times.items()])
-            if times[chosen] >= base:
+            slower = times[chosen] >= base
+            if slower and not ctx.forced:
                 return PassResult(gm, False, f"every fused variant is predicted slower than unfused "
                                   f"({listing})", tuple([f"predicted: {listing} → unfused"] + notes + failed))
-            notes.insert(0, f"predicted: {listing} → {chosen.name}")
-            how = f"{chosen.name} (predicted {base / times[chosen]:.2f}x)"
+            notes.insert(0, f"predicted: {listing} → {chosen.name}" + (" (forced)" if slower else ""))
+            how = f"{chosen.name} ({'forced: ' if slower else ''}predicted {base / times[chosen]:.2f}x)"
         return PassResult(candidates[chosen], True, f"fused {_summary(sites)}; {how}",
                           tuple(notes + failed + site_notes))
 

@@ -20,13 +20,14 @@ def fused_targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in FUSED]
 
 
-def pass_context(model, captured, training=False, predict_us=None):
+def pass_context(model, captured, training=False, predict_us=None, forced=True):
     """The PassContext the pipeline builds: forward placeholders → the model's live tensors."""
     state = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
     names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
     params = {name: t for name, t in zip(names, captured.example_inputs)
               if isinstance(t, torch.Tensor) and t.data_ptr() in state}
-    return PassContext(device="cpu", training=training, phase="fw", params=params, predict_us=predict_us)
+    return PassContext(device="cpu", training=training, phase="fw", params=params, predict_us=predict_us,
+                       forced=forced)
 
 
 def run_forward(gm, captured):
@@ -253,10 +254,13 @@ def test_variant_is_chosen_by_predicted_time():
     result = the_pass(captured.forward, pass_context(model, captured, predict_us=_by_structure(times)))
     assert result.modified and result.reason.endswith("; nchw (predicted 1.33x)"), result.reason
     assert result.notes[0] == "predicted: unfused 4.000 ms, nchw 3.000 ms, channels_last+prepacked 3.200 ms → nchw"
-    slower = {**times, "unfused": 2000.0}
-    result = the_pass(captured.forward, pass_context(model, captured, predict_us=_by_structure(slower)))
+    slower = {**times, "unfused": 2000.0}  # under "auto" (not forced) it declines; named, it applies
+    result = the_pass(captured.forward, pass_context(model, captured, predict_us=_by_structure(slower), forced=False))
     assert not result.modified
     assert result.reason.startswith("every fused variant is predicted slower than unfused")
+    result = the_pass(captured.forward, pass_context(model, captured, predict_us=_by_structure(slower)))
+    assert result.modified and result.reason.endswith("; nchw (forced: predicted 0.67x)"), result.reason
+    assert result.notes[0].endswith("→ nchw (forced)")
 
 
 def test_measured_cost_model_times_every_variant():
