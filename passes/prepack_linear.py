@@ -11,8 +11,9 @@ Measured alone on this CPU (2 threads), addmm → oneDNN / MKL packed: 8 rows 40
 1684 / 1442 µs, 8 rows 25088 → 4096 (VGG's first classifier layer) 38.4 → 17.8 / 20.9 ms, 128
 rows 768 → 3072 1863 → 1660 / 1554 µs; but 1 row 2048 → 1000 (ResNet's classifier) 154 → 185
 / 163 µs. So one site of each shape is timed all ways (``Profiled.isolated_us``) and each site
-takes the fastest; the pass then declines unless the graph, timed in context, is predicted
-faster than without. Without measured costs it packs (oneDNN) the sites with more than one row
+takes the fastest; under ``passes="auto"`` the pass then declines unless the graph, timed in
+context, is predicted faster than without. Named explicitly (forced), it packs every site by
+its faster kind and applies, saying where that is predicted slower. Without measured costs it packs (oneDNN) the sites with more than one row
 and says so.
 """
 from __future__ import annotations
@@ -199,11 +200,14 @@ def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
         if site.mm.name in mkl:
             times[MKL] = cost.isolated_us(mkl[site.mm.name]) + act_us
         best = min(times, key=times.get)
+        if best == "as captured" and ctx.forced:  # named: pack every site, by its faster kind
+            best = min((k for k in times if k != "as captured"), key=times.get)
         listing = ", ".join(f"{k} {v:.0f} µs" for k, v in times.items())
         unfit = "" if MKL in times else " (MKL's packed buffer would exceed 4x the weight)" \
             if MKL_LINEAR is not None else " (no MKL in this torch)"
+        forced = " (forced: slower alone)" if best != "as captured" and times[best] > times["as captured"] else ""
         notes.append(f"{_describe(site, ctx, len(group))}: {listing}{unfit} (alone) → "
-                     + ("left as it was" if best == "as captured" else f"packed by {best}"))
+                     + ("left as it was" if best == "as captured" else f"packed by {best}{forced}"))
         if best != "as captured":
             keep.extend(Site(s.mm, s.weight, s.view, s.act, best) for s in group)
     used = {(id(ctx.params[s.weight.name]), s.rows, s.kind) for s in keep}
@@ -247,6 +251,8 @@ class PrepackLinear:
             return PassResult(gm, True, what, tuple(notes))
         before, after = ctx.predict_us(original), ctx.predict_us(gm)
         listing = f"predicted: {before / 1e3:.3f} → {after / 1e3:.3f} ms"
-        if after >= before:
+        if after >= before and not ctx.forced:
             return PassResult(original, False, f"not faster in context ({listing})", tuple(notes))
+        if after >= before:
+            listing += ", forced: not faster"
         return PassResult(gm, True, f"{what} ({listing})", tuple(notes))

@@ -68,13 +68,15 @@ class TimedAlone(Profiled):
         return self.us.get(node.target, 0.0)
 
 
-def run_pass(model, x, cost_model, predicted: list):
-    """The pass on ``model``'s captured forward, ``predict_us`` answering ``predicted`` in turn."""
+def run_pass(model, x, cost_model, predicted: list, forced: bool = False):
+    """The pass on ``model``'s captured forward, ``predict_us`` answering ``predicted`` in turn
+    (as under ``passes="auto"`` unless ``forced``: named by the user)."""
     captured = fxdream.capture(model, (x,))
     names = [n.name for n in captured.forward.graph.nodes if n.op == "placeholder"]
     params = dict(zip(names, captured.example_inputs[:2]))  # weight, bias (the live parameters)
     answers = iter(predicted)
-    ctx = PassContext(device="cpu", params=params, cost_model=cost_model, predict_us=lambda gm: next(answers))
+    ctx = PassContext(device="cpu", params=params, cost_model=cost_model, predict_us=lambda gm: next(answers),
+                      forced=forced)
     return captured, resolve_passes([PASS])[0](fxdream.pipeline.copy_graph_module(captured.forward), ctx)
 
 
@@ -119,6 +121,17 @@ def test_declines_when_the_graph_is_not_faster_in_context():
     model, x = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval(), torch.randn(4, 8)
     _, result = run_pass(model, x, TimedAlone(1.0), [100.0, 150.0])
     assert not result.modified and result.reason == "not faster in context (predicted: 0.100 → 0.150 ms)"
+
+
+def test_named_explicitly_it_packs_and_applies_where_predicted_slower_and_says_so():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval(), torch.randn(4, 8)
+    captured, result = run_pass(model, x, TimedAlone(20.0), [100.0, 150.0], forced=True)
+    assert result.modified and result.reason.endswith("(predicted: 0.100 → 0.150 ms, forced: not faster)")
+    assert result.notes[0].endswith("oneDNN 20 µs (MKL's packed buffer would exceed 4x the weight) (alone) → "
+                                    "packed by oneDNN (forced: slower alone)")
+    with torch.no_grad():
+        torch.testing.assert_close(result.graph_module(*captured.example_inputs)[0], model(x))
 
 
 @pytest.mark.parametrize("training,device,reason", [
