@@ -155,7 +155,8 @@ class PassPipeline:
     def _best_subset(self, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
         """Simulate every subset of the applicable passes (greedy beyond MAX_EXHAUSTIVE); keep the best.
 
-        A subset whose predicted peak memory exceeds ``ctx.memory_budget`` is not a candidate.
+        A subset whose predicted peak memory exceeds ``ctx.memory_budget`` is not a candidate;
+        where every subset does, the one with the lowest predicted peak is kept.
         """
         applicable, rows = [], []
         for p in self.passes:
@@ -186,16 +187,19 @@ class PassPipeline:
         for subset, (candidate, subset_rows) in candidates.items():
             us, peak = self.predict(candidate, ctx.phase)
             within = ctx.memory_budget is None or peak <= ctx.memory_budget
-            scored.append((not within, us, len(subset), subset, candidate, subset_rows))
-        scored.sort(key=lambda item: item[:3])
-        _, best_us, _, best, best_gm, best_rows = scored[0]
+            # over the budget: the lowest peak first (the budget asks for memory before speed)
+            scored.append((not within, 0 if within else peak, us, len(subset), subset, candidate, subset_rows))
+        scored.sort(key=lambda item: item[:4])
+        over, _, best_us, _, best, best_gm, best_rows = scored[0]
         names = lambda subset: "+".join(p.name for p in subset) or "none"  # noqa: E731
-        summary = "; ".join(f"{names(s[3])} {s[1] / 1e3:.3f} ms" + (" (over budget)" if s[0] else "")
+        summary = "; ".join(f"{names(s[4])} {s[2] / 1e3:.3f} ms" + (" (over budget)" if s[0] else "")
                             for s in scored)
         for row in rows + best_rows + _rows_not_chosen(candidates, best):
             self._add(row)
+        over_budget = " (none fits memory_budget: the lowest predicted peak)" if over else ""
         self._add(PassReport("auto", index, ctx.phase, bool(best), f"chose {names(best)}: predicted "
-                             f"{best_us / 1e3:.3f} ms of {len(scored)} subsets", notes=(f"predicted: {summary}",)))
+                             f"{best_us / 1e3:.3f} ms of {len(scored)} subsets{over_budget}",
+                             notes=(f"predicted: {summary}",)))
         return best_gm
 
     def _add(self, row: PassReport) -> None:

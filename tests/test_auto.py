@@ -115,10 +115,22 @@ def test_a_pass_is_not_run_again_on_a_graph_another_subset_left_as_it_was():
 def test_auto_respects_the_memory_budget():
     unbounded = _auto([AddCopies("copies", 2)])
     assert unbounded.rows[-1].reason.startswith("chose none")
-    # a budget below the unrewritten graph's peak: every subset is over it, the fastest is kept
+    # a budget below the unrewritten graph's peak: every subset is over it, the lowest peak is kept
     tight = _auto([AddCopies("copies", 2)], memory_budget=1)
     assert tight.rows[-1].reason.startswith("chose none")
+    assert tight.rows[-1].reason.endswith("(none fits memory_budget: the lowest predicted peak)")
     assert "(over budget)" in tight.rows[-1].notes[0]
+
+
+def test_over_every_budget_the_lowest_peak_wins_over_speed(monkeypatch):
+    def predicted(self, gm, phase):  # pretend the copies save time, and cost 1 MB
+        copies = any(op_name(n) == "aten.clone" for n in gm.graph.nodes)
+        return 100.0 - 20.0 * copies, 1000 + 10**6 * copies
+    monkeypatch.setattr(PassPipeline, "predict", predicted)
+    assert _auto([AddCopies("copies", 2)]).rows[-1].reason.startswith("chose copies")
+    tight = _auto([AddCopies("copies", 2)], memory_budget=1)
+    assert tight.rows[-1].reason == ("chose none: predicted 0.100 ms of 2 subsets "
+                                     "(none fits memory_budget: the lowest predicted peak)")
 
 
 def test_auto_is_not_forced_and_named_passes_are():
