@@ -29,6 +29,7 @@ from .pass_api import resolve_passes
 from .pipeline import optimize
 from .predict import cost_model_for, predict, this_machine_device
 from .sim.cost import Profiled
+from .validate import check_counts
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
     ``model`` is a zoo name or ``build(batch_size) -> (model, example_inputs, loss_fn)``.
     """
     from . import models
+    batch_sizes = (batch_sizes,) if isinstance(batch_sizes, int) else tuple(batch_sizes)
+    check_counts(batch_sizes=batch_sizes, rounds=rounds, block=block)
     if isinstance(model, str):
         model_name = model
         build = lambda batch: models.build(model_name, batch, tiny=tiny, device=device, dtype=dtype)  # noqa: E731

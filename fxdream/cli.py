@@ -188,9 +188,8 @@ def cmd_ab(args) -> int:
     """Per-pass A/B: measured and predicted, side by side, one row per batch size."""
     from fxdream.ab import ab, plot_ab
     _load_plugins(args.load)
-    batches = [int(b) for b in args.batch.split(",") if b]
     model = user_model(args.model, args.device, args.tiny) or args.model
-    result = ab(model, args.passes, batch_sizes=batches, training=args.training, device=args.device,
+    result = ab(model, args.passes, batch_sizes=args.batch, training=args.training, device=args.device,
                 tiny=args.tiny, rounds=args.rounds, block=args.block)
     print(result.to_markdown())
     for row in result.rows:
@@ -242,10 +241,29 @@ def _print_crossover(captured, args) -> None:
     print(f"\naux_stream_backward crossover (predicted): {text}\n  gain(b) = {expression}")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1 (a batch size, rounds, a block of calls)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated batch sizes, each ≥ 1 (``1,8,32``)."""
+    sizes = tuple(positive_int(part.strip()) for part in text.split(",") if part.strip())
+    if not sizes:
+        raise argparse.ArgumentTypeError("no batch size given (e.g. 1,8,32)")
+    return sizes
+
+
 def _model_args(parser, batch: int = 1, training: bool = True) -> None:
     """The arguments every per-model command takes."""
     parser.add_argument("model", help=MODEL_HELP.format(", ".join(_zoo_names())))
-    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--batch", type=positive_int, default=batch)
     parser.add_argument("--tiny", action="store_true", help="the tiny config of the zoo model (fast)")
     if training:
         parser.add_argument("--training", action="store_true")
@@ -266,10 +284,10 @@ def main(argv=None) -> int:
 
     demo = sub.add_parser("demo", help="optimize ResNet-50 with passes=\"auto\", show the report, time it against eager")
     demo.add_argument("--model", default="resnet50")
-    demo.add_argument("--batch", type=int, default=1)
+    demo.add_argument("--batch", type=positive_int, default=1)
     demo.add_argument("--tiny", action="store_true", help="use the tiny config (fast)")
-    demo.add_argument("--rounds", type=int, default=5)
-    demo.add_argument("--block", type=int, default=10)
+    demo.add_argument("--rounds", type=positive_int, default=5)
+    demo.add_argument("--block", type=positive_int, default=10)
     demo.set_defaults(run=cmd_demo)
 
     cap = sub.add_parser("capture", help="capture a zoo model and print its layer summary")
@@ -299,12 +317,12 @@ def main(argv=None) -> int:
     abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
     abp.add_argument("model", help=MODEL_HELP.format(", ".join(_zoo_names())))
     abp.add_argument("--pass", dest="passes", required=True, help="pass name(s), comma-separated")
-    abp.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8,32")
+    abp.add_argument("--batch", type=batch_sizes, default=(1,), help="comma-separated batch sizes, e.g. 1,8,32")
     abp.add_argument("--training", action="store_true")
     abp.add_argument("--device", default="cpu", help="cpu or cuda (runs there; predicts for it)")
     abp.add_argument("--tiny", action="store_true")
-    abp.add_argument("--rounds", type=int, default=5)
-    abp.add_argument("--block", type=int, default=10)
+    abp.add_argument("--rounds", type=positive_int, default=5)
+    abp.add_argument("--block", type=positive_int, default=10)
     abp.add_argument("--json", help="write the rows as JSON here")
     abp.add_argument("--plot", help="write a PNG of measured vs predicted Δ here")
     abp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")

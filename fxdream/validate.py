@@ -84,3 +84,12 @@ def check_flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def check_counts(**counts) -> None:
+    """Each of ``counts`` an int ≥ 1, or a sequence of them (batch sizes): else one clear line."""
+    for name, value in counts.items():
+        several = isinstance(value, (list, tuple))
+        values = value if several else (value,)
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+            raise ValueError(f"{name} must be {'integers' if several else 'an integer'} ≥ 1, got {value!r}")

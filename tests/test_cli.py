@@ -51,6 +51,27 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
     assert len(err.splitlines()) == 1 and message in err
 
 
+
+@pytest.mark.parametrize("argv, message", [
+    (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_conv_bias_act", "--batch", "1,0"], "--batch: 0 must be at least 1"),
+    (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_conv_bias_act", "--batch", ","], "no batch size given"),
+    (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_conv_bias_act", "--rounds", "two"], "'two' is not an integer"),
+    (["simulate", "mnist_convnet", "--tiny", "--batch", "-2"], "--batch: -2 must be at least 1"),
+])
+def test_counts_below_one_are_refused_by_argparse(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ab_refuses_bad_batch_sizes_rounds_and_blocks():
+    import fxdream
+    for kwargs, message in (({"batch_sizes": [8, 0]}, r"batch_sizes must be integers ≥ 1, got \(8, 0\)"),
+                            ({"rounds": 0}, "rounds must be an integer ≥ 1, got 0"),
+                            ({"block": 2.5}, "block must be an integer ≥ 1, got 2.5")):
+        with pytest.raises(ValueError, match=message):
+            fxdream.ab("mnist_convnet", ["fuse_conv_bias_act"], tiny=True, **kwargs)
+
 def test_demo_on_a_tiny_model_reports_and_times(capsys):
     assert main(["demo", "--model", "mnist_convnet", "--tiny", "--rounds", "1", "--block", "1"]) == 0
     out = capsys.readouterr().out
