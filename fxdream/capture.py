@@ -257,6 +257,23 @@ def _model_state_of(fw: fx.GraphModule, state: list) -> dict:
 
 
 @contextlib.contextmanager
+def preserved_inputs(inputs):
+    """Input tensors a forward updates in place (``x.mul_(2)``) get their values back afterwards:
+    a build runs the model several times, and the user's example must not come out changed
+    (nor differ between the runs that check a trace against eager)."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(inputs)
+               if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+    saved = [(t, t._version, t.detach().clone()) for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, version, copy in saved:
+                if tensor._version != version:
+                    tensor.copy_(copy)
+
+
+@contextlib.contextmanager
 def preserved_state(model: torch.nn.Module):
     """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
     grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
@@ -321,7 +338,7 @@ def one_step(call: Callable, inputs: tuple, training: bool):
 
 def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
-    with preserved_state(model), tracing_config(training):
+    with preserved_state(model), preserved_inputs(inputs), tracing_config(training):
         return one_step(compiled, inputs, training)
 
 

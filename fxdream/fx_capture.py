@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureSession, preserved_state, run_once
+from .capture import CaptureSession, preserved_inputs, preserved_state, run_once
 from .dynamo_glue import compile_with, graph_break_counts, new_graph_breaks
 
 
@@ -98,7 +98,8 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
     try:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
-            expected = model(*inputs)
+            with preserved_inputs(inputs):  # the traced run gets the inputs eager got
+                expected = model(*inputs)
             torch.manual_seed(0)
             actual = pytree.tree_unflatten(list(traced(*inputs)), out_spec)
     except Exception as error:

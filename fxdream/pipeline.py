@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .capture import CaptureError, CaptureSession, one_step, preserved_state, run_once
+from .capture import CaptureError, CaptureSession, one_step, preserved_inputs, preserved_state, run_once
 from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
 from .fx_capture import capture_from_trace, compile_model
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
@@ -134,7 +134,7 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     selected = resolve_passes(available_passes() if auto else passes)
     target = resolve_device(device, model, inputs)
 
-    with preserved_state(model):  # the user's RNG, BN statistics and grads as they were
+    with preserved_state(model), preserved_inputs(inputs):  # the user's RNG, BN statistics, grads, inputs
         started = time.perf_counter()
         module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
         module._build_seconds = time.perf_counter() - started

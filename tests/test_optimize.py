@@ -146,6 +146,27 @@ def test_new_shapes_compile_each_once_and_keep_the_graphs():
     assert not optimized.report.ran_eagerly and len(optimized.report.graphs) == 5
 
 
+
+class DoublesItsInput(Small):
+    def forward(self, x):
+        x.mul_(2)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_example_input_a_forward_updates_in_place_comes_back_unchanged(training):
+    torch.manual_seed(0)
+    model, x = DoublesItsInput().train(training), torch.randn(2, 3, 8, 8)
+    given = x.clone()
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], training=training)
+    assert torch.equal(x, given)  # the build ran the model several times
+    if not training:  # the check of the trace against eager saw the same input twice
+        assert optimized.report.capture == "torch.fx symbolic_trace"
+    y, y_eager = x.clone(), x.clone()
+    with torch.set_grad_enabled(training):
+        torch.testing.assert_close(optimized(y), model(y_eager))
+    assert torch.equal(y, y_eager) and torch.equal(y, 2 * x)  # each call updates its input, as eager
+
 def test_many_optimized_copies_of_one_class_are_each_captured():
     # every optimize() is its own dynamo backend; dynamo's default limit of 8 cache
     # entries per function would otherwise make later ones run eagerly without a word
