@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -223,7 +224,7 @@ def cmd_explain(args) -> int:
     print(result.summary())
     if args.passes == "aux_stream_backward" or "aux_stream_backward" in args.passes.split(","):
         _print_crossover(captured, args)
-    stem = args.out or f"fxdream_{args.model}_bs{args.batch}_{args.device}"
+    stem = args.out or f"fxdream_{file_safe(args.model)}_bs{args.batch}_{args.device}"
     write_chrome_trace(result.after.task_graph, result.after.timeline, stem + ".trace.json")
     plot_comparison((result.before.task_graph, result.before.timeline), (result.after.task_graph, result.after.timeline),
                     stem + ".png", labels=("without passes (predicted)", "with passes (predicted)"),
@@ -239,6 +240,11 @@ def _print_crossover(captured, args) -> None:
         return
     expression, bound, text = crossover(captured, device=args.device)
     print(f"\naux_stream_backward crossover (predicted): {text}\n  gain(b) = {expression}")
+
+
+def file_safe(spec: str) -> str:
+    """A model name or ``FILE.py:FUNCTION`` as part of a file name: ``mynet.py:build`` → ``mynet_build``."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", spec.replace(".py:", ":")).strip("_") or "model"
 
 
 def positive_int(text: str) -> int:

@@ -72,6 +72,13 @@ def test_ab_refuses_bad_batch_sizes_rounds_and_blocks():
         with pytest.raises(ValueError, match=message):
             fxdream.ab("mnist_convnet", ["fuse_conv_bias_act"], tiny=True, **kwargs)
 
+
+@pytest.mark.parametrize("spec, stem", [("resnet50", "resnet50"), ("nets/my.net.py:build", "nets_my_net_build"),
+                                        ("pkg.models:make", "pkg_models_make")])
+def test_a_model_spec_becomes_a_plain_file_name(spec, stem):
+    from fxdream.cli import file_safe
+    assert file_safe(spec) == stem
+
 def test_demo_on_a_tiny_model_reports_and_times(capsys):
     assert main(["demo", "--model", "mnist_convnet", "--tiny", "--rounds", "1", "--block", "1"]) == 0
     out = capsys.readouterr().out
