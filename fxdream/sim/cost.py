@@ -255,8 +255,9 @@ class Profiled:
         No warm-up run: the first call builds a new variant's oneDNN primitives, but rounds timed
         one by one (ResNet-50 bs1 and bs8: the unfused graph and both fused variants) were
         level from the second run on, and the median of ≥ 3 rounds outvotes the one slow
-        round (a warm-up run cost ResNet-50's first build ~0.25 s at bs1). Three warm-ups made a ResNet-50 bs8 build 3.4 s longer (medians of 4: 15.6 vs 12.2 s)
-        and predicted no closer (median optimized 465 vs 420 ms; measured 396-400 ms).
+        round (a warm-up run cost ResNet-50's first build ~0.25 s at bs1). Three warm-ups
+        made a ResNet-50 bs8 build 3.4 s longer (medians of 4: 15.6 vs 12.2 s) and predicted
+        no closer (median optimized 465 vs 420 ms; measured 396-400 ms).
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were."""
         inputs = owned_copies(inputs)
