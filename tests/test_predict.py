@@ -81,6 +81,27 @@ def test_profiling_a_graph_stops_after_its_time_budget_but_not_before_three_roun
     assert counts == {0.0: {MIN_ROUNDS}, float("inf"): {6}}
 
 
+def _slow_relu(x):
+    import time
+    time.sleep(0.02)
+    return torch.relu(x)
+
+
+def test_a_long_graph_is_timed_twice_not_three_times(monkeypatch):
+    import torch.fx as fx
+    import fxdream.sim.in_context as in_context
+    graph = fx.Graph()
+    graph.output(graph.call_function(_slow_relu, (graph.placeholder("x"),)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    counts = {}
+    for long_s in (0.03, float("inf")):  # two rounds of ~20 ms: "long" past 30 ms
+        monkeypatch.setattr(in_context, "LONG_ROUNDS_S", long_s)
+        samples = {}
+        in_context.time_graph(gm, [torch.randn(4)], torch.device("cpu"), samples, rounds=6, warmup=0)
+        counts[long_s] = {len(v) for v in samples.values()}
+    assert counts == {0.03: {2}, float("inf"): {6}}
+
+
 def test_a_rewrites_profile_adds_only_its_new_ops():
     # a rewrite's run must not move the medians the prediction before it used
     from fxdream.pass_pipeline import copy_graph_module

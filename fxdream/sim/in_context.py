@@ -17,6 +17,10 @@ from torch.utils._pytree import tree_flatten
 from .op_keys import is_view, profile_key, real_tensors, size_hint
 
 MIN_ROUNDS = 3  # past these timed rounds, no new round starts once the budget is spent
+# ... except for a long graph: two rounds that took this long in all are enough. VGG-19 at bs8
+# (2 s a run) spent 24 s of a 33 s build in 12 timed runs; each of its ops is milliseconds
+# long, and a cold first round (oneDNN primitives built) is ~1 % of such a run.
+LONG_ROUNDS_S = 2.0
 
 _STAMPS: list[tuple[int, float]] = []  # (op index, seconds) from the timed graph running now
 
@@ -87,6 +91,8 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                 if i == warmup:
                     timed_from = time.perf_counter()
                 elif i - warmup >= MIN_ROUNDS and time.perf_counter() - timed_from > budget_s:
+                    break
+                elif i - warmup >= 2 and time.perf_counter() - timed_from > LONG_ROUNDS_S:
                     break
                 _STAMPS.clear()
                 outputs = timed(*inputs)
