@@ -8,7 +8,8 @@ import torch
 
 from .capture import CaptureError, CaptureSession, one_step, preserved_inputs, preserved_state, run_once
 from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
-from .fx_capture import capture_from_trace, compile_model
+from .blockwise import capture_blockwise
+from .fx_capture import TracedRunner, capture_from_trace, compile_model
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
 from .numerics import max_abs_diff
@@ -175,12 +176,16 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
         module._fall_back(f"the model's capture ({how}) failed: {describe_error(error)}")
     module._graph_breaks = new_graph_breaks(breaks_before)
+    if module._fallback_reason is None and not session.captured():  # second and last chances
+        retried = capture_from_trace(model, inputs, session, training, module._graph_breaks) or \
+            capture_blockwise(model, inputs, session, training, module._graph_breaks)
+        if retried is not None:
+            runner, module._capture, breaks = retried
+            module.__dict__["_runner"] = runner
+            module._graph_breaks = breaks if isinstance(runner, TracedRunner) else \
+                tuple(dict.fromkeys(module._graph_breaks + breaks))  # the forward's, then the blocks'
     if session.records:
         module._compilations[call_signature(inputs, {}) + (training, training)] = 1
-    if module._fallback_reason is None and not session.captured():
-        retried = capture_from_trace(model, inputs, session, training, module._graph_breaks)
-        if retried is not None:
-            module.__dict__["_runner"], module._capture, module._graph_breaks = retried
     if module._fallback_reason is None and not session.captured():
         module._fall_back("dynamo captured no graph"
                           + (": " + "; ".join(module._graph_breaks) if module._graph_breaks else ""))

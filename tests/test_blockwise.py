@@ -1,0 +1,73 @@
+"""Neither dynamo nor torch.fx captures the forward: its blocks are captured one by one."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from conftest import assert_same_training_step
+
+
+def conv_bn_relu(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+
+
+class EarlyExit(nn.Module):
+    """A data-dependent break inside the loop over the blocks: dynamo gives up on the whole
+    forward, and torch.fx cannot trace ``float()`` of a proxy."""
+    def __init__(self):
+        super().__init__()
+        self.stem = conv_bn_relu(3, 8)
+        self.blocks = nn.ModuleList(conv_bn_relu(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+            if float(x.mean()) > 100.0:  # never true here; dynamo cannot know
+                break
+        return self.head(x.mean((2, 3)))
+
+
+def _no_compiled_slots(model):
+    return all(m._compiled_call_impl is None for m in model.modules())
+
+
+def test_inference_captures_each_block_and_equals_eager():
+    torch.manual_seed(0)
+    model, x = EarlyExit().eval(), torch.randn(2, 3, 16, 16)
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])
+    report = optimized.report
+    assert report.capture.startswith("dynamo per block, the forward eager (5 child modules")
+    assert not report.ran_eagerly and report.graph_breaks  # the break that made the forward eager
+    assert len(report.graphs) == 5  # one per block: the stem, the three in the list, the head
+    assert any(row.name == "fuse_conv_bias_act" and row.applied for row in report.passes)
+    assert _no_compiled_slots(model)  # the model is as it was between calls
+    for batch in (2, 5):
+        y = torch.randn(batch, 3, 16, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(optimized(y), model(y), atol=1e-4, rtol=1e-4)
+    assert _no_compiled_slots(model)
+
+
+def test_training_steps_equal_eager_with_hooks_still_called():
+    torch.manual_seed(0)
+    model, x = EarlyExit().train(), torch.randn(2, 3, 16, 16)
+    calls = []
+    model.blocks[1].register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    reference = copy.deepcopy(model)
+    optimized = fxdream.optimize(model, (x,), training=True)
+    assert optimized.report.capture.startswith("dynamo per block")
+    calls.clear()
+    assert assert_same_training_step(model, optimized, (x,)) > 0
+    assert len(calls) == 2  # the hook ran in the deep copy's eager step and in the captured one
+    reference(x)  # one training step each: BN statistics alike
+    for a, b in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(a.float(), b.float())
+
+
+def test_strict_refuses_a_forward_that_runs_eagerly():
+    with pytest.raises(fxdream.CaptureError, match="not captured whole"):
+        fxdream.optimize(EarlyExit().eval(), (torch.randn(2, 3, 16, 16),), strict=True)
