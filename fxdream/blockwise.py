@@ -70,7 +70,8 @@ def _own_call(block: torch.nn.Module, index: int) -> _Call:
     first one traced, and a forward hook on another block never ran. One graph per block also
     lets an inference rewrite take each block's weights as constants."""
     code = _Call.forward.__code__
-    code = code.replace(co_name=f"block_{index}", co_qualname=f"block_{index}")
+    names = {"co_name": f"block_{index}"} | ({"co_qualname": f"block_{index}"} if hasattr(code, "co_qualname") else {})
+    code = code.replace(**names)  # co_qualname: Python 3.11 and later
     forward = types.FunctionType(code, _Call.forward.__globals__, code.co_name)
     return type(f"_Call{index}", (_Call,), {"forward": forward})(block)
 
