@@ -71,3 +71,10 @@ def test_training_steps_equal_eager_with_hooks_still_called():
 def test_strict_refuses_a_forward_that_runs_eagerly():
     with pytest.raises(fxdream.CaptureError, match="not captured whole"):
         fxdream.optimize(EarlyExit().eval(), (torch.randn(2, 3, 16, 16),), strict=True)
+
+
+def test_capture_and_simulate_take_the_blocks_too():
+    model, x = EarlyExit().eval(), torch.randn(2, 3, 16, 16)
+    captured = fxdream.capture(model, (x,))
+    assert isinstance(captured, tuple) and len(captured) == 5  # one graph per block
+    assert fxdream.simulate(model, (x,), device="h100", training=True).time_ms > 0
