@@ -2,9 +2,9 @@
 
 Dynamo gives up on a whole function at a graph break it cannot resume after (a data-dependent
 ``if float(x.mean()) > 10`` inside the loop over the blocks), and torch.fx cannot trace such a
-forward either, so the model used to run wholly eagerly. Its blocks usually trace: each direct
-child module (for a ModuleList or ModuleDict, each of its elements) is compiled through the
-capture session, and the forward runs as written, eagerly, calling the compiled blocks. The
+forward either, so the model used to run wholly eagerly. Its blocks usually trace: each module
+the forward calls itself (found by one eager step) is compiled through the capture session,
+and the forward runs as written, eagerly, calling the compiled blocks. The
 model is not changed: the compiled calls are installed in ``_compiled_call_impl`` (what
 ``nn.Module.compile`` sets) only for the duration of each call.
 """
@@ -18,23 +18,35 @@ from .capture import CaptureSession, run_once
 from .dynamo_glue import graph_break_counts, new_graph_breaks
 
 
-def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules the forward calls directly: its children, a container's elements instead of it."""
-    found = []
-    for child in model.children():
-        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            found.extend(child.children())  # a container is not called; its elements are
-        else:
-            found.append(child)
-    return [b for b in found if getattr(b, "_compiled_call_impl", None) is None]  # not compiled already
+def called_blocks(model: torch.nn.Module, inputs: tuple, training: bool) -> list[torch.nn.Module]:
+    """The submodules the forward itself calls (not the ones they call), in first-call order:
+    found by one eager step with hooks on every submodule. Not just the children: a forward
+    that calls ``self.backbone.layer1(x)`` calls a grandchild."""
+    depth, called = [0], {}
+
+    def enter(module, args):
+        if depth[0] == 0:
+            called.setdefault(id(module), module)
+        depth[0] += 1
+
+    def leave(module, args, output):
+        depth[0] -= 1
+    handles = [hook for m in model.modules() if m is not model
+               for hook in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    try:
+        run_once(model, model, inputs, training)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [m for m in called.values() if getattr(m, "_compiled_call_impl", None) is None]  # not compiled already
 
 
 class BlockwiseRunner:
     """Calls the model eagerly with each of its blocks compiled through ``session``."""
 
-    def __init__(self, model: torch.nn.Module, session: CaptureSession):
+    def __init__(self, model: torch.nn.Module, session: CaptureSession, blocks: list[torch.nn.Module]):
         self._model = model
-        self._blocks = blocks(model)
+        self._blocks = blocks
         self._compiled = [_compiled_call(b, i, session) for i, b in enumerate(self._blocks)]
 
     def __len__(self) -> int:
@@ -94,11 +106,11 @@ def capture_blockwise(model: torch.nn.Module, inputs: tuple, session: CaptureSes
                       breaks: tuple) -> tuple[BlockwiseRunner, str, tuple] | None:
     """(runner, how, graph breaks) capturing ``model``'s blocks, or None where that captures
     nothing (no blocks, or none of them traces)."""
-    runner = BlockwiseRunner(model, session)
-    if not len(runner):
-        return None
     breaks_before, records = graph_break_counts(), len(session.records)
     try:
+        runner = BlockwiseRunner(model, session, called_blocks(model, inputs, training))
+        if not len(runner):
+            return None
         run_once(runner, model, inputs, training)
     except Exception:  # a last chance only: the caller reports the first failure
         del session.records[records:]
@@ -106,5 +118,5 @@ def capture_blockwise(model: torch.nn.Module, inputs: tuple, session: CaptureSes
     if not session.captured():
         return None
     why = "; ".join(b.rstrip(".") for b in breaks) or "no graph"
-    return (runner, f"dynamo per block, the forward eager ({len(runner)} child modules; neither dynamo "
+    return (runner, f"dynamo per block, the forward eager ({len(runner)} modules it calls; neither dynamo "
             f"on forward nor torch.fx captured it: {why})", new_graph_breaks(breaks_before))

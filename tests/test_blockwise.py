@@ -40,7 +40,7 @@ def test_inference_captures_each_block_and_equals_eager():
     model, x = EarlyExit().eval(), torch.randn(2, 3, 16, 16)
     optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])
     report = optimized.report
-    assert report.capture.startswith("dynamo per block, the forward eager (5 child modules")
+    assert report.capture.startswith("dynamo per block, the forward eager (5 modules it calls")
     assert not report.ran_eagerly and report.graph_breaks  # the break that made the forward eager
     assert len(report.graphs) == 5  # one per block: the stem, the three in the list, the head
     assert any(row.name == "fuse_conv_bias_act" and row.applied for row in report.passes)
@@ -78,3 +78,28 @@ def test_capture_and_simulate_take_the_blocks_too():
     captured = fxdream.capture(model, (x,))
     assert isinstance(captured, tuple) and len(captured) == 5  # one graph per block
     assert fxdream.simulate(model, (x,), device="h100", training=True).time_ms > 0
+
+
+class CallsGrandchildren(nn.Module):
+    """The forward calls the blocks of a submodule directly (``self.net.blocks[i]``), never ``self.net``."""
+    def __init__(self):
+        super().__init__()
+        self.net = EarlyExit()
+
+    def forward(self, x):
+        x = self.net.stem(x)
+        for block in self.net.blocks:
+            x = block(x)
+            if float(x.mean()) > 100.0:
+                break
+        return self.net.head(x.mean((2, 3)))
+
+
+def test_the_blocks_are_the_modules_the_forward_calls_not_just_its_children():
+    torch.manual_seed(0)
+    model, x = CallsGrandchildren().eval(), torch.randn(2, 3, 16, 16)
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])
+    assert optimized.report.capture.startswith("dynamo per block, the forward eager (5 modules it calls")
+    assert len(optimized.report.graphs) == 5 and _no_compiled_slots(model)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), atol=1e-4, rtol=1e-4)
