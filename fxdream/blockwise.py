@@ -104,8 +104,8 @@ def _compiled_call(block: torch.nn.Module, index: int, session: CaptureSession):
 
 def capture_blockwise(model: torch.nn.Module, inputs: tuple, session: CaptureSession, training: bool,
                       breaks: tuple) -> tuple[BlockwiseRunner, str, tuple] | None:
-    """(runner, how, graph breaks) capturing ``model``'s blocks, or None where that captures
-    nothing (no blocks, or none of them traces)."""
+    """(runner, how, graph breaks: the forward's ``breaks`` and the blocks') capturing ``model``'s
+    blocks, or None where that captures nothing (no blocks, or none of them traces)."""
     breaks_before, records = graph_break_counts(), len(session.records)
     try:
         runner = BlockwiseRunner(model, session, called_blocks(model, inputs, training))
@@ -119,4 +119,14 @@ def capture_blockwise(model: torch.nn.Module, inputs: tuple, session: CaptureSes
         return None
     why = "; ".join(b.rstrip(".") for b in breaks) or "no graph"
     return (runner, f"dynamo per block, the forward eager ({len(runner)} modules it calls; neither dynamo "
-            f"on forward nor torch.fx captured it: {why})", new_graph_breaks(breaks_before))
+            f"on forward nor torch.fx captured it: {why})",
+            tuple(dict.fromkeys(tuple(breaks) + new_graph_breaks(breaks_before))))  # the forward's, then the blocks'
+
+
+def capture_after_nothing(model: torch.nn.Module, inputs: tuple, session: CaptureSession, training: bool,
+                          breaks: tuple) -> tuple | None:
+    """Where dynamo on the forward captured nothing (``breaks``: why): (runner, how, graph breaks)
+    from dynamo over the forward's torch.fx trace, else from the blocks one by one; or None."""
+    from .fx_capture import capture_from_trace  # fx_capture imports capture, as this module does
+    return capture_from_trace(model, inputs, session, training, breaks) or \
+        capture_blockwise(model, inputs, session, training, breaks)

@@ -363,14 +363,12 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
     model.train(training)
     breaks_before, how = graph_break_counts(), "dynamo"
     try:
-        from .blockwise import capture_blockwise  # these import this module
-        from .fx_capture import capture_from_trace, compile_model
+        from .blockwise import capture_after_nothing  # these import this module
+        from .fx_capture import compile_model
         runner, how = compile_model(model, inputs, session, training)
         run_once(runner, model, inputs, training)
         if not session.captured():
-            breaks = new_graph_breaks(breaks_before)
-            retried = capture_from_trace(model, inputs, session, training, breaks) or \
-                capture_blockwise(model, inputs, session, training, breaks)
+            retried = capture_after_nothing(model, inputs, session, training, new_graph_breaks(breaks_before))
             runner = retried[0] if retried else runner
     except Exception as error:
         try:

@@ -8,8 +8,8 @@ import torch
 
 from .capture import CaptureError, CaptureSession, one_step, preserved_inputs, preserved_state, run_once
 from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
-from .blockwise import capture_blockwise
-from .fx_capture import TracedRunner, capture_from_trace, compile_model
+from .blockwise import capture_after_nothing
+from .fx_capture import compile_model
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
 from .numerics import max_abs_diff
@@ -62,7 +62,7 @@ class OptimizedModule(torch.nn.Module):
         """Run eagerly once dynamo has compiled calls of one kind ``RECOMPILE_LIMIT`` times: a
         guard on something that changes every call (a counter the forward increments) recompiled
         on every call, ~130 ms each with the passes, up to dynamo's limit (64 here)."""
-        key = call_signature(args, kwargs) + (torch.is_grad_enabled() and not self._inference, self.model.training)
+        key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
         count = self._compilations[key] = self._compilations.get(key, 0) + 1
         if count >= RECOMPILE_LIMIT and not self._strict:
             self._fall_back(f"dynamo compiled calls with the same input shapes {count} times: something its "
@@ -177,15 +177,11 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         module._fall_back(f"the model's capture ({how}) failed: {describe_error(error)}")
     module._graph_breaks = new_graph_breaks(breaks_before)
     if module._fallback_reason is None and not session.captured():  # second and last chances
-        retried = capture_from_trace(model, inputs, session, training, module._graph_breaks) or \
-            capture_blockwise(model, inputs, session, training, module._graph_breaks)
+        retried = capture_after_nothing(model, inputs, session, training, module._graph_breaks)
         if retried is not None:
-            runner, module._capture, breaks = retried
-            module.__dict__["_runner"] = runner
-            module._graph_breaks = breaks if isinstance(runner, TracedRunner) else \
-                tuple(dict.fromkeys(module._graph_breaks + breaks))  # the forward's, then the blocks'
+            module.__dict__["_runner"], module._capture, module._graph_breaks = retried
     if session.records:
-        module._compilations[call_signature(inputs, {}) + (training, training)] = 1
+        module._compilations[call_kind(inputs, {}, training, training)] = 1  # the build's compilation
     if module._fallback_reason is None and not session.captured():
         module._fall_back("dynamo captured no graph"
                           + (": " + "; ".join(module._graph_breaks) if module._graph_breaks else ""))
@@ -198,14 +194,15 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
 RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before running eagerly
 
 
-def call_signature(args: tuple, kwargs: dict) -> tuple:
+def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
     """What makes two calls alike for dynamo with static shapes: tensors' shapes, dtypes and
-    devices; other values as they are (their types, where they cannot be hashed)."""
+    devices, other values as they are (their types, where they cannot be hashed), grad mode and
+    the train/eval flag."""
     def leaf(x):
         if isinstance(x, torch.Tensor):
             return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
         return x if isinstance(x, (int, float, bool, str, type(None))) else type(x)
-    return tuple(leaf(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)))
+    return tuple(leaf(x) for x in torch.utils._pytree.tree_leaves((args, kwargs))) + (grad, training)
 
 
 def beyond_rounding(diff: float, model, inputs) -> bool:

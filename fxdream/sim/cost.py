@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..annotate import node_flops, rnn_sequential_steps
 from .devices import DeviceSpec
-from .in_context import MIN_ROUNDS, compute_keys, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
+from .in_context import MIN_ROUNDS, compute_keys, compute_nodes, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
 from .op_keys import arg_values, is_view, profile_key, real_tensors, size_hint  # noqa: F401  (re-exported)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -295,9 +295,8 @@ class Profiled:
         new = {key for key in keys if key not in self.samples}
         if len(new) > FEW_NEW_OPS:
             return True
-        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not is_view(n)]
         times = [self.kernel_us(node) if key in new else self.measurements[key]  # new: timed alone now
-                 for node, key in zip(nodes, keys)]
+                 for node, key in zip(compute_nodes(gm), keys)]
         new_us = sum(t for t, key in zip(times, keys) if key in new)
         return new_us >= MIN_SHARE * sum(times)
 

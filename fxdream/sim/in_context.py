@@ -124,6 +124,11 @@ def ones_like(value, device: torch.device):
     return value
 
 
+def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes that are timed (compute ops, views excluded), in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and not is_view(n)]
+
+
 _KEYS: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -133,6 +138,6 @@ def compute_keys(gm: fx.GraphModule, device_type: str) -> list[str]:
     cached = _KEYS.get(gm)
     if cached is not None and cached[0] == (gm.code, device_type):
         return cached[1]
-    keys = [profile_key(n, device_type) for n in gm.graph.nodes if n.op == "call_function" and not is_view(n)]
+    keys = [profile_key(n, device_type) for n in compute_nodes(gm)]
     _KEYS[gm] = ((gm.code, device_type), keys)
     return keys
