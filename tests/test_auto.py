@@ -1,4 +1,6 @@
 """passes="auto": every subset simulated, the best predicted one applied (under a memory budget)."""
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -211,11 +213,32 @@ def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off
 
 def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
     import fxdream.pipeline as pipeline
-    monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 0.0)
+    monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 1.0)  # the graphs: predicted far under 2 ms
     model, calls = Net().eval(), []
-    monkeypatch.setattr(pipeline, "one_step", lambda m, *args: calls.append(m) or pipeline_one_step(m, *args))
+
+    def one_step(m, *args):  # an eager call of ≥ 10 ms, over 5x the limit
+        calls.append(m)
+        if m is model:
+            time.sleep(0.01)
+        return pipeline_one_step(m, *args)
+    monkeypatch.setattr(pipeline, "one_step", one_step)
     optimized = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto", eager_check=True)
     report = optimized.report
     assert report.measured_eager_ms is None and not report.ran_eagerly
     assert any(n.startswith("not timed against eager: an eager call takes") for n in report.notes)
     assert calls.count(model) == 1  # over 5x the limit, the first call is not timed again
+
+
+def test_eager_check_skips_eager_calls_where_the_graphs_alone_predict_a_long_call(monkeypatch):
+    import fxdream.pipeline as pipeline
+    model, calls = Net().eval(), []
+    monkeypatch.setattr(pipeline, "one_step", lambda m, *args: calls.append(m) or pipeline_one_step(m, *args))
+    predicted = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto").report.predicted_baseline_ms
+    monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", predicted / 2.5)  # predicted: > 2x the limit
+    calls.clear()
+    report = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto").report
+    assert report.measured_eager_ms is None and not report.ran_eagerly
+    assert any(n.startswith("not timed against eager: the captured graphs' ops alone take") for n in report.notes)
+    assert model not in calls  # not one eager call
+    monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 1e9)  # predicted far under the limit: timed
+    assert fxdream.optimize(model, (torch.randn(8, 64),), passes="auto").report.measured_eager_ms is not None
