@@ -20,7 +20,7 @@ from functorch.compile import aot_module_simplified, make_boxed_func
 
 from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_backward, annotate_forward,
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
-from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
+from .dynamo_glue import compiling_code, describe_error, graph_break_counts, new_graph_breaks
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
 from .rnn_op import keep_rnns_whole, outside_keep_rnns_whole
 
@@ -127,6 +127,7 @@ class _SubgraphRecord:
     compile_seconds: float = 0.0
     example_inputs: tuple = ()
     state_positions: frozenset = frozenset()
+    code: object = None  # the function dynamo compiled this graph from (None: not through dynamo)
 
     def freeze(self) -> Captured:
         return Captured(self.index, self.forward, self.backward, self.torch_graph,
@@ -171,6 +172,7 @@ class CaptureSession:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
                                  _user_input_shapes(gm, example_inputs))
+        record.code = compiling_code()
         self.records.append(record)
         names = self.state_names or _state_names_from_sources(gm, example_inputs)
         prefix = frame_prefix(gm, example_inputs, names)

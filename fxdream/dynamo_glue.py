@@ -47,6 +47,15 @@ def _clear_skip_marks(model: torch.nn.Module) -> None:
         pass
 
 
+def compiling_code():
+    """The code object whose frame dynamo is compiling (inside a backend call), else None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator  # private, isolated
+        return InstructionTranslator.current_tx().f_code
+    except Exception:
+        return None
+
+
 def _cache_entries(code) -> list:
     try:
         return torch._dynamo.eval_frame._debug_get_cache_entry_list(code)  # private, isolated

@@ -139,6 +139,34 @@ def test_a_model_dynamo_compiles_on_every_call_runs_eagerly_with_the_reason(trai
     assert model.calls > 6
 
 
+class DataDependentBranches(Small):
+    """Each ``if`` on a tensor's value is a graph break: dynamo compiles the code after it once
+    per branch, when a call first takes that branch."""
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        y = y + 1 if x[:, 0].mean() > 0 else y - 1
+        y = y * 2 if x[:, 1].mean() > 0 else y / 2
+        y = y - 3 if x[:, 2].mean() > 0 else y + 3
+        return self.fc(y.mean((2, 3)))
+
+
+def test_branches_compiled_when_first_taken_are_not_a_recompile_storm():
+    torch.manual_seed(0)
+    model, x = DataDependentBranches().eval(), torch.randn(2, 3, 8, 8).abs()
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])
+    calls = [x]
+    for channel in (2, 1, 0):  # each call takes one more branch the calls before did not
+        flipped = calls[-1].clone()
+        flipped[:, channel] *= -1
+        calls.append(flipped)
+    for call in calls + calls:
+        with torch.no_grad():
+            torch.testing.assert_close(optimized(call), model(call))
+    report = optimized.report
+    assert not report.ran_eagerly, report.fallback_reason
+    assert len(report.graphs) >= 5  # the branches compiled one by one, each once
+
+
 def test_new_shapes_compile_each_once_and_keep_the_graphs():
     optimized = fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),))
     for batch in (3, 4, 5, 6, 3, 4):
