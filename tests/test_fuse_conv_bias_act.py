@@ -253,7 +253,7 @@ def test_variant_is_chosen_by_predicted_time():
     times = {"unfused": 4000.0, "nchw": 3000.0, "channels_last+prepacked": 3200.0}
     result = the_pass(captured.forward, pass_context(model, captured, predict_us=_by_structure(times)))
     assert result.modified and result.reason.endswith("; nchw (predicted 1.33x)"), result.reason
-    assert result.notes[0] == "predicted: unfused 4.000 ms, nchw 3.000 ms, channels_last+prepacked 3.200 ms → nchw"
+    assert result.notes[0] == "predicted: unfused 4.000 ms, channels_last+prepacked 3.200 ms, nchw 3.000 ms → nchw"
     slower = {**times, "unfused": 2000.0}  # under "auto" (not forced) it declines; named, it applies
     result = the_pass(captured.forward, pass_context(model, captured, predict_us=_by_structure(slower), forced=False))
     assert not result.modified

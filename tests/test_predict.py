@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import fxdream
+from fxdream.pass_api import PassContext, PassResult
 from fxdream.predict import cost_model_for, predict, simulate
 from fxdream.sim.cost import Analytic, Profiled, is_view, profile_key
 
@@ -100,6 +101,56 @@ def test_a_long_graph_is_timed_twice_not_three_times(monkeypatch):
         in_context.time_graph(gm, [torch.randn(4)], torch.device("cpu"), samples, rounds=6, warmup=0)
         counts[long_s] = {len(v) for v in samples.values()}
     assert counts == {0.03: {2}, float("inf"): {6}}
+
+
+def test_a_graph_slower_than_a_bound_in_its_first_round_is_timed_once():
+    import torch.fx as fx
+    import fxdream.sim.in_context as in_context
+    graph = fx.Graph()
+    graph.output(graph.call_function(_slow_relu, (graph.placeholder("x"),)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    counts = {}
+    for bound_us in (5e3, 1e9):  # one round takes ~20 ms
+        samples = {}
+        in_context.time_graph(gm, [torch.randn(4)], torch.device("cpu"), samples, rounds=4, warmup=0,
+                              give_up_above_us=bound_us)
+        counts[bound_us] = {len(v) for v in samples.values()}
+    assert counts == {5e3: {1}, 1e9: {4}}
+
+
+def test_a_pass_candidate_clearly_slower_than_one_before_it_gets_one_timed_run(monkeypatch):
+    import fxdream.pass_pipeline as pipeline_module
+    model, x = Small().eval(), torch.randn(2, 3, 8, 8)
+    captured = fxdream.capture(model, (x,))
+    rounds = []
+
+    def recording(self, gm, inputs, **kwargs):
+        rounds.append(kwargs.get("give_up_above_us"))
+    monkeypatch.setattr(Profiled, "profile_graph", recording)
+    monkeypatch.setattr(Profiled, "to_time_in_context", lambda self, gm: True)
+    cost = cost_model_for("cpu", "profiled")
+    pipeline = pipeline_module.PassPipeline((), PassContext(device="cpu", cost_model=cost))
+    pipeline._inputs[(0, "fw")] = list(captured.example_inputs)
+    monkeypatch.setattr(pipeline, "predict", lambda gm, phase: (gm.meta["us"], 0))
+    seen = {}
+
+    class TwoCandidates:  # a pass that costs its candidates as fuse_conv_bias_act does
+        name = "two_candidates"
+
+        def applies_to(self, ctx):
+            return None
+
+        def __call__(self, gm, ctx):
+            for us in (100.0, 80.0, 200.0):
+                candidate = pipeline_module.copy_graph_module(gm)
+                candidate.meta["us"] = us
+                seen[us] = ctx.predict_us(candidate)
+            return PassResult(gm, False, "compared only")
+    pipeline.passes = (TwoCandidates(),)
+    pipeline(captured.forward, "fw", 0, {})
+    factor = pipeline_module.GIVE_UP_SLOWER_THAN
+    assert rounds == [float("inf"), factor * 100.0, factor * 80.0]  # bounded by the best before each
+    assert seen == {100.0: 100.0, 80.0: 80.0, 200.0: 200.0}
 
 
 def test_a_rewrites_profile_adds_only_its_new_ops():

@@ -9,6 +9,7 @@ shapes (blocks of calls, median of rounds) and caches the result by op + shapes 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -247,7 +248,8 @@ class Profiled:
                         self.profile_graph(gm, bw_inputs, rounds, warmup, new_keys_only=new_only)
 
     def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 0,
-                      budget_s: float = PROFILE_BUDGET_S, new_keys_only: bool = False) -> dict | None:
+                      budget_s: float = PROFILE_BUDGET_S, new_keys_only: bool = False,
+                      give_up_above_us: float = math.inf) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
         Past ``MIN_ROUNDS`` timed rounds, no new round starts once they took ``budget_s``: a
@@ -259,11 +261,12 @@ class Profiled:
         made a ResNet-50 bs8 build 3.4 s longer (medians of 4: 15.6 vs 12.2 s) and predicted
         no closer (median optimized 465 vs 420 ms; measured 396-400 ms).
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
-        the costs a prediction of the unrewritten graph used stay as they were."""
+        the costs a prediction of the unrewritten graph used stay as they were.
+        ``give_up_above_us``: one round only where it took longer (``time_graph``)."""
         inputs = owned_copies(inputs)
         samples: dict[str, list[float]] = {}
         with real_tensors():
-            values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s)
+            values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s, give_up_above_us)
         for key, times in samples.items():
             if new_keys_only and key in self.samples:
                 continue

@@ -74,9 +74,10 @@ def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, li
 
 
 def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
-               warmup: int, budget_s: float = math.inf) -> dict | None:
+               warmup: int, budget_s: float = math.inf, give_up_above_us: float = math.inf) -> dict | None:
     """Add each profile key's in-context time per round to ``samples``; return the output values
-    by node name.
+    by node name. No round after the first timed one where that one's ops took more than
+    ``give_up_above_us`` in all (a candidate clearly slower than another needs no median).
 
     A key's sample for one round is the mean over its instances in the graph, so that the key's
     cost times its count is what those instances took. Instances of one op and shape need not
@@ -102,6 +103,8 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                         this_round.setdefault(keys[index], []).append(seconds * 1e6)
                     for key, times in this_round.items():
                         samples.setdefault(key, []).append(sum(times) / len(times))
+                    if i == warmup and sum(seconds for _, seconds in _STAMPS) * 1e6 > give_up_above_us:
+                        break
     except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
         return None
     finally:
