@@ -236,7 +236,7 @@ def _variants(ctx: PassContext, sites: list[Site]) -> tuple[Variant, ...]:
     packed stays channels_last in it): timing both only lets noise pick the worse. On CPU
     every fused conv can be packed (a 1-d one runs as 2-d over height 1); channels_last on
     CUDA is for 2-d and 3-d convs. The one usually fastest comes first: a candidate clearly
-    slower than one timed before it is timed in one run, not three (``PassPipeline``)."""
+    slower than one timed before it is timed in two runs, not three (``PassPipeline``)."""
     if not ctx.frozen:
         return (NCHW_FUSED,)
     if ctx.device == "cpu":

@@ -17,9 +17,9 @@ from torch.utils._pytree import tree_flatten
 from .op_keys import is_view, profile_key, real_tensors, size_hint
 
 MIN_ROUNDS = 3  # past these timed rounds, no new round starts once the budget is spent
-# ... except for a long graph: two rounds that took this long in all are enough. VGG-19 at bs8
-# (2 s a run) spent 24 s of a 33 s build in 12 timed runs; each of its ops is milliseconds
-# long, and a cold first round (oneDNN primitives built) is ~1 % of such a run.
+# ... except for a long graph: two rounds that took this long in all are enough (the second is
+# kept). VGG-19 at bs8 (2 s a run) spent 24 s of a 33 s build in 12 timed runs; each of its ops
+# is milliseconds long, and a cold first round (oneDNN primitives built) is ~1 % of such a run.
 LONG_ROUNDS_S = 2.0
 
 _STAMPS: list[tuple[int, float]] = []  # (op index, seconds) from the timed graph running now
@@ -76,15 +76,18 @@ def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, li
 def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
                warmup: int, budget_s: float = math.inf, give_up_above_us: float = math.inf) -> dict | None:
     """Add each profile key's in-context time per round to ``samples``; return the output values
-    by node name. No round after the first timed one where that one's ops took more than
-    ``give_up_above_us`` in all (a candidate clearly slower than another needs no median).
+    by node name. No round after the second timed one where that one's ops took more than
+    ``give_up_above_us`` in all: a candidate clearly slower than another needs no median, but
+    its first run can be cold (a new oneDNN primitive per conv: 1 ms on a 0.1 ms graph). Of
+    two timed rounds (this, or a long graph) only the second is kept: the median of two is
+    their mean, and a tiny conv net's fused variants were predicted 0.27x for 0.82x with it.
 
     A key's sample for one round is the mean over its instances in the graph, so that the key's
     cost times its count is what those instances took. Instances of one op and shape need not
     cost the same in context: in a MobileNet-like net, one of three 1x1 convs of one shape ran
     ~480 µs slower than the others, run after run; the median of their pooled times (the cost
     before) was the fast ones', and the graph was predicted 10-25 % faster than it ran."""
-    outputs = None
+    outputs, taken = None, []
     try:
         timed, keys = timed_copy(gm, device.type)
         with torch.no_grad():
@@ -101,14 +104,16 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                     this_round: dict[str, list[float]] = {}
                     for index, seconds in _STAMPS:
                         this_round.setdefault(keys[index], []).append(seconds * 1e6)
-                    for key, times in this_round.items():
-                        samples.setdefault(key, []).append(sum(times) / len(times))
-                    if i == warmup and sum(seconds for _, seconds in _STAMPS) * 1e6 > give_up_above_us:
+                    taken.append({key: sum(times) / len(times) for key, times in this_round.items()})
+                    if i == warmup + 1 and sum(seconds for _, seconds in _STAMPS) * 1e6 > give_up_above_us:
                         break
     except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
         return None
     finally:
         _STAMPS.clear()
+    for this_round in taken[1:] if len(taken) == 2 else taken:  # of two, the warm one: see above
+        for key, us in this_round.items():
+            samples.setdefault(key, []).append(us)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     names = [a.name if isinstance(a, fx.Node) else None for a in tree_flatten(output.args)[0]]
     return {name: value for name, value in zip(names, tree_flatten(outputs)[0]) if name}
