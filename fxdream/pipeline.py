@@ -129,7 +129,8 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
 
     ``eager_check`` (default: with ``passes="auto"``, measured costs, not ``strict``) times the
     built module against eager when one eager call is short (≤ 20 ms: there the wrappers around
-    the graphs can cost more than the passes save); measured more than 5 % slower, it runs
+    the graphs can cost more than the passes save; no eager call where the graphs' measured ops
+    predict more than twice that); measured more than 5 % slower, it runs
     eagerly and the report says so, with both times.
     """
     check_model(model)
