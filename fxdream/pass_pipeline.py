@@ -25,9 +25,9 @@ from .sim.cost import Profiled
 
 log = logging.getLogger("fxdream")
 MAX_EXHAUSTIVE = 5  # up to 2**5 subsets are simulated; beyond that, greedy
-# A candidate's second timed run this much over the best prediction for its graph so far: no
-# third run. Not the first: it can be cold (NCHW-fused ResNet-50 bs1: +24 % over the next runs;
-# a tiny conv net's fused variants timed once were predicted 0.27x, as in a cold first call).
+# A candidate's first two timed runs both this much over the best prediction for its graph so
+# far: no third run. Not one run: the first can be cold (NCHW-fused ResNet-50 bs1: +24 % over the
+# next runs), and either can be a noise spike on this VM (see ``in_context.time_graph``).
 GIVE_UP_SLOWER_THAN = 1.25
 
 
@@ -107,9 +107,9 @@ class PassPipeline:
     def _profile_candidate(self, gm: fx.GraphModule, phase: str, index: int) -> None:
         """A rewrite's new ops are timed in context too, so before and after compare alike
         (unless they are a tiny share of the graph: ``Profiled.worth_timing_in_context``).
-        A candidate whose second timed run is ``GIVE_UP_SLOWER_THAN`` times the best prediction
-        so far for its graph is not run a third time: ResNet-50's NCHW variant (1.6x the
-        prepacked one at bs1) took a third run of the graph to lose by as much."""
+        A candidate whose first two timed runs are both ``GIVE_UP_SLOWER_THAN`` times the best
+        prediction so far for its graph is not run a third time: ResNet-50's NCHW variant (1.6x
+        the prepacked one at bs1) took a third run of the graph to lose by as much."""
         cost = self.base_context.cost_model
         if isinstance(cost, Profiled) and cost.to_time_in_context(gm):
             inputs = self._real_inputs(index, phase)

@@ -262,7 +262,7 @@ class Profiled:
         no closer (median optimized 465 vs 420 ms; measured 396-400 ms).
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were.
-        ``give_up_above_us``: no third round where the second took longer (``time_graph``)."""
+        ``give_up_above_us``: no third round where both first ones took longer (``time_graph``)."""
         inputs = owned_copies(inputs)
         samples: dict[str, list[float]] = {}
         with real_tensors():

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from .op_keys import is_view, profile_key, real_tensors, size_hint
 
 MIN_ROUNDS = 3  # past these timed rounds, no new round starts once the budget is spent
-# ... except for a long graph: two rounds that took this long in all are enough (the second is
+# ... except for a long graph: two rounds that took this long in all are enough (the faster is
 # kept). VGG-19 at bs8 (2 s a run) spent 24 s of a 33 s build in 12 timed runs; each of its ops
 # is milliseconds long, and a cold first round (oneDNN primitives built) is ~1 % of such a run.
 LONG_ROUNDS_S = 2.0
@@ -76,11 +76,12 @@ def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, li
 def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
                warmup: int, budget_s: float = math.inf, give_up_above_us: float = math.inf) -> dict | None:
     """Add each profile key's in-context time per round to ``samples``; return the output values
-    by node name. No round after the second timed one where that one's ops took more than
-    ``give_up_above_us`` in all: a candidate clearly slower than another needs no median, but
-    its first run can be cold (a new oneDNN primitive per conv: 1 ms on a 0.1 ms graph). Of
-    two timed rounds (this, or a long graph) only the second is kept: the median of two is
-    their mean, and a tiny conv net's fused variants were predicted 0.27x for 0.82x with it.
+    by node name. No third round where both timed ones took more than ``give_up_above_us`` in
+    all: a candidate clearly slower than another needs no median, but one run can be cold (a new
+    oneDNN primitive per conv: 1 ms on a 0.1 ms graph) or caught in a noise spike (a version that gave up on
+    the second run alone made ResNet-50 bs1 pick its NCHW variant in an A/B). Of two timed
+    rounds (these, or a long graph's) only the faster is kept: the median of two is their mean,
+    and a tiny conv net's fused variants were predicted 0.27x for 0.82x with a cold run in.
 
     A key's sample for one round is the mean over its instances in the graph, so that the key's
     cost times its count is what those instances took. Instances of one op and shape need not
@@ -104,14 +105,15 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                     this_round: dict[str, list[float]] = {}
                     for index, seconds in _STAMPS:
                         this_round.setdefault(keys[index], []).append(seconds * 1e6)
-                    taken.append({key: sum(times) / len(times) for key, times in this_round.items()})
-                    if i == warmup + 1 and sum(seconds for _, seconds in _STAMPS) * 1e6 > give_up_above_us:
+                    taken.append((sum(seconds for _, seconds in _STAMPS) * 1e6,
+                                  {key: sum(times) / len(times) for key, times in this_round.items()}))
+                    if i == warmup + 1 and min(total for total, _ in taken) > give_up_above_us:
                         break
     except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
         return None
     finally:
         _STAMPS.clear()
-    for this_round in taken[1:] if len(taken) == 2 else taken:  # of two, the warm one: see above
+    for _, this_round in [min(taken, key=lambda t: t[0])] if len(taken) == 2 else taken:  # see above
         for key, us in this_round.items():
             samples.setdefault(key, []).append(us)
     output = next(n for n in gm.graph.nodes if n.op == "output")
