@@ -77,11 +77,12 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                warmup: int, budget_s: float = math.inf, give_up_above_us: float = math.inf) -> dict | None:
     """Add each profile key's in-context time per round to ``samples``; return the output values
     by node name. No third round where both timed ones took more than ``give_up_above_us`` in
-    all: a candidate clearly slower than another needs no median, but one run can be cold (a new
-    oneDNN primitive per conv: 1 ms on a 0.1 ms graph) or caught in a noise spike (a version that gave up on
-    the second run alone made ResNet-50 bs1 pick its NCHW variant in an A/B). Of two timed
-    rounds (these, or a long graph's) only the faster is kept: the median of two is their mean,
-    and a tiny conv net's fused variants were predicted 0.27x for 0.82x with a cold run in.
+    all: a candidate clearly slower than another needs no median, but one run can be cold (a
+    new oneDNN primitive per conv: 1 ms on a 0.1 ms graph) or caught in a noise spike (giving
+    up on the second run alone made ResNet-50 bs1 pick its NCHW variant in an A/B). Of two
+    timed rounds (these, or a long graph's) only the faster is kept: the median of two is
+    their mean, and a tiny conv net's fused variants were predicted 0.27x for 0.82x with a
+    cold run in.
 
     A key's sample for one round is the mean over its instances in the graph, so that the key's
     cost times its count is what those instances took. Instances of one op and shape need not
