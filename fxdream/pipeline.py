@@ -56,16 +56,16 @@ class OptimizedModule(torch.nn.Module):
             self._fall_back(f"compilation failed on a later call: {describe_error(error)}")
             return self._call(self.model, args, kwargs)
         if len(self._session.records) > compiled:
-            self._count_compilation(args, kwargs, self._session.records[compiled:])
+            key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
+            self._count_compilation(key, self._session.records[compiled:])
         return output
 
-    def _count_compilation(self, args, kwargs, records: list) -> None:
-        """Run eagerly once dynamo has compiled calls of one kind ``RECOMPILE_LIMIT`` times: a
-        guard on something that changes every call (a counter the forward increments) recompiled
-        on every call, ~130 ms each with the passes, up to dynamo's limit (64 here). A call that
-        compiled only functions not compiled for its kind before (the code after a data-dependent
-        branch, compiled when a call first takes it) is not counted."""
-        key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
+    def _count_compilation(self, key: tuple, records: list) -> None:
+        """Run eagerly once dynamo has compiled calls of one kind (``key``: ``call_kind``)
+        ``RECOMPILE_LIMIT`` times: a guard on something that changes every call (a counter the
+        forward increments) recompiled on every call, ~130 ms each with the passes, up to dynamo's
+        limit (64 here). A call that compiled only functions not compiled for its kind before (the
+        code after a data-dependent branch, compiled when a call first takes it) is not counted."""
         codes = self._compiled_codes.setdefault(key, set())
         again = any(r.code in codes for r in records)
         codes.update(r.code for r in records)
@@ -190,10 +190,8 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         retried = capture_after_nothing(model, inputs, session, training, module._graph_breaks)
         if retried is not None:
             module.__dict__["_runner"], module._capture, module._graph_breaks = retried
-    if session.records:
-        key = call_kind(inputs, {}, training, training)
-        module._compilations[key] = 1  # the build's compilation
-        module._compiled_codes[key] = {r.code for r in session.records}
+    if session.records:  # the build's compilation counts
+        module._count_compilation(call_kind(inputs, {}, training, training), session.records)
     if module._fallback_reason is None and not session.captured():
         module._fall_back("dynamo captured no graph"
                           + (": " + "; ".join(module._graph_breaks) if module._graph_breaks else ""))
