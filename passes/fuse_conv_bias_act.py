@@ -10,13 +10,13 @@ Fusion is not always faster (oneDNN in NCHW 0.91–1.06x, cuDNN's fused call 17x
 on some 7x7 channels_last convs, pytorch#68506), so the pass builds every variant the
 device allows (CPU inference: NCHW, channels_last + weights prepacked once; CUDA: NCHW,
 channels_last) and keeps the fastest by ``ctx.predict_us`` (the pipeline's measured cost model);
-every variant's predicted time goes in the notes. When none is predicted faster than the
-graph as it is, the pass declines under ``passes="auto"``; named explicitly (forced), it applies
-the fastest variant and says it is predicted slower, so an A/B run can check that prediction
-too (it used to decline there as well, and a predicted loss was never measured). Without a cost model it takes channels_last + prepacked on CPU and NCHW on
-CUDA and says so. Training graphs get the trainable
-ops (``fxdream::conv_bias_relu``, ``fxdream::conv_bias_add_relu``) in NCHW: the forward
-returns exactly the values the already-built backward graph expects.
+every variant's predicted time goes in the notes. When none is predicted faster than the graph
+as it is, the pass declines under ``passes="auto"``; named explicitly (forced), it applies the
+fastest variant and says it is predicted slower, so an A/B run can check that prediction too
+(it used to decline there as well, and a predicted loss was never measured). Without a cost
+model it takes channels_last + prepacked on CPU and NCHW on CUDA and says so. Training graphs
+get the trainable ops (``fxdream::conv_bias_relu``, ``fxdream::conv_bias_add_relu``) in NCHW:
+the forward returns exactly the values the already-built backward graph expects.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ rows 768 → 3072 1863 → 1660 / 1554 µs; but 1 row 2048 → 1000 (ResNet's cl
 / 163 µs. So one site of each shape is timed all ways (``Profiled.isolated_us``) and each site
 takes the fastest; under ``passes="auto"`` the pass then declines unless the graph, timed in
 context, is predicted faster than without. Named explicitly (forced), it packs every site by
-its faster kind and applies, saying where that is predicted slower. Without measured costs it packs (oneDNN) the sites with more than one row
-and says so.
+its faster kind and applies, saying where that is predicted slower. Without measured costs it
+packs (oneDNN) the sites with more than one row and says so.
 """
 from __future__ import annotations
 
