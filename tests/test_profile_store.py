@@ -69,6 +69,11 @@ def test_a_rebuild_reuses_the_measured_costs_and_predicts_the_same(monkeypatch):
 def test_a_training_rebuild_times_a_new_backward_on_inputs_made_when_needed(monkeypatch):
     # the first build times forward and backward; the second reuses them but has to time the
     # rewritten backward's new op, on the forward's saved tensors, which it makes only then
+    import fxdream.sim.cost as cost_module
+    # the clone, timed alone, is ~1.5 % of this tiny backward: near MIN_SHARE, under which a
+    # few new ops are not timed in context (tested on its own in test_predict); under load the
+    # share fell below it and this test failed once in CI
+    monkeypatch.setattr(cost_module, "MIN_SHARE", 0.0)
     model, x = ConvBnNet().train(), torch.randn(2, 3, 16, 16)
     _build(model, x, training=True, passes=[LeavesGraphsAlone()])
     profiled = _count_profiled_graphs(monkeypatch)
