@@ -73,7 +73,9 @@ def register_pass(pass_or_class):
 def available_passes() -> tuple[str, ...]:
     """Registered pass names in the order ``passes="auto"`` runs them: by the pass's ``order``
     (default 0; passes that schedule the final kernels, as ``cuda_graphs`` and
-    ``aux_stream_backward`` do, set a higher one and run after the rewrites), then by name."""
+    ``aux_stream_backward`` do, set a higher one and run after the rewrites), then by name.
+    A pass with ``final = True`` (``reinplace``) is not part of the subsets ``auto`` compares:
+    it runs once on the chosen graph and stays only if that is predicted faster."""
     _load_builtin_passes()
     return tuple(sorted(_REGISTRY, key=lambda name: (getattr(_REGISTRY[name], "order", 0), name)))
 

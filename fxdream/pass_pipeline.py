@@ -170,13 +170,13 @@ class PassPipeline:
         A subset whose predicted peak memory exceeds ``ctx.memory_budget`` is not a candidate;
         where every subset does, the one with the lowest predicted peak is kept.
         """
-        applicable, rows = [], []
+        applicable, final, rows = [], [], []
         for p in self.passes:
             reason = p.applies_to(ctx)
-            if reason is None:
-                applicable.append(p)
-            else:
+            if reason is not None:
                 rows.append(PassReport(p.name, index, ctx.phase, False, reason))
+            else:
+                (final if getattr(p, "final", False) else applicable).append(p)
         candidates = {(): (gm, [])}
         if len(applicable) <= MAX_EXHAUSTIVE:
             runs = {}  # (pass, graph it ran on): a pass that left a subset's graph as it was
@@ -212,7 +212,20 @@ class PassPipeline:
         self._add(PassReport("auto", index, ctx.phase, bool(best), f"chose {names(best)}: predicted "
                              f"{best_us / 1e3:.3f} ms of {len(scored)} subsets{over_budget}",
                              notes=(f"predicted: {summary}",)))
+        for p in final:
+            best_gm = self._finish(p, best_gm, ctx, index)
         return best_gm
+
+    def _finish(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
+        """A ``final`` pass (a clean-up that helps whichever graph it gets, as ``reinplace``) runs
+        once on the chosen graph, not in every subset (which would double them), and is kept
+        only if the graph is then predicted faster."""
+        trial, row = self._run_one(p, gm, ctx, index)
+        if row.applied and row.predicted_delta_us is not None and row.predicted_delta_us >= 0:
+            self._add(dataclasses.replace(row, applied=False, reason=f"not kept, predicted no faster: {row.reason}"))
+            return gm
+        self._add(row)
+        return trial
 
     def _add(self, row: PassReport) -> None:
         self.rows.append(row)

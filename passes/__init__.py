@@ -5,3 +5,4 @@ from . import prepack_linear  # noqa: F401
 from . import mark_incompatible  # noqa: F401
 from . import cuda_graphs  # noqa: F401
 from . import aux_stream_backward  # noqa: F401
+from . import reinplace  # noqa: F401

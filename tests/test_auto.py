@@ -114,6 +114,38 @@ def test_a_pass_is_not_run_again_on_a_graph_another_subset_left_as_it_was():
     assert (first.runs, last.runs) == (1, 2)
 
 
+class Final:
+    """A ``final`` pass: run once on the chosen subset's graph, kept only if predicted faster."""
+    final = True
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def applies_to(self, ctx):
+        return None
+
+    def __call__(self, gm, ctx):
+        return self.inner(gm, ctx)
+
+
+def test_a_final_pass_runs_once_on_the_chosen_graph_and_stays_if_predicted_faster():
+    helps = Counted("counted")
+    pipeline = _auto([AddCopies("copies", 2), Final(FoldMulByOne()), Final(helps)])
+    auto, fold, counted = pipeline.rows[-3:]
+    assert auto.name == "auto" and auto.reason.startswith("chose none") and "of 2 subsets" in auto.reason
+    assert (fold.name, fold.applied, fold.reason) == ("fold", True, "folded 1")
+    assert fold.predicted_delta_us < 0 and helps.runs == 1
+    assert not any(op_name(n) == "aten.mul" for n in pipeline.rewritten[(0, "fw")].graph.nodes)
+
+
+def test_a_final_pass_predicted_no_faster_is_not_kept():
+    pipeline = _auto([Final(AddCopies("copies", 2))])
+    row = pipeline.rows[-1]
+    assert (row.name, row.applied) == ("copies", False)
+    assert row.reason == "not kept, predicted no faster: added 2 copies" and row.predicted_delta_us > 0
+    assert not any(op_name(n) == "aten.clone" for n in pipeline.rewritten[(0, "fw")].graph.nodes)
+
+
 def test_auto_respects_the_memory_budget():
     unbounded = _auto([AddCopies("copies", 2)])
     assert unbounded.rows[-1].reason.startswith("chose none")
