@@ -142,3 +142,17 @@ def test_zoo_training_is_bit_identical_with_the_pass_forced(name):
     for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(out_r)):
         assert torch.equal(a, b)
     assert all((g is None and h is None) or torch.equal(g, h) for g, h in zip(grads, grads_r))
+
+
+def test_after_aux_stream_backward_nothing_an_aux_stream_reads_is_overwritten():
+    from fxdream import streams
+    model, inputs, loss_fn = models.build("resnet18", 2, tiny=True)
+    optimized = fxdream.optimize(model, inputs, passes=["aux_stream_backward", "reinplace"], training=True,
+                                 cost=None)
+    rows = {(r.name, r.phase): r for r in optimized.report.passes}
+    assert rows[("aux_stream_backward", "bw")].applied and rows[("reinplace", "bw")].applied
+    backward = optimized.rewritten_graphs[(0, "bw")]
+    assert streams.stream_summary(backward).get(1, 0) > 0
+    assert streams.check_stream_order(backward) == []
+    written = [n for n in backward.graph.nodes if op_name(n).endswith("_") and op_name(n).startswith("aten.")]
+    assert written and all(streams.node_stream(u) == 0 for n in written for u in n.args[0].users)
