@@ -107,7 +107,8 @@ def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: in
         if report is not None:
             rows[name].update(predicted_baseline_ms=report.predicted_baseline_ms,
                               predicted_ms=report.predicted_optimized_ms,
-                              passes=[f"{p.name}: {p.reason}" for p in report.passes])
+                              passes=[f"{p.name}: {p.reason}" for p in report.passes],
+                              ran_eagerly=bool(report.ran_eagerly))  # auto's eager check found it slower
 
     runners = {n: step_fn(fn, inputs, loss_fn, training) for n, fn in built.items()}
     fast = built.get("fxdream")
@@ -143,7 +144,8 @@ def to_markdown(cases: list[dict]) -> str:
             speedup = f"{r['speedup_vs_eager']:.2f}x" if r.get("speedup_vs_eager") else "–"
             preds = [f"{r[k]:.2f} ({100 * (r[k] / r['median_ms'] - 1):+.1f} %)" if r.get(k) else "–"
                      for k in ("predicted_ms", "predicted_interleaved_ms")]
-            lines.append(f"{head} | {name} | {r['median_ms']:.2f} | {speedup} | {r['build_s']:.1f} | {rebuild} "
+            label = f"{name} (runs eagerly: eager check)" if r.get("ran_eagerly") else name
+            lines.append(f"{head} | {label} | {r['median_ms']:.2f} | {speedup} | {r['build_s']:.1f} | {rebuild} "
                          f"| {preds[0]} | {preds[1]} | {r['max_abs_diff']:.1e} |")
     return "\n".join(lines)
 

@@ -47,10 +47,17 @@ def test_cpu_ab_times_every_runner_and_marks_inference_only_peers_in_training(tm
     assert runners["optimize_for_inference"] == {"error": "inference only"}
     fast = runners["fxdream"]
     assert fast["max_abs_diff"] < 1e-4  # outputs and every parameter's gradient
+    assert fast["ran_eagerly"] is False  # named passes: no eager check
     assert fast["median_ms"] > 0 and fast["predicted_interleaved_ms"] > 0
     assert pathlib.Path(out + ".png").stat().st_size > 0
     assert "| mnist_convnet | 2 | train | inductor_freezing | not run: inference only |" in \
         pathlib.Path(out + ".md").read_text()
+
+
+def test_cpu_ab_table_says_when_fxdream_runs_eagerly():
+    case = dict(model="m", batch=8, training=True, runners={
+        "fxdream": dict(median_ms=2.0, speedup_vs_eager=1.0, build_s=0.5, max_abs_diff=0.0, ran_eagerly=True)})
+    assert "| m | 8 | train | fxdream (runs eagerly: eager check) | 2.00 | 1.00x |" in _script("cpu_ab").to_markdown([case])
 
 
 def test_cpu_ab_inference_runs_the_inference_peer(tmp_path):
