@@ -59,23 +59,41 @@ def in_place_twin(op) -> torch._ops.OpOverload | None:
     return twin if written is not None and written.is_write else None
 
 
-def _returns_alias(node: fx.Node) -> bool:
-    schema = node.target._schema
-    return any(r.alias_info is not None for r in schema.returns)
+# returns its input's memory though its schema claims a new tensor (aot emits it after a matmul)
+ALIASING_WITHOUT_ANNOTATION = {aten._unsafe_view.default}
+UNKNOWN = object()  # a value made by something other than an ATen op: who knows what it aliases
 
 
-def _fresh_buffer(node: fx.Node) -> bool:
-    """Made by an ATen op as new memory (a multi-output op's item counts as its own buffer)."""
+def _aliased_input(node: fx.Node):
+    """The node whose memory ``node``'s value shares (a view's or an in-place op's input), None
+    for new memory, UNKNOWN for a value not made by an ATen op (a graph input is its own base)."""
+    if node.op == "placeholder":
+        return None
     if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return isinstance(node.args[0], fx.Node) and _fresh_buffer(node.args[0])
-    return isinstance(node.target, torch._ops.OpOverload) and not _returns_alias(node)
+        return UNKNOWN
+    if node.target is operator.getitem:  # an item of a split aliases what the split aliases
+        parent = node.args[0]
+        return parent if isinstance(parent, fx.Node) and _aliased_input(parent) is not None else None
+    if node.target in ALIASING_WITHOUT_ANNOTATION:
+        return node.args[0]
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return UNKNOWN
+    schema = node.target._schema
+    sets = {name for r in schema.returns if r.alias_info is not None for name in r.alias_info.before_set}
+    if not sets:
+        return None
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and sets & set(argument.alias_info.before_set):
+            given = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            return given if isinstance(given, fx.Node) else UNKNOWN
+    return UNKNOWN
 
 
 def _reads_only(user: fx.Node, value: fx.Node) -> bool:
     """``user`` is an ATen op that reads ``value`` without writing it or returning an alias of it."""
     if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+        return False
+    if user.target in ALIASING_WITHOUT_ANNOTATION:
         return False
     for i, argument in enumerate(user.target._schema.arguments):
         given = user.args[i] if i < len(user.args) else user.kwargs.get(argument.name)
@@ -91,41 +109,56 @@ def _same_layout(a, b) -> bool:
 
 
 class _Buffers:
-    """Which nodes share a buffer: a fresh tensor and the in-place results written into it."""
+    """Which nodes share memory: each node's base (the node that made the memory, following
+    views, ``_unsafe_view`` and in-place results back) and each base's family of aliases."""
 
     def __init__(self, graph: fx.Graph):
         self.order = {n: i for i, n in enumerate(graph.nodes)}
-        self.base: dict[fx.Node, fx.Node] = {}     # in-place result → the fresh tensor it wrote
-        self.members: dict[fx.Node, list[fx.Node]] = {}
+        self.base: dict[fx.Node, object] = {}
+        self.family: dict[object, list[fx.Node]] = {}
+        for node in graph.nodes:
+            self._add(node, _aliased_input(node))
 
-    def group(self, node: fx.Node) -> list[fx.Node]:
-        base = self.base.get(node, node)
-        return self.members.setdefault(base, [base])
+    def _add(self, node: fx.Node, aliased) -> None:
+        base = node if aliased is None else UNKNOWN if aliased is UNKNOWN else self.base.get(aliased, UNKNOWN)
+        self.base[node] = base
+        self.family.setdefault(base, []).append(node)
 
     def can_overwrite(self, value: fx.Node, op: fx.Node) -> bool:
-        base = self.base.get(value, value)
-        if base is value and not _fresh_buffer(value):
+        """Whether ``op`` may write its result into ``value``'s memory (see the module docstring)."""
+        base = self.base.get(value, UNKNOWN)
+        if base is UNKNOWN or base.op != "call_function":  # graph inputs, constants, unknown makers
             return False
-        if not _same_layout(value.meta.get("val"), op.meta.get("val")):
+        if not _same_layout(value.meta.get("val"), op.meta.get("val")) or CUDA_GRAPH_REGION in op.meta:
+            return False
+        family = self.family[base]
+        if any(a is not value and a in family for a in op.all_input_nodes):  # e.g. add(a, a.t())
             return False
         stream = streams.node_stream(op)
-        if CUDA_GRAPH_REGION in op.meta:
-            return False
-        for member in self.group(value):
-            if streams.node_stream(member) != stream or CUDA_GRAPH_REGION in member.meta:
+        for member in family:
+            if (self.order[member] > self.order[op] or streams.node_stream(member) != stream
+                    or CUDA_GRAPH_REGION in member.meta):
                 return False
             for user in member.users:
-                if user is op or self.base.get(user) is base:  # op, or an earlier link of this chain
+                if user is op or self.base.get(user) is base:  # op, or a view / in-place link (above)
                     continue
                 if (self.order[user] > self.order[op] or not _reads_only(user, member)
                         or streams.node_stream(user) != stream or CUDA_GRAPH_REGION in user.meta):
                     return False
         return True
 
-    def written(self, result: fx.Node, value: fx.Node) -> None:
-        base = self.base.get(value, value)
-        self.base[result] = base
-        self.group(base).append(result)
+    def replaced(self, node: fx.Node, result: fx.Node, value: fx.Node) -> None:
+        """``result`` (an in-place op writing ``value``) took erased ``node``'s place; the views
+        of ``node``'s memory now alias ``value``'s."""
+        old_base = self.base.pop(node)
+        self.family[old_base].remove(node)
+        self.order[result] = self.order.pop(node)
+        self._add(result, value)
+        if old_base is node:
+            new_base = self.base[result]
+            for member in self.family.pop(node):
+                self.base[member] = new_base
+                self.family[new_base].append(member)
 
 
 def reinplace_graph(gm: fx.GraphModule) -> list[str]:
@@ -151,8 +184,7 @@ def reinplace_graph(gm: fx.GraphModule) -> list[str]:
         replacement.meta = dict(node.meta)
         node.replace_all_uses_with(replacement)
         gm.graph.erase_node(node)
-        buffers.order[replacement] = buffers.order.pop(node)
-        buffers.written(replacement, args[0])
+        buffers.replaced(node, replacement, args[0])
         changed.append(f"{node.meta.get(LAYER) or node.name}: {twin.overloadpacket.__name__}")
     return changed
 

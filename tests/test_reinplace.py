@@ -14,8 +14,8 @@ from fxdream.sim.graph_regions import CUDA_GRAPH_REGION
 aten = torch.ops.aten
 
 
-def _traced(f, *shapes, dtype=torch.float32):
-    return make_fx(f, tracing_mode="fake")(*[torch.randn(s, dtype=dtype) for s in shapes])
+def _traced(f, *shapes):
+    return make_fx(f, tracing_mode="fake")(*[torch.randn(s) for s in shapes])
 
 
 def _ops(gm):
@@ -91,18 +91,24 @@ def _read_before(x):
     return torch.relu(y), s
 
 
-def test_a_view_of_the_tensor_or_an_earlier_writer_rules_it_out():
-    def viewed(x):
+def test_a_view_read_later_rules_it_out_a_view_or_a_write_before_does_not():
+    def viewed_later(x):
+        y = x * 2
+        v = y.view(-1)
+        return torch.relu(y), v.sum()  # the view reads y's memory after relu would write it
+    assert "aten.relu" in _rewritten(viewed_later, (3, 4))[0]
+
+    def viewed_before(x):  # the view's only reader runs before: nobody can tell
         y = x * 2
         s = y.view(-1).sum()
         return torch.relu(y), s
-    assert "aten.relu" in _rewritten(viewed, (3, 4))[0]
+    assert "aten.relu_" in _rewritten(viewed_before, (3, 4))[0]
 
-    def written_before(x):  # an in-place op's result aliases its input: not a fresh buffer
+    def written_before(x):  # add_ wrote y before; no one reads it after relu
         y = x * 2
         y.add_(1)
         return torch.relu(y)
-    assert _rewritten(written_before, (3, 4))[0] == ["aten.mul", "aten.add_", "aten.relu"]
+    assert _rewritten(written_before, (3, 4))[0] == ["aten.mul", "aten.add_", "aten.relu_"]
 
     # the same without the view: the sum reads y before relu writes it
     assert "aten.relu_" in _rewritten(_read_before, (3, 4))[0]
@@ -111,6 +117,22 @@ def test_a_view_of_the_tensor_or_an_earlier_writer_rules_it_out():
 def test_a_chain_of_in_place_ops_shares_one_buffer():
     ops, changed = _rewritten(lambda x: torch.relu(x * 2 + x * 3), (3, 4))
     assert ops == ["aten.mul", "aten.mul", "aten.add_", "aten.relu_"] and len(changed) == 2
+
+
+def test_an_unsafe_view_shares_its_input_memory():
+    """aot writes ``_unsafe_view`` after a matmul; its schema claims a new tensor but it is a view
+    (a fuzzed residual MLP's saved activation was overwritten through one)."""
+    def saved(x):
+        y = torch.relu(x * 2)
+        u = torch.ops.aten._unsafe_view(y, [12])
+        return u + 1, y  # y leaves the graph: the add must not write u
+    ops, changed = _rewritten(saved, (3, 4))
+    assert "aten.add" in ops and not any("add" in c for c in changed)
+
+    def dead(x):
+        u = torch.ops.aten._unsafe_view(x * 2, [12])
+        return u + 1  # x * 2 dies here: writing it through u is fine
+    assert "aten.add_" in _rewritten(dead, (3, 4))[0]
 
 
 @pytest.mark.parametrize("mark", ["stream", "cuda_graph"])
