@@ -396,3 +396,17 @@ def test_regression_prepacked_fake_output_layout():
     """The fake kernel of a prepacked fused conv gives the layout oneDNN really returns (1 input channel)."""
     spec = NetSpec("conv", 2, (1, 4, 4), (_conv(1, 5),), L("head", pool="flatten", out=5, bias=True), seed=0)
     check_inference(spec, ["fuse_conv_bias_act"], WITH_PASSES, cost=None)
+
+
+def test_regression_reinplace_sees_through_unsafe_view():
+    """aot's ``_unsafe_view`` shares its input's memory though its schema says otherwise: reinplace
+    overwrote the saved output of the first block through one (wrong gradients), as found."""
+    def block(fin, bias, post):
+        inner = (L("linear", fin=fin, out=10, bias=True), L("act", fn="relu_inplace"),
+                 L("linear", fin=10, out=10, bias=bias))
+        proj = L("linear", fin=fin, out=10, bias=True) if fin != 10 else None
+        return L("res", inner=inner, proj=proj, proj_bn=False, add="+=", shortcut_first=True, post=post)
+    spec = NetSpec("mlp", 1, (4, 5), (block(5, False, "relu_inplace"), block(10, True, "relu_"),
+                                      L("linear", fin=10, out=13, bias=True)),
+                   L("head", pool="none", out=7, bias=False), seed=491)
+    check_training(spec, ["reinplace"], EXACT, cost=None)
