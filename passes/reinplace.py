@@ -12,14 +12,15 @@ of 5 steps): bs8 eager 563 ms, captured 604 ms, captured and reinplaced 573 ms; 
 A pointwise ATen op with an in-place twin (same overload name, its first argument written) is
 rewritten when the argument it would overwrite (the second one instead for ``add``/``mul``,
 which commute)
-- is a fresh tensor: made by an ATen op that returns no alias of its inputs (so never a graph
-  input, a parameter, a view or a constant), or by an in-place op this rule allowed on one;
-- is read by nothing after the op (not the graph's output either: a saved-for-backward tensor
-  is one), and only by ATen ops that neither alias nor write it (a view of it read later, or a
-  oneDNN op writing its ``other`` in place, rules it out);
+- lives in memory an ATen op in this graph made as new (followed back through views, aot's
+  ``_unsafe_view`` (a view its schema does not declare) and in-place results: never a graph
+  input, a parameter or a constant, nor anything a non-ATen call returned);
+- is read, through any alias of that memory, by nothing after the op (not the graph's output
+  either: a saved-for-backward tensor is one), and before it only by ATen ops that neither
+  alias nor write it; the op reads no other alias of it (``add(a, a.t())``);
 - has the result's shape, dtype and strides (no broadcast into it, no type promotion);
-- and every op reading it runs on the op's own CUDA stream (an aux stream may still be reading
-  it) and outside a captured CUDA graph region. Its ``order`` puts it after
+- and every op touching that memory runs on the op's own CUDA stream (an aux stream may still
+  be reading it) and outside a captured CUDA graph region. Its ``order`` puts it after
   ``aux_stream_backward``; named before it, an in-place write that a weight gradient moved to
   the aux stream could race is caught by that pass's stream checker, which then refuses its
   rewrite (reported), so nothing runs unordered.
