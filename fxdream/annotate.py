@@ -89,6 +89,14 @@ def op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
+def schema_arguments(node: fx.Node):
+    """(schema argument, the value the call gives it, positionally or by keyword; None if it
+    gives none) for a call of an op with a schema; nothing for any other node."""
+    schema = getattr(node.target, "_schema", None)
+    for i, argument in enumerate(schema.arguments if schema is not None else ()):
+        yield argument, node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+
+
 def is_compute(node: fx.Node) -> bool:
     """A call that does work on tensors (not a placeholder, output, getitem or view)."""
     if node.op not in ("call_function", "call_method", "call_module"):

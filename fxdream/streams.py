@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .annotate import schema_arguments
+
 STREAM = "stream"  # node.meta key (the same as fxdream.sim.lower.STREAM)
 
 _aux_streams: dict[tuple[int, int], "torch.cuda.Stream"] = {}
@@ -197,18 +199,8 @@ class Violation:
 
 
 def _mutated_args(node: fx.Node) -> list[fx.Node]:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    out = []
-    for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-            out.append(value)
-    for arg in schema.arguments:
-        value = node.kwargs.get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-            out.append(value)
-    return out
+    return [value for argument, value in schema_arguments(node)
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node)]
 
 
 def check_stream_order(gm: fx.GraphModule | fx.Graph) -> list[Violation]:

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxdream.annotate import LAYER, ROOT_LAYER_LABEL, op_name
+from fxdream.annotate import LAYER, ROOT_LAYER_LABEL, op_name, schema_arguments
 from fxdream.pass_api import PassContext, PassResult, register_pass
 
 from .cuda_graph_registry import (_COMPATIBLE, _registered, cuda_graph_compatible,  # noqa: F401
@@ -229,14 +229,10 @@ def _where(node: fx.Node) -> str:
 
 
 def _mutated_input(node, ctx, roots: dict, positions: dict):
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return None
-    for i, argument in enumerate(schema.arguments):
+    for argument, value in schema_arguments(node):
         info = argument.alias_info
         if info is None or not info.is_write:
             continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
         for arg in (value if isinstance(value, (list, tuple)) else [value]):
             root = roots.get(arg) if isinstance(arg, fx.Node) else None
             if root is not None:

@@ -39,9 +39,10 @@ import torch.fx as fx
 
 import fxdream
 from fxdream import streams
-from fxdream.annotate import LAYER
+from fxdream.annotate import LAYER, schema_arguments
 from fxdream.pass_api import PassContext, PassResult
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION
+from fxdream.sim.op_keys import is_view
 
 aten = torch.ops.aten
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
@@ -60,8 +61,6 @@ def in_place_twin(op) -> torch._ops.OpOverload | None:
     return twin if written is not None and written.is_write else None
 
 
-# returns its input's memory though its schema claims a new tensor (aot emits it after a matmul)
-ALIASING_WITHOUT_ANNOTATION = {aten._unsafe_view.default}
 UNKNOWN = object()  # a value made by something other than an ATen op: who knows what it aliases
 
 
@@ -75,17 +74,16 @@ def _aliased_input(node: fx.Node):
     if node.target is operator.getitem:  # an item of a split aliases what the split aliases
         parent = node.args[0]
         return parent if isinstance(parent, fx.Node) and _aliased_input(parent) is not None else None
-    if node.target in ALIASING_WITHOUT_ANNOTATION:
-        return node.args[0]
     if not isinstance(node.target, torch._ops.OpOverload):
         return UNKNOWN
-    schema = node.target._schema
-    sets = {name for r in schema.returns if r.alias_info is not None for name in r.alias_info.before_set}
+    if is_view(node):  # the project's view list, with aot's _unsafe_view (its schema claims new memory)
+        return node.args[0]
+    returns = node.target._schema.returns
+    sets = {name for r in returns if r.alias_info is not None for name in r.alias_info.before_set}
     if not sets:
         return None
-    for i, argument in enumerate(schema.arguments):
+    for argument, given in schema_arguments(node):
         if argument.alias_info is not None and sets & set(argument.alias_info.before_set):
-            given = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
             return given if isinstance(given, fx.Node) else UNKNOWN
     return UNKNOWN
 
@@ -94,10 +92,9 @@ def _reads_only(user: fx.Node, value: fx.Node) -> bool:
     """``user`` is an ATen op that reads ``value`` without writing it or returning an alias of it."""
     if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
         return False
-    if user.target in ALIASING_WITHOUT_ANNOTATION:
+    if is_view(user):
         return False
-    for i, argument in enumerate(user.target._schema.arguments):
-        given = user.args[i] if i < len(user.args) else user.kwargs.get(argument.name)
+    for argument, given in schema_arguments(user):
         holds = given is value or (isinstance(given, (list, tuple)) and any(g is value for g in given))
         if holds and argument.alias_info is not None:
             return False
