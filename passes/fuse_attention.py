@@ -16,7 +16,10 @@ other user. Replaced by ``aten.scaled_dot_product_attention(q, k, v, attn_mask, 
 scale=...)`` (a filled mask becomes its negation: SDPA's boolean mask says what takes part).
 Values change in the last bits (another summation order): max abs diff ~1e-7 on BERT; and a
 query row a filled mask excludes entirely gives 0 where eager's softmax gives NaN (said in the
-pass's notes; a causal mask never excludes a whole row).
+pass's notes; a causal mask never excludes a whole row). SDPA's output follows q's layout
+([b, s, h, d] in memory on CPU) where the bmm's was contiguous: the values downstream are
+re-derived, and where the difference would show (a returned tensor's strides, a ``view`` that
+needs the old ones) a clone makes it contiguous again.
 Training is left alone: its backward graph holds the unfused gradients.
 """
 from __future__ import annotations
@@ -200,14 +203,56 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
                 mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(mask)})
             fused = graph.call_function(aten.scaled_dot_product_attention.default,
                                         (query, key, value, mask, 0.0, False), {"scale": site.scale})
-        now[site.output] = fused
         fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(fused)})
         site.output.replace_all_uses_with(fused)
+        if not _settle_layout(graph, fused):  # SDPA's output follows q's layout, the bmm's is contiguous
+            with graph.inserting_after(fused):
+                restored = graph.call_function(aten.clone.default, (fused,),
+                                               {"memory_format": torch.contiguous_format})
+            fused.replace_all_uses_with(restored, delete_user_cb=lambda user: user is not restored)
+            restored.meta.update({LAYER: fused.meta[LAYER], "val": _fake_run(restored)})
+            fused = restored
+        now[site.output] = fused
         for node in (site.output, *reversed(site.replaced)):
             if not node.users:
                 graph.erase_node(node)
     graph.lint()
     gm.recompile()
+
+
+def _settle_layout(graph: fx.Graph, fused: fx.Node) -> bool:
+    """Re-derive the values downstream of ``fused`` (its layout may differ from the output it
+    replaced); False, with nothing changed, where the difference would be seen: a graph output
+    with other strides, an op that fails on them (a ``view`` needs the old strides), or a reshape
+    of a tensor with a size-1 dim (SDPA's fake kernel strides those unlike the real one)."""
+    changed, new_vals = {fused}, {}
+    for node in list(graph.nodes)[list(graph.nodes).index(fused) + 1:]:
+        if not changed.intersection(node.all_input_nodes):
+            continue
+        if node.op != "call_function":
+            return False  # the output (or anything else) sees the new strides
+        if node.target in _FLATTEN and 1 in node.args[0].meta["val"].shape:
+            return False  # a reshape reads a size-1 dim's stride, where fake and real kernels differ
+        try:
+            val = _fake_run(node)
+        except Exception:  # noqa: BLE001 - e.g. view: "size is not compatible with ... stride"
+            return False
+        if val is None:
+            return False
+        if not _same_layout(val, node.meta.get("val")):
+            changed.add(node)
+            new_vals[node] = val
+    for node, val in new_vals.items():
+        node.meta["val"] = val
+    return True
+
+
+def _same_layout(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(map(_same_layout, a, b))
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
 
 
 def _fake_run(node: fx.Node):

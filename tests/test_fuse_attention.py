@@ -137,6 +137,35 @@ def test_a_block_feeding_the_next_is_fused_in_both():
         torch.testing.assert_close(optimized(q, k, v), TwoStacked()(q, k, v), rtol=1e-5, atol=1e-6)
 
 
+class HeadsFolded(nn.Module):
+    """The output viewed as [b·h, s, d]: a view only the bmm's contiguous result allows."""
+    def forward(self, x, heads=2):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, heads, d // heads).transpose(1, 2) for t in x.repeat(1, 1, 3).chunk(3, -1))
+        probs = (torch.matmul(q, k.transpose(-2, -1)) / 2.0).softmax(-1)
+        return torch.matmul(probs, v).view(b * heads, s, d // heads)
+
+
+def test_sdpa_output_is_made_contiguous_where_a_later_view_needs_it():
+    x = torch.randn(2, 5, 16)
+    optimized, count = _fused(HeadsFolded(), (x,))
+    assert count == 1 and optimized.report.fallback_reason is None  # SDPA's output follows q's layout:
+    graph = optimized.rewritten_graphs[(0, "fw")].graph                # (b, s, h, d) here
+    (sdpa,) = [n for n in graph.nodes if n.target is SDPA]
+    assert [u.target for u in sdpa.users] == [torch.ops.aten.clone.default]
+    with torch.no_grad():
+        actual, expected = optimized(x), HeadsFolded()(x)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    assert actual.stride() == expected.stride()
+
+
+def test_sdpa_output_is_left_as_it_is_where_nothing_sees_its_layout():
+    model, inputs, _ = models.build("bert_base", 1, tiny=True)  # permute → clone → view after each block
+    optimized, count = _fused(model, inputs)
+    sdpas = [n for n in optimized.rewritten_graphs[(0, "fw")].graph.nodes if n.target is SDPA]
+    assert count == 2 and all(u.target is torch.ops.aten.permute.default for n in sdpas for u in n.users)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bert_attention_is_fused_on_cuda_and_equals_eager():
