@@ -1,6 +1,7 @@
 """optimize(): capture → passes → executable module, as an explicit list of steps."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -183,6 +184,11 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         if strict:
             raise CaptureError(f"strict=True: capture of {type(model).__name__} failed: "
                                f"{describe_error(error)}") from error
+        if any(row.applied for row in pipeline.rows):  # the rewrites' fault, not the capture's
+            without = _build(model, inputs, (), auto, training, target, strict, cost, memory_budget)
+            if without._fallback_reason is None:
+                without._pipeline.rows[:] = _rows_that_failed_to_run(pipeline.rows, error)
+                return without
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
         module._fall_back(f"the model's capture ({how}) failed: {describe_error(error)}")
     module._graph_breaks = new_graph_breaks(breaks_before)
@@ -199,6 +205,14 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
                            + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
     return module
+
+
+def _rows_that_failed_to_run(rows: list, error: Exception) -> list:
+    """The pass rows of a build whose rewritten graphs raised when run: none of them is kept
+    (the graphs run as captured), each applied row says so."""
+    failed = f"applied, but the rewritten graphs failed when run ({describe_error(error)}); they run as captured"
+    return [dataclasses.replace(r, applied=False, reason=f"{failed}: {r.reason}", predicted_delta_us=None,
+                                predicted_delta_peak_bytes=None) if r.applied else r for r in rows]
 
 
 RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before running eagerly

@@ -56,6 +56,25 @@ class BreaksTheGraph:
         return PassResult(gm, True, "rewired the output")
 
 
+def _fails_when_run(x):
+    raise RuntimeError("wrong strides for view")
+
+
+class FailsWhenRun:
+    """A graph that lints and fake-runs, but whose rewrite raises when run (e.g. a view of a layout
+    the rewrite changed)."""
+    name = "test_fails_when_run"
+
+    def applies_to(self, ctx):
+        return None
+
+    def __call__(self, gm, ctx):
+        relu = next(n for n in gm.graph.nodes if op_name(n) == "aten.relu")
+        relu.target = _fails_when_run
+        gm.recompile()
+        return PassResult(gm, True, "made relu raise")
+
+
 class OnlyInTraining:
     name = "test_only_in_training"
 
@@ -97,6 +116,19 @@ def test_pass_that_breaks_the_graph_is_skipped():
     (row,) = optimized.report.passes
     assert not row.applied and row.reason.startswith("skipped: the pass raised")
     with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_rewritten_graphs_that_fail_when_run_give_way_to_the_captured_ones(training):
+    model, x, optimized = _run([FoldMulByOne(), FailsWhenRun()], training=training)
+    report = optimized.report
+    assert report.fallback_reason is None and report.graphs  # still captured: only the passes are dropped
+    assert not any(row.applied for row in report.passes)
+    assert all(row.reason.startswith("applied, but the rewritten graphs failed when run (RuntimeError: wrong "
+                                     "strides for view") for row in report.passes if row.phase == "fw")
+    assert optimized.rewritten_graphs == {}
+    with torch.set_grad_enabled(training):
         torch.testing.assert_close(optimized(x), model(x))
 
 
