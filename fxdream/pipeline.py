@@ -51,11 +51,15 @@ class OptimizedModule(torch.nn.Module):
         compiled = len(self._session.records)
         try:
             output = self._call(self._runner, args, kwargs)
-        except torch._dynamo.exc.TorchDynamoException as error:
-            if self._strict:
+        except Exception as error:
+            compiling = isinstance(error, torch._dynamo.exc.TorchDynamoException)
+            if self._strict or not (compiling or any(row.applied for row in self._pipeline.rows)):
                 raise
-            self._fall_back(f"compilation failed on a later call: {describe_error(error)}")
-            return self._call(self.model, args, kwargs)
+            output = self._call(self.model, args, kwargs)  # raises too where the call itself is wrong
+            self._fall_back(f"compilation failed on a later call: {describe_error(error)}" if compiling else
+                            f"the rewritten graphs raised on a later call where eager did not "
+                            f"({describe_error(error)})")
+            return output
         if len(self._session.records) > compiled:
             key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
             self._count_compilation(key, self._session.records[compiled:])

@@ -113,6 +113,22 @@ def test_new_input_shape_recaptures_and_stays_correct():
     assert [g.input_shapes for g in optimized.report.graphs] == [((2, 3, 8, 8),), ((5, 3, 16, 16),)]
 
 
+def test_a_wrong_call_raises_eagers_error_and_the_graphs_stay():
+    """Dynamo fails to compile a call eager rejects too: that is the caller's error, not a reason
+    to run eagerly from then on."""
+    model = Small()
+    optimized = fxdream.optimize(model, (torch.randn(2, 3, 8, 8),))
+    with torch.no_grad(), pytest.raises(RuntimeError) as raised:
+        optimized(torch.randn(2, 4, 8, 8))  # 4 channels where the conv takes 3
+    with pytest.raises(RuntimeError) as eager:
+        model(torch.randn(2, 4, 8, 8))
+    assert str(raised.value) == str(eager.value)
+    assert optimized.report.fallback_reason is None
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+    assert len(optimized.report.graphs) == 1
+
 
 class CountsCalls(Small):
     """A Python int the forward increments: dynamo guards on it and compiles every call again."""

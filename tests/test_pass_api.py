@@ -57,7 +57,12 @@ class BreaksTheGraph:
 
 
 def _fails_when_run(x):
-    raise RuntimeError("wrong strides for view")
+    if x.shape[0] != LATER_BATCH:  # the build's calls, or (FailsWhenRun.later) a later one
+        raise RuntimeError("wrong strides for view")
+    return torch.relu(x)
+
+
+LATER_BATCH = -1
 
 
 class FailsWhenRun:
@@ -130,6 +135,21 @@ def test_rewritten_graphs_that_fail_when_run_give_way_to_the_captured_ones(train
     assert optimized.rewritten_graphs == {}
     with torch.set_grad_enabled(training):
         torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_rewritten_graphs_that_fail_on_a_later_call_give_way_to_eager(monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "LATER_BATCH", 4)  # the build's batch runs, 6 raises
+    model, x, optimized = _run([FailsWhenRun()])
+    assert optimized.report.fallback_reason is None and optimized.report.passes[0].applied
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+        with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+            optimized(torch.randn(6, 5))  # eager raises too: the caller's error, as eager says it
+        assert optimized.report.fallback_reason is None
+        x6 = torch.randn(6, 8)
+        torch.testing.assert_close(optimized(x6), model(x6))
+    assert optimized.report.fallback_reason.startswith(
+        "the rewritten graphs raised on a later call where eager did not (RuntimeError: wrong strides for view")
 
 
 def test_applies_to_reason_is_reported_per_graph():
