@@ -231,7 +231,7 @@ def _settle_layout(graph: fx.Graph, fused: fx.Node) -> bool:
             continue
         if node.op != "call_function":
             return False  # the output (or anything else) sees the new strides
-        if node.target in _FLATTEN and 1 in node.args[0].meta["val"].shape:
+        if node.target in _FLATTEN and 1 in getattr(node.args[0].meta.get("val"), "shape", (1,)):
             return False  # a reshape reads a size-1 dim's stride, where fake and real kernels differ
         try:
             val = _fake_run(node)

@@ -38,4 +38,4 @@ def test_fuse_attention_fuses_what_sdpa_computes_and_equals_eager(spec):
     assert fused == expected, (spec.describe(), optimized.report.capture, optimized.report.fallback_reason,
                                [r.reason for r in optimized.report.passes])
     with torch.no_grad():
-        _close(optimized(*inputs), model(*inputs), WITH_PASSES, "output")
+        _close(optimized(*inputs), model(*inputs), WITH_PASSES, "output", check_layout=True)
