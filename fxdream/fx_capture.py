@@ -16,6 +16,7 @@ for RNNs, see ``capture.tracing_config``).
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Callable
 
 import torch
@@ -236,16 +237,26 @@ def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None
         gm = fx.symbolic_trace(model, concrete_args={p.name: p.default for p in rest} or None)
     except Exception as error:
         return None, f"torch.fx cannot trace it ({_headline(error)})"
-    # a fixed argument stays a placeholder guarded by an assert: the runner guards calls instead
+    # a fixed argument stays a placeholder guarded by an assert (on ``arg == default`` for a
+    # number): the runner guards calls instead
     for placeholder in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
         for user in list(placeholder.users):
-            if user.op == "call_function" and getattr(user.target, "__name__", "").startswith("_assert"):
+            if user.op == "call_function" and user.target is operator.eq and user.users \
+                    and all(_is_assert(check) for check in user.users):
+                for check in list(user.users):
+                    gm.graph.erase_node(check)
+                gm.graph.erase_node(user)
+            elif _is_assert(user):
                 gm.graph.erase_node(user)
         if placeholder.users:
             return None, f"the fixed argument {placeholder.target!r} is still read by the trace"
         gm.graph.erase_node(placeholder)
     gm.recompile()
     return gm, None
+
+
+def _is_assert(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "").startswith("_assert")
 
 
 def _headline(error: BaseException) -> str:

@@ -98,6 +98,28 @@ def test_defaults_are_fixed_and_nested_outputs_rebuilt():
     torch.testing.assert_close(out, expected)
 
 
+class ScaledByDefault(nn.Module):
+    """A number default the forward computes with: fx guards it with ``assert scale == 2.0``."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, scale=2.0):
+        return self.lin(x) * scale
+
+
+def test_a_number_default_is_fixed_and_other_values_go_through_dynamo():
+    model, x = ScaledByDefault(), torch.randn(2, 4)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+        torch.testing.assert_close(optimized(x, 3.0), model(x, 3.0))
+        torch.testing.assert_close(optimized(x, scale=0.5), model(x, scale=0.5))
+        torch.testing.assert_close(optimized(x), model(x))
+    assert optimized.report.fallback_reason is None
+
+
 def test_other_calls_go_through_dynamo_and_stay_correct():
     model, x = ConvBnNet().eval(), torch.randn(2, 3, 8, 8)
     optimized = _eval_optimize(model, x)
