@@ -225,25 +225,23 @@ def _settle_layout(graph: fx.Graph, fused: fx.Node) -> bool:
     replaced); False, with nothing changed, where the difference would be seen: a graph output
     with other strides, an op that fails on them (a ``view`` needs the old strides), or a reshape
     of a tensor with a size-1 dim (SDPA's fake kernel strides those unlike the real one)."""
-    changed, new_vals = {fused}, {}
+    changed, old_vals = {fused}, {}
     for node in list(graph.nodes)[list(graph.nodes).index(fused) + 1:]:
         if not changed.intersection(node.all_input_nodes):
             continue
-        if node.op != "call_function":
-            return False  # the output (or anything else) sees the new strides
-        if node.target in _FLATTEN and 1 in getattr(node.args[0].meta.get("val"), "shape", (1,)):
-            return False  # a reshape reads a size-1 dim's stride, where fake and real kernels differ
-        try:
-            val = _fake_run(node)
+        settled = node.op == "call_function" and not (  # else the output (or anything) sees new strides
+            node.target in _FLATTEN and 1 in getattr(node.args[0].meta.get("val"), "shape", (1,)))
+        try:  # (a reshape reads a size-1 dim's stride, where SDPA's fake and real kernels differ)
+            val = _fake_run(node) if settled else None
         except Exception:  # noqa: BLE001 - e.g. view: "size is not compatible with ... stride"
-            return False
+            val = None
         if val is None:
+            for earlier, old in old_vals.items():
+                earlier.meta["val"] = old
             return False
         if not _same_layout(val, node.meta.get("val")):
             changed.add(node)
-            new_vals[node] = val
-    for node, val in new_vals.items():
-        node.meta["val"] = val
+            old_vals[node], node.meta["val"] = node.meta.get("val"), val  # later nodes run on it
     return True
 
 

@@ -138,23 +138,29 @@ def test_a_block_feeding_the_next_is_fused_in_both():
 
 
 class HeadsFolded(nn.Module):
-    """The output viewed as [b·h, s, d]: a view only the bmm's contiguous result allows."""
+    """The output viewed as [b·h, s, d] (after a pointwise op, which keeps its layout): a view
+    only the bmm's contiguous result allows."""
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.scaled = scaled
+
     def forward(self, x, heads=2):
         b, s, d = x.shape
         q, k, v = (t.view(b, s, heads, d // heads).transpose(1, 2) for t in x.repeat(1, 1, 3).chunk(3, -1))
-        probs = (torch.matmul(q, k.transpose(-2, -1)) / 2.0).softmax(-1)
-        return torch.matmul(probs, v).view(b * heads, s, d // heads)
+        out = torch.matmul((torch.matmul(q, k.transpose(-2, -1)) / 2.0).softmax(-1), v)
+        return (out * 3.0 if self.scaled else out).view(b * heads, s, d // heads)
 
 
-def test_sdpa_output_is_made_contiguous_where_a_later_view_needs_it():
+@pytest.mark.parametrize("scaled", [False, True])
+def test_sdpa_output_is_made_contiguous_where_a_later_view_needs_it(scaled):
     x = torch.randn(2, 5, 16)
-    optimized, count = _fused(HeadsFolded(), (x,))
+    optimized, count = _fused(HeadsFolded(scaled), (x,))
     assert count == 1 and optimized.report.fallback_reason is None  # SDPA's output follows q's layout:
     graph = optimized.rewritten_graphs[(0, "fw")].graph                # (b, s, h, d) here
     (sdpa,) = [n for n in graph.nodes if n.target is SDPA]
     assert [u.target for u in sdpa.users] == [torch.ops.aten.clone.default]
     with torch.no_grad():
-        actual, expected = optimized(x), HeadsFolded()(x)
+        actual, expected = optimized(x), HeadsFolded(scaled)(x)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     assert actual.stride() == expected.stride()
 
