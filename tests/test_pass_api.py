@@ -57,12 +57,12 @@ class BreaksTheGraph:
 
 
 def _fails_when_run(x):
-    if x.shape[0] != LATER_BATCH:  # the build's calls, or (FailsWhenRun.later) a later one
+    if x.shape[0] != RUNS_AT_BATCH:  # every call by default; a test lets the build's batch run
         raise RuntimeError("wrong strides for view")
     return torch.relu(x)
 
 
-LATER_BATCH = -1
+RUNS_AT_BATCH = -1
 
 
 class FailsWhenRun:
@@ -138,7 +138,7 @@ def test_rewritten_graphs_that_fail_when_run_give_way_to_the_captured_ones(train
 
 
 def test_rewritten_graphs_that_fail_on_a_later_call_give_way_to_eager(monkeypatch):
-    monkeypatch.setattr(__import__(__name__), "LATER_BATCH", 4)  # the build's batch runs, 6 raises
+    monkeypatch.setitem(globals(), "RUNS_AT_BATCH", 4)  # the build's batch runs, a batch of 6 raises
     model, x, optimized = _run([FailsWhenRun()])
     assert optimized.report.fallback_reason is None and optimized.report.passes[0].applied
     with torch.no_grad():
