@@ -70,8 +70,8 @@ def call_onednn_directly(gm) -> int:
     call on this CPU), and a residual add accumulated in place into a residual nobody reads
     later (one allocation and one pass over the output fewer). Returns how many were replaced.
 
-    Each call is first tried on small real tensors laid out as its arguments (``trial_layouts``):
-    oneDNN rejects some layouts ("could not create a memory" on torch 2.11 for a channels_last
+    Each call is first tried on real tensors of its arguments' shapes and strides: oneDNN
+    rejects some layouts ("could not create a memory" on torch 2.11 for a channels_last
     residual of 1x1 spatial size), and those keep the wrapper, whose fallback handles them."""
     replaced, order = 0, {n: i for i, n in enumerate(gm.graph.nodes)}  # targets change, not the order
     for node in list(gm.graph.nodes):
@@ -98,15 +98,21 @@ def call_onednn_directly(gm) -> int:
 
 
 def _runs_on_real_tensors(gm, target, args) -> bool:
-    """Whether ``target`` runs on tensors laid out as its arguments are (``trial_layouts``),
-    tried once per process for each distinct trial."""
+    """Whether ``target`` runs on tensors of its arguments' shapes and strides, tried once per
+    process for each distinct call (a deep net repeats its blocks' convs).
+
+    At full size: the trial also builds the oneDNN primitive the graph's call will use, so the
+    graph's first timed run in context is not a cold one. Trials on tensors cut to a 2x2 output
+    saved no build time on ResNet-50 at bs1 (the full-size trials take ~40 ms there; 0.3 s of
+    7.4 at bs8), and those builds predicted the prepacked graph 2.7-5.5 ms (6-13 %) slower than
+    the builds before, three each, alternating."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    layouts = trial_layouts(gm, target, args)
+    layouts = trial_layouts(gm, args)
     key = (target, *(_signature(a) for a in layouts))
-    if key not in _TRIED:  # a deep net repeats its blocks' convs
+    if key not in _TRIED:
         with unset_fake_temporarily(), torch.no_grad():
             try:
-                target(*[torch.empty_permuted(*a[:2], dtype=a[2]).zero_() if isinstance(a, TrialTensor) else a
+                target(*[torch.empty_strided(*a[:2], dtype=a[2]).zero_() if isinstance(a, TrialTensor) else a
                          for a in layouts])  # zeros: it runs, the values do not matter
                 _TRIED[key] = True
             except RuntimeError:
@@ -118,40 +124,25 @@ _TRIED: dict[tuple, bool] = {}  # a trial's op and argument layouts → whether 
 
 
 class TrialTensor(tuple):
-    """(shape, dims in memory order from outermost, dtype): a tensor a trial makes."""
+    """(shape, strides, dtype): a tensor a trial makes."""
 
 
-def trial_layouts(gm, target, args) -> list:
-    """The arguments of a trial call of a direct oneDNN conv: weights as they are; activations
-    with their dims in the same memory order, spatial sizes cut to those of a 2x2 output (dims of
-    size 1, and those whose output is ≤ 2 already, kept: strides there are what oneDNN may
-    reject), a batch of at most 2. At full size the trials were a whole extra forward pass of
-    each build."""
-    x, w = args[1:3] if target is ONEDNN_CONV_ADD_ else args[0:2]
-    padding, stride, dilation = args[4:7] if target is ONEDNN_CONV_ADD_ else args[3:6]
-    kernel = getattr(gm, w.target).shape[2:] if w.op == "get_attr" else w.meta["val"].shape[2:]
-    x_val = x.meta["val"]
-    spatial, out = [], []
-    for size, k, s, p, d in zip(x_val.shape[2:], kernel, stride, padding, dilation):
-        reach = (k - 1) * d + 1
-        full_out = (size + 2 * p - reach) // s + 1
-        spatial.append(size if full_out <= 2 else max(reach - 2 * p + s, 1))
-        out.append((spatial[-1] + 2 * p - reach) // s + 1)
-
+def trial_layouts(gm, args) -> list:
+    """A trial call's arguments: constants (weights) as they are, each activation as the
+    ``TrialTensor`` of its fake value."""
     def layout(a):
         if not isinstance(a, fx.Node):
             return a
         if a.op == "get_attr":
             return getattr(gm, a.target)
         v = a.meta["val"]
-        order = sorted(range(v.dim()), key=lambda i: -v.stride()[i])  # stable: ties keep their order
-        return TrialTensor(((min(v.shape[0], 2), v.shape[1], *(spatial if a is x else out)), order, v.dtype))
+        return TrialTensor((tuple(v.shape), tuple(v.stride()), v.dtype))
     return [layout(a) for a in args]
 
 
 def _signature(a):
     if isinstance(a, TrialTensor):
-        return a[0], tuple(a[1]), a[2]
+        return tuple(a)
     if isinstance(a, Tensor):
         return ("mkldnn" if a.is_mkldnn else a.stride(), tuple(a.shape), a.dtype)
     return tuple(a) if isinstance(a, list) else a
