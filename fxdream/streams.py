@@ -203,6 +203,14 @@ def _mutated_args(node: fx.Node) -> list[fx.Node]:
             if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node)]
 
 
+def require_stream_order(gm: fx.GraphModule | fx.Graph) -> None:
+    """Raise (so the pass pipeline reports the rewrite and drops it) where ``check_stream_order``
+    finds a cross-stream use left unordered."""
+    problems = check_stream_order(gm)
+    if problems:
+        raise RuntimeError(f"stream ordering broken: {problems[0]} (+{len(problems) - 1} more)")
+
+
 def check_stream_order(gm: fx.GraphModule | fx.Graph) -> list[Violation]:
     """Every cross-stream use of a value must happen after the use's stream waited for it.
 
