@@ -266,6 +266,7 @@ class CudaGraphRunner(torch.nn.Module):
             with torch.no_grad():
                 graph, outputs, pool_bytes = self._record(static, device)
         except Exception as error:  # an op that cannot be captured: this region runs eagerly
+            _repair_rng_after_failed_capture(device)
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
             self._note_fallback(f"capture failed: {type(error).__name__}: {first}", permanent=True)
             return None
@@ -348,3 +349,24 @@ def describe_runners(obj) -> tuple[str, ...]:
 def cuda_graph_memory_bytes(obj) -> int:
     """Device memory all captured graphs of ``obj`` hold (measured at capture)."""
     return sum(r.memory_bytes() for r in runners(obj))
+
+
+def _repair_rng_after_failed_capture(device: torch.device) -> None:
+    """Leave the device's RNG usable after a capture that raised.
+
+    torch 2.11 marks the default CUDA generator "capturing" at capture_begin and clears the
+    mark only at a successful capture_end, so after a failed capture every random op on the
+    device raised "Offset increment outside graph capture encountered unexpectedly" (seen
+    on an H200: dropout, randn, an RNN's init). An empty capture runs capture_begin and
+    capture_end once more on the same generator state, which clears the mark, also for
+    graphs captured before that share the state. The RNG stream does not move."""
+    import warnings
+    try:
+        with torch.cuda.device(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+            torch.cuda.synchronize()
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
+    except Exception as error:  # noqa: BLE001  (best effort; the region runs eagerly anyway)
+        log.warning("fxdream: could not reset the CUDA RNG state after a failed capture: %s", error)
+

@@ -360,7 +360,7 @@ def test_cuda_events_order_the_streams():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ("resnet18", "mnist_convnet"))
-def test_cuda_gradients_equal(name):
+def test_cuda_gradients_equal(name, no_tf32):
     model, inputs, loss_fn = models.build(name, 4, tiny=True, device="cuda")
     optimized = fxdream.optimize(model, inputs, passes=[PASS], training=True, cost="analytic")
     (row,) = [r for r in optimized.report.passes if r.phase == "bw"]
@@ -389,7 +389,7 @@ def _memory_after_steps(module, inputs, loss_fn, steps):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("passes", ([PASS], [PASS, "cuda_graphs"]))
-def test_cuda_memory_stays_flat_over_100_iterations(passes):
+def test_cuda_memory_stays_flat_over_100_iterations(passes, no_tf32):
     if "cuda_graphs" in passes and "cuda_graphs" not in available_passes():
         pytest.skip("no cuda_graphs pass")
     model, inputs, loss_fn = models.build("resnet18", 4, tiny=True, device="cuda")

@@ -302,9 +302,19 @@ def test_training_step_equality_with_forward_and_backward_captured():
 def test_a_capture_failure_runs_the_region_eagerly_with_the_reason():
     def build(g, x):  # .item() synchronises: it cannot be captured
         return (call(g, aten._local_scalar_dense.default, call(g, aten.sum.default, x, name="total")),)
+    earlier = CudaGraphRunner(_region(_elementwise, (8,), (8,)), 0, (False, False))
+    a, b = torch.randn(8, device="cuda"), torch.randn(8, device="cuda")
+    earlier(a, b)
     runner = CudaGraphRunner(graph_with_values(build, (4,)), 0, (False,))
     x = torch.tensor([0.0, 1.0, 0.0, 2.0], device="cuda")
     assert runner(x)[0] == 3.0
     assert runner.eager_reason.startswith("capture failed: ")
     assert runner(x)[0] == 3.0 and runner.stats()["eager_calls"] == 2
     torch.testing.assert_close((x + 1).cpu(), x.cpu() + 1)  # the device still works
+    # and so does its RNG (torch 2.11 left the generator "capturing": every random op raised)
+    torch.manual_seed(0)
+    first = torch.rand(4, device="cuda")
+    torch.manual_seed(0)
+    torch.testing.assert_close(torch.rand(4, device="cuda"), first)
+    torch.nn.functional.dropout(torch.ones(16, device="cuda"), 0.5, training=True)
+    torch.testing.assert_close(earlier(a, b)[1], a * b)  # a graph captured before still replays

@@ -284,11 +284,6 @@ def test_applies_to_forward_graphs_only():
 
 
 # --- CUDA (cuDNN fused calls) ---------------------------------------------------------------
-@pytest.fixture
-def no_tf32():
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-        yield
-
 
 @pytest.mark.cuda
 def test_cuda_ops_match_aten(no_tf32):

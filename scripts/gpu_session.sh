@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# All GPU work of one device lease in one command (see DESIGN.md §9): install without fetching,
+# the CUDA tests, then the GPU A/B benchmarks, each under its own time limit so a slow or broken
+# step cannot eat the others' time. Writes logs and JSON into $OUT (default ./out).
+#
+#   bash scripts/gpu_session.sh                 # tests + A/B, ~6 min on an H100/H200
+#   STEPS="ab" AB_ARGS="--batches 8,32" bash scripts/gpu_session.sh
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"env install tests ab aux"}
+TESTS_S=${TESTS_S:-120}
+AB_S=${AB_S:-150}
+AUX_S=${AUX_S:-75}
+AB_ARGS=${AB_ARGS:-"--models resnet50,tv_resnet50,bert_base,hf_bert --batches 1,128 --dtypes fp16 --peer-batches 1 --budget-s 100"}
+AUX_ARGS=${AUX_ARGS:-"--batches 32,128 --dtypes fp16 --rounds 3"}
+PY=${PY:-python3}
+started=$(date +%s)
+step() { echo "=== [$(( $(date +%s) - started )) s] $*"; }
+
+for s in $STEPS; do
+  case $s in
+    env)
+      step env
+      { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+        $PY -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda,
+                'cudnn', torch.backends.cudnn.version(), torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+      } 2>&1 | tee "$OUT/env.txt" ;;
+    install)
+      step install
+      # Editable, so fxdream.passes / fxdream.models map onto passes/ and models/ as in setup.cfg.
+      $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -5
+      $PY -c "import fxdream, fxdream.passes, fxdream.models; print('fxdream passes:', ', '.join(fxdream.available_passes()))" ;;
+    tests)
+      step "pytest -m cuda (limit ${TESTS_S} s)"
+      per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 60")
+      # shellcheck disable=SC2086
+      timeout "$TESTS_S" $PY -m pytest -v -p no:cacheprovider -m cuda -rfEs --durations=8 $per_test \
+        --junitxml="$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.log" | tail -60 ;;
+    alltests)
+      step "pytest, the whole default suite on this machine's torch (limit ${ALL_S:-150} s)"
+      timeout "${ALL_S:-150}" $PY -m pytest -q -p no:cacheprovider -x -n 8 -m "not slow" -rfE 2>&1 \
+        | tee "$OUT/all_tests.log" | tail -40 ;;
+    ab)
+      step "benchmarks/gpu_ab.py $AB_ARGS (limit ${AB_S} s)"
+      # shellcheck disable=SC2086
+      timeout "$AB_S" $PY benchmarks/gpu_ab.py $AB_ARGS --out "$OUT/gpu_ab.json" 2>&1 | tee "$OUT/gpu_ab.log" | tail -40 ;;
+    aux)
+      step "benchmarks/gpu_aux_stream.py $AUX_ARGS (limit ${AUX_S} s)"
+      # shellcheck disable=SC2086
+      timeout "$AUX_S" $PY benchmarks/gpu_aux_stream.py $AUX_ARGS --out "$OUT/gpu_aux_stream.json" 2>&1 \
+        | tee "$OUT/gpu_aux_stream.log" | tail -30 ;;
+    *) echo "unknown step $s (env install tests alltests ab aux)"; exit 2 ;;
+  esac
+done
+step done
