@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..annotate import node_flops, rnn_sequential_steps
 from .devices import DeviceSpec
-from .in_context import MIN_ROUNDS, compute_keys, compute_nodes, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
+from .cuda_timing import time_calls_cuda
+from .in_context import HOST, MIN_ROUNDS, compute_keys, compute_nodes, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
 from .op_keys import arg_values, is_view, profile_key, real_tensors, size_hint  # noqa: F401  (re-exported)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -120,8 +121,9 @@ class Profiled:
     """Costs measured on this machine: each distinct op+shapes is timed once and cached.
 
     ``kernel_us`` is the measured time of one call of the op (on CPU this includes the
-    ATen dispatch); ``dispatch_us`` is the Python cost of one generated-code call, measured
-    once per process. ``save``/``load`` keep the measurements as JSON.
+    ATen dispatch; on a GPU it is the kernel alone, see ``cuda_timing``); ``dispatch_us`` is
+    the Python cost of one generated-code call, measured once per process, plus on a GPU the
+    op's measured host time (dispatch and launch). ``save``/``load`` keep the measurements as JSON.
     """
 
     def __init__(self, device: DeviceSpec, torch_device: str | torch.device = "cpu",
@@ -146,7 +148,8 @@ class Profiled:
         return self._cached(node, "isolated|")
 
     def _cached(self, node: fx.Node, prefix: str) -> float:
-        """The measurement under ``prefix`` + the node's key, micro-benchmarked once if missing."""
+        """The measurement under ``prefix`` + the node's key, micro-benchmarked once if missing
+        (on a GPU its host time is kept too, under ``HOST`` + that key)."""
         if is_view(node):
             return 0.0
         key = prefix + profile_key(node, self.torch_device.type)
@@ -154,12 +157,28 @@ class Profiled:
             return self.measurements["isolated|" + key]  # timed alone already: the same benchmark
         if key not in self.measurements:
             with real_tensors():
-                self.measurements[key] = self._measure(node)
+                device_us, host_us = self._measure(node)
+            self.measurements[key] = device_us
+            if host_us is not None:
+                self.measurements[HOST + key] = host_us
         return self.measurements[key]
 
     def dispatch_us(self, node: fx.Node) -> float:
-        launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us
-        return self.call_overhead_us() + (self.view_us() if is_view(node) else 0.0) + launch
+        if is_view(node):
+            return self.call_overhead_us() + self.view_us()
+        if self.torch_device.type != "cuda":
+            return self.call_overhead_us()  # on a CPU the op's own time is all in kernel_us
+        return self.call_overhead_us() + self.host_us(node)
+
+    def host_us(self, node: fx.Node) -> float:
+        """On a GPU: the host's dispatch and launch of ``node``'s op, measured with its kernel time
+        (in context, or timed alone), never guessed from a datasheet."""
+        key = profile_key(node, self.torch_device.type)
+        for measured in (HOST + key, HOST + "isolated|" + key):
+            if measured in self.measurements:
+                return self.measurements[measured]
+        self.isolated_us(node)
+        return self.measurements.get(HOST + "isolated|" + key, self.device.launch_overhead_us)
 
     def call_overhead_us(self) -> float:
         """Python cost per op of generated code beyond the op itself (measured once per process)."""
@@ -195,15 +214,19 @@ class Profiled:
     def utilization(self, node: fx.Node) -> float:
         return self._fallback.utilization(node)
 
-    def _measure(self, node: fx.Node) -> float:
+    def _measure(self, node: fx.Node) -> tuple[float, float | None]:
+        """(device µs, host µs) of one call, timed alone; host is None on a CPU (one thread
+        does both)."""
         if not callable(node.target) or isinstance(node.target, str):
-            return 0.0
+            return 0.0, None
         try:
             args, kwargs = tree_map(lambda v: _materialize(v, self.torch_device), arg_values(node))
-            return _time_calls(lambda: node.target(*args, **kwargs), self.rounds, self.target_block_us,
-                               cuda=self.torch_device.type == "cuda")
+            call = lambda: node.target(*args, **kwargs)  # noqa: E731
+            if self.torch_device.type == "cuda":
+                return time_calls_cuda(call, self.rounds, self.target_block_us)
+            return _time_calls(call, self.rounds, self.target_block_us), None
         except Exception:  # an op that cannot run on synthetic inputs: fall back to the roofline
-            return self._fallback.kernel_us(node)
+            return self._fallback.kernel_us(node), None
 
     @property
     def in_context(self) -> set[str]:

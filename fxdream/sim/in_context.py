@@ -14,7 +14,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from .op_keys import is_view, profile_key, real_tensors, size_hint
+from .cuda_timing import HOLD_EXTRA_US, HOLD_MARGIN
+from .op_keys import HOST_SYNC_OPS, is_view, op_name, profile_key, real_tensors, size_hint
+
+HOST = "host|"  # prefix of the keys of host (dispatch + launch) times, on a GPU
 
 MIN_ROUNDS = 3  # past these timed rounds, no new round starts once the budget is spent
 # ... except for a long graph: two rounds that took this long in all are enough (the faster is
@@ -33,14 +36,40 @@ def _stop(index: int, started: float, _result) -> None:
     _STAMPS.append((index, time.perf_counter() - started))
 
 
-def _start_cuda() -> float:
-    torch.cuda.synchronize()
-    return time.perf_counter()
+# On a GPU: an event between consecutive timed ops (one event serves as one op's end and the
+# next one's start, so a graph queues about one event per kernel) and the host's clock.
+_LAST_EVENT: list = []
 
 
-def _stop_cuda(index: int, started: float, _result) -> None:
+def _start_cuda() -> tuple:
+    if not _LAST_EVENT:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        _LAST_EVENT.append(event)
+    return _LAST_EVENT[-1], time.perf_counter()
+
+
+def _stop_cuda(index: int, started: tuple, _result) -> None:
+    host = time.perf_counter() - started[1]
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    _LAST_EVENT[:] = [event]
+    _STAMPS.append((index, host, started[0], event))
+
+
+def _cuda_round(timed, inputs, hold_us: float) -> tuple:
+    """One run of a timed graph on a GPU held busy for ``hold_us`` first (see cuda_timing):
+    (outputs, host seconds of the run, [(op index, device s, host s)])."""
+    from .cuda_timing import hold_gpu
+    _LAST_EVENT.clear()
+    hold_gpu(hold_us)
+    began = time.perf_counter()
+    outputs = timed(*inputs)
+    host_s = time.perf_counter() - began
     torch.cuda.synchronize()
-    _STAMPS.append((index, time.perf_counter() - started))
+    stamps = [(index, start.elapsed_time(end) * 1e-3, host) for index, host, start, end in _STAMPS]
+    _LAST_EVENT.clear()
+    return outputs, host_s, stamps
 
 
 _TIMED: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDictionary()
@@ -90,6 +119,10 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     ~480 µs slower than the others, run after run; the median of their pooled times (the cost
     before) was the fast ones', and the graph was predicted 10-25 % faster than it ran."""
     outputs, taken = None, []
+    cuda = device.type == "cuda"
+    if cuda:  # the first run on a GPU autotunes (cuDNN) and tells how long the host takes to queue it
+        warmup, hold_us = max(warmup, 1), 0.0
+        holds = not any(op_name(n) in HOST_SYNC_OPS for n in gm.graph.nodes)  # a sync would wait out the hold
     try:
         timed, keys = timed_copy(gm, device.type)
         with torch.no_grad():
@@ -101,12 +134,19 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                 elif i - warmup >= 2 and time.perf_counter() - timed_from > LONG_ROUNDS_S:
                     break
                 _STAMPS.clear()
-                outputs = timed(*inputs)
+                if cuda:  # device time under the op's key, host time under "host|" + key
+                    outputs, host_s, stamps = _cuda_round(timed, inputs, hold_us)
+                    hold_us = host_s * 1e6 * HOLD_MARGIN + HOLD_EXTRA_US if holds else 0.0
+                else:
+                    outputs = timed(*inputs)
+                    stamps = [(index, seconds, seconds) for index, seconds in _STAMPS]
                 if i >= warmup:
                     this_round: dict[str, list[float]] = {}
-                    for index, seconds in _STAMPS:
+                    for index, seconds, host in stamps:
                         this_round.setdefault(keys[index], []).append(seconds * 1e6)
-                    taken.append((sum(seconds for _, seconds in _STAMPS) * 1e6,
+                        if cuda:
+                            this_round.setdefault(HOST + keys[index], []).append(host * 1e6)
+                    taken.append((sum(seconds for _, seconds, _ in stamps) * 1e6,
                                   {key: sum(times) / len(times) for key, times in this_round.items()}))
                     if i == warmup + 1 and min(total for total, _ in taken) > give_up_above_us:
                         break

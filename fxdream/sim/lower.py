@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 from ..annotate import LAYER, PARAMETER_GRADIENTS, op_name
 from ..host_gaps import END, StepCalls
 from .cost import CostModel, is_view, tensor_bytes
+from .op_keys import HOST_SYNC_OPS
 from .graph_regions import (CUDA_GRAPH_REGION, GraphRegion, aliases_input, cuda_graph_regions,  # noqa: F401
                             inline_cuda_graph_runners)
 from .taskgraph import DepKind, Task, TaskGraph, TaskKind
@@ -42,8 +43,6 @@ STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on
 # Estimates; the GPU benchmark measures the runner's overhead on a tiny graph.
 GRAPH_RUNNER_DISPATCHES = 3
 GRAPH_LAUNCH_PER_KERNEL_US = 0.01
-HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal",
-                           "aten.is_nonzero", "aten.masked_select", "aten.unique"})
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..annotate import VIEW_OPS, op_name
 
+# Ops that make the host wait for the device (a value read back, a data-dependent shape).
+HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal",
+                           "aten.is_nonzero", "aten.masked_select", "aten.unique"})
+
 
 @contextlib.contextmanager
 def real_tensors():
