@@ -168,6 +168,10 @@ class CudaGraphRunner(torch.nn.Module):
                                       permanent=True)
             self.rerecords += 1
             del self._entries[key]
+            if not self._entries:
+                # the pool died with its last graph, and torch 2.11 asserts (use_count > 0 in
+                # CUDACachingAllocator) when a capture reuses a dead pool's id: a new pool
+                self._pool = SharedPool()
             entry = None
         if entry is None:
             if len(self._entries) >= self.max_shapes:
