@@ -39,6 +39,24 @@ def cycles_per_us(device: torch.device | None = None) -> float:
     return _CYCLES_PER_US[index]
 
 
+_EVENT_GAP_US: dict[int, float] = {}
+
+
+def event_gap_us(device: torch.device | None = None) -> float:
+    """Device time an event recorded between two ops adds (measured once per device): in-context
+    timing puts one between every two ops and takes it out of the op's time again."""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index not in _EVENT_GAP_US:
+        with torch.cuda.device(index):
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(101)]
+            hold_gpu(500.0)
+            for event in events:
+                event.record()
+            events[-1].synchronize()
+            _EVENT_GAP_US[index] = max(0.0, events[0].elapsed_time(events[-1]) * 1e3 / (len(events) - 1))
+    return _EVENT_GAP_US[index]
+
+
 def hold_gpu(us: float, device: torch.device | None = None) -> None:
     """Queue a sleep kernel of about ``us`` µs on the current stream."""
     if us > 0:

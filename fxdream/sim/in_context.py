@@ -60,14 +60,15 @@ def _stop_cuda(index: int, started: tuple, _result) -> None:
 def _cuda_round(timed, inputs, hold_us: float) -> tuple:
     """One run of a timed graph on a GPU held busy for ``hold_us`` first (see cuda_timing):
     (outputs, host seconds of the run, [(op index, device s, host s)])."""
-    from .cuda_timing import hold_gpu
+    from .cuda_timing import event_gap_us, hold_gpu
+    gap_s = event_gap_us() * 1e-6
     _LAST_EVENT.clear()
     hold_gpu(hold_us)
     began = time.perf_counter()
     outputs = timed(*inputs)
     host_s = time.perf_counter() - began
     torch.cuda.synchronize()
-    stamps = [(index, start.elapsed_time(end) * 1e-3, host) for index, host, start, end in _STAMPS]
+    stamps = [(index, max(start.elapsed_time(end) * 1e-3 - gap_s, 0.0), host) for index, host, start, end in _STAMPS]
     _LAST_EVENT.clear()
     return outputs, host_s, stamps
 
