@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from .rnn_op import rnn_inference
+from .sdpa_op import attention_inference
 
 LAYER = "layer"              # qualified module name; "" is the model itself
 PHASE = "fxdream.phase"      # "fw" | "bw"
@@ -183,6 +184,7 @@ def node_flops(node: fx.Node) -> int:
 _SDPA_OPS = {getattr(torch.ops.aten, name) for name in ("scaled_dot_product_attention",
                                                        "_scaled_dot_product_flash_attention_for_cpu")
              if hasattr(torch.ops.aten, name)}
+_SDPA_OPS.add(attention_inference.overloadpacket)
 
 
 def _sdpa_flops(node: fx.Node) -> int:

@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from .sdpa_op import redirect_attention
 
 _FUNCTIONS = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu}
 _MODES = {fn: mode for mode, fn in _FUNCTIONS.items()}
@@ -51,9 +54,14 @@ rnn_inference = torch.ops.fxdream.rnn_inference.default
 
 
 class _KeepRNNsWhole(TorchFunctionMode):
-    """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op."""
+    """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op,
+    and on a GPU SDPA to ``fxdream::attention_inference`` (see sdpa_op)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            kept = redirect_attention(args, kwargs or {})
+            if kept is not None:
+                return kept
         mode = _MODES.get(func)
         if mode is not None and not kwargs and len(args) == 9 and args[6] is False \
                 and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor):
@@ -64,7 +72,8 @@ class _KeepRNNsWhole(TorchFunctionMode):
 
 
 def keep_rnns_whole():
-    """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node."""
+    """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node (and
+    SDPA on a GPU one ``attention_inference`` node)."""
     return contextlib.nullcontext() if torch.is_grad_enabled() else _KeepRNNsWhole()
 
 
