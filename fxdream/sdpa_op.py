@@ -12,17 +12,30 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("attention_inference(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
             "bool is_causal, float? scale) -> Tensor")
 
 
+# Captured into a CUDA graph, cuDNN's attention kept a pointer to host memory that was gone by
+# a later replay (pytorch/pytorch #169849: an illegal memory access, inside torch.compile's
+# own CUDA graphs too). One H200 run here ended with that error where Hugging Face's BERT ran
+# through this op's CUDA graph beside reduce-overhead's; not seen again, as no GPU time was
+# left to look. While a stream captures, this op leaves cuDNN's backend out.
+_CAPTURE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
     # contiguous: the fused kernels' output layout follows q's and varies by backend; the fake
     # op below promises a contiguous tensor, so the real one must be one
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale).contiguous()
+    call = lambda: F.scaled_dot_product_attention(  # noqa: E731
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale).contiguous()
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        with sdpa_kernel(_CAPTURE_BACKENDS):
+            return call()
+    return call()
 
 
 for _key in ("CPU", "CUDA"):

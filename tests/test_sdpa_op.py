@@ -65,3 +65,22 @@ def test_on_cuda_fp16_sdpa_is_one_node_and_equal_to_eager():
         optimized = fxdream.optimize(model, inputs, passes=[], cost=None)
         assert len(_attention_nodes(optimized)) == 1
         torch.testing.assert_close(optimized(*inputs), model(*inputs), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.cuda
+def test_captured_in_a_cuda_graph_it_leaves_cudnn_out_and_replays_equal():
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.float16) for _ in range(3))
+    mask = torch.zeros(2, 1, 1, 64, device="cuda", dtype=torch.float16)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention_inference(q, k, v, mask, 0.0, False, None)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_inference(q, k, v, mask, 0.0, False, None)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
