@@ -18,8 +18,11 @@ Cases run bs1 first, then bs128, 8, 32 (the seed's two points first), and stop w
 --budget-s is spent (the rest is listed as skipped), so a run fits a device lease. The
 peer's compile dominates the time, so by default it is built for the zoo's ResNet-50 at
 bs1 and bs128 only (--peer-models, --peer-batches). Results are written after each case.
+Each case runs in a process of its own (``isolated.run_isolated``; ~5 s more a case): on an
+H200 one case ended with a CUDA error, which leaves a process's CUDA context unusable, and
+in one process the cases after it were lost (``--in-process`` runs them all in this one).
 
-    python benchmarks/gpu_ab.py                       # ~6 min on an H100 (--budget-s)
+    python benchmarks/gpu_ab.py                       # ~5 min on an H200 (--budget-s)
     python benchmarks/gpu_ab.py --models resnet50 --batches 1 --dtypes fp16 --out $OUT/gpu_ab.json
 """
 from __future__ import annotations
@@ -30,7 +33,6 @@ import datetime
 import gc
 import json
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -39,11 +41,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fxdream  # noqa: E402
 from fxdream import models  # noqa: E402
-from fxdream.cuda_graph_runner import CudaGraphRunner, cuda_graph_memory_bytes, describe_runners  # noqa: E402
+from fxdream.cuda_graph_runner import cuda_graph_memory_bytes, describe_runners  # noqa: E402
 from fxdream.measure import time_interleaved  # noqa: E402
+from gpu_overhead import runner_overhead  # noqa: E402
+from isolated import run_isolated  # noqa: E402
 
 RUNNERS = ("eager", "capture", "cuda_graphs", "fuse+cuda_graphs", "reduce_overhead")
 MODELS = ("resnet50", "bert_base", "tv_resnet50", "hf_bert")
@@ -211,73 +216,25 @@ def _cleanup() -> None:
     torch.cuda.empty_cache()
 
 
-# --- per-call overhead on a tiny graph ---------------------------------------------------------
-
-class _Tiny(torch.nn.Module):
-    def forward(self, x):
-        return ((x + 1) * 2).relu()
-
-
-def _per_call_us(fn, x, calls: int, rounds: int) -> float:
-    for _ in range(10):
-        fn(x)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - started) / calls * 1e6)
-    return statistics.median(samples)
-
-
-def runner_overhead(calls: int = 2000, rounds: int = 5) -> dict:
-    """µs per call of a 3-op graph on a 1-element tensor: the kernels take a few µs, the rest is host."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from fxdream.passes.cuda_graphs import CudaGraphs
-    x = torch.zeros(1, device="cuda")
-    tiny = _Tiny().cuda()
-    results, builds = {}, {}
-    with torch.no_grad():
-        gm = make_fx(tiny)(x)
-        runner = CudaGraphRunner(gm, 0, (False,))
-        fns = {"eager": tiny, "fxdream_runner": lambda t: runner(t)}
-        started = time.perf_counter()
-        fns["fxdream_optimize"] = fxdream.optimize(tiny, (x,), cost="analytic",
-                                                   passes=[CudaGraphs(min_gain_us=float("-inf"))])
-        builds["fxdream_optimize"] = time.perf_counter() - started
-        started = time.perf_counter()
-        compiled = torch.compile(_Tiny().cuda(), mode="reduce-overhead")
-        for _ in range(3):
-            compiled(x)
-        builds["reduce_overhead"] = time.perf_counter() - started
-        fns["reduce_overhead"] = compiled
-        static_x = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            tiny(static_x)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            tiny(static_x)
-
-        def bare(t):
-            static_x.copy_(t)
-            graph.replay()
-        fns["bare_cudagraph_replay"] = bare
-        for name, fn in fns.items():
-            results[name] = _per_call_us(fn, x, calls, rounds)
-            log(f"  tiny graph: {name:<22} {results[name]:7.2f} µs per call")
-    floor = results["bare_cudagraph_replay"]
-    return dict(us_per_call=results, overhead_us_over_bare_replay={k: v - floor for k, v in results.items()},
-                build_s=builds, runners=list(describe_runners(fns["fxdream_optimize"])),
-                fxdream_vs_reduce_overhead=results["fxdream_optimize"] / results["reduce_overhead"],
-                runner_vs_reduce_overhead=results["fxdream_runner"] / results["reduce_overhead"])
-
-
 # --- main ----------------------------------------------------------------------------------------
+
+def one_case(model_name, dtype_name, batch, runner_names, peer_models, peer_batches, args) -> tuple[str, dict]:
+    """("case", its row) or ("skipped", why): a model that is not importable, or a failure."""
+    try:
+        peer = batch in peer_batches and model_name in peer_models
+        return "case", run_case(model_name, dtype_name, batch, runner_names, peer, args.rounds, args.block)
+    except ImportError as error:
+        log(f"  skipped: {error}")
+        return "skipped", dict(reason=f"not importable: {error}")
+    except Exception as error:
+        log(f"  failed: {type(error).__name__}: {error}")
+        row = dict(reason=f"{type(error).__name__}: {error}", traceback=traceback.format_exc(limit=8))
+        try:
+            _cleanup()
+        except Exception:  # noqa: BLE001  (a CUDA error leaves the context unusable: nothing to free)
+            pass
+        return "skipped", row
+
 
 def plan_cases(model_names, dtypes, batches) -> list[tuple[str, str, int]]:
     """bs1 cases of every model first, then bs128, 8, 32; ResNet-50 in each dtype, the others in the first."""
@@ -312,10 +269,21 @@ def main(argv=None) -> int:
                         help="start no new case after this many seconds (a case takes up to ~90 s)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the tiny-graph overhead section")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_ab_<device>_<date>.json)")
+    parser.add_argument("--in-process", action="store_true", help="run the cases in this process (by default each "
+                        "runs in its own, so a CUDA error or a hang costs one case)")
+    parser.add_argument("--case-timeout-s", type=float, default=240.0, help="time limit of one case's process")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: MODEL:DTYPE:BATCH, run by run_isolated
+    parser.add_argument("--case-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_ab needs a CUDA device", file=sys.stderr)
         return 2
+    if args.case:  # one case, in a process of its own (run_isolated)
+        model_name, dtype_name, batch = args.case.split(":")
+        outcome = one_case(model_name, dtype_name, int(batch), [r for r in args.runners.split(",") if r],
+                           set(args.peer_models.split(",")), {int(b) for b in args.peer_batches.split(",") if b}, args)
+        Path(args.case_out).write_text(json.dumps(outcome, default=str))
+        return 0
     started = time.perf_counter()
     device_name = torch.cuda.get_device_name()
     short = device_name.lower().replace("nvidia", "").strip().split()[0] if device_name else "gpu"
@@ -354,27 +322,33 @@ def main(argv=None) -> int:
             log(f"  failed: {error}")
         _cleanup()
         save()
-    for model_name, dtype_name, batch in plan_cases(model_names, dtypes, batches):
-        elapsed = time.perf_counter() - started
-        if elapsed > args.budget_s:
-            result["skipped_cases"].append(dict(model=model_name, dtype=dtype_name, batch=batch,
-                                                reason=f"time budget spent ({elapsed:.0f} s > {args.budget_s:.0f} s)"))
-            continue
-        log(f"{model_name} {dtype_name} bs{batch} ({elapsed:.0f} s elapsed)")
-        try:
-            peer = batch in peer_batches and model_name in peer_models
-            result["cases"].append(run_case(model_name, dtype_name, batch, runner_names, peer, args.rounds, args.block))
-        except ImportError as error:
-            result["skipped_cases"].append(dict(model=model_name, dtype=dtype_name, batch=batch,
-                                                reason=f"not importable: {error}"))
-            log(f"  skipped: {error}")
-        except Exception as error:
-            result["skipped_cases"].append(dict(model=model_name, dtype=dtype_name, batch=batch,
-                                                reason=f"{type(error).__name__}: {error}",
-                                                traceback=traceback.format_exc(limit=8)))
-            log(f"  failed: {type(error).__name__}: {error}")
-            _cleanup()
+    def case_done(model_name, dtype_name, batch, outcome):
+        kind, row = outcome
+        if kind == "case":
+            result["cases"].append(row)
+        else:
+            result["skipped_cases"].append(dict(model=model_name, dtype=dtype_name, batch=int(batch), **row))
         save()
+
+    cases = plan_cases(model_names, dtypes, batches)
+    if args.in_process:
+        for model_name, dtype_name, batch in cases:
+            elapsed = time.perf_counter() - started
+            if elapsed > args.budget_s:
+                case_done(model_name, dtype_name, batch, ("skipped", dict(
+                    reason=f"time budget spent ({elapsed:.0f} s > {args.budget_s:.0f} s)")))
+                continue
+            log(f"{model_name} {dtype_name} bs{batch} ({elapsed:.0f} s elapsed)")
+            case_done(model_name, dtype_name, batch, one_case(model_name, dtype_name, batch, runner_names,
+                                                               peer_models, peer_batches, args))
+    else:  # each case in its own process: a CUDA error ends one case, not the run
+        passed = ["--runners", ",".join(runner_names), "--peer-models", args.peer_models,
+                  "--peer-batches", args.peer_batches, "--rounds", str(args.rounds), "--block", str(args.block)]
+        names = [f"{m}:{d}:{b}" for m, d, b in cases]
+        for name, outcome, why in run_isolated(names, __file__, passed, args.case_timeout_s,
+                                               args.budget_s - (time.perf_counter() - started), log):
+            log(f"{name}: {'done' if outcome else why}")
+            case_done(*name.split(":"), tuple(outcome) if outcome else ("skipped", dict(reason=why)))
     save()
     log(f"wrote {out} in {time.perf_counter() - started:.0f} s")
     print(to_markdown(result))

@@ -72,6 +72,10 @@ def step_fn(module, inputs, loss_fn):
     return step
 
 
+def _pct(value) -> str:
+    return "n/a (no CUDA)" if value is None else f"{value:+.2f} %"
+
+
 def peak_memory(step, steps: int = 3) -> int:
     if not torch.cuda.is_available():
         return 0
@@ -190,7 +194,7 @@ def run_case(model_name: str, batch: int, dtype_name: str, args, spec_name: str)
         auto_ms=aux_ms if auto_applies else base_ms,
         auto_vs_baseline_pct=100.0 * ((aux_ms if auto_applies else base_ms) / base_ms - 1.0),
         peak_baseline_bytes=peaks["baseline"], peak_aux_bytes=peaks["aux_stream"],
-        peak_delta_pct=100.0 * (peaks["aux_stream"] / peaks["baseline"] - 1.0),
+        peak_delta_pct=100.0 * (peaks["aux_stream"] / peaks["baseline"] - 1.0) if peaks["baseline"] else None,
         predicted_peak_baseline_bytes=p_before.peak_memory_bytes, predicted_peak_aux_bytes=p_after.peak_memory_bytes,
         predicted_peak_delta_pct=100.0 * (p_after.peak_memory_bytes / p_before.peak_memory_bytes - 1.0),
         max_grad_abs_diff=max_diff, build_s=build_s, pass_reasons=[r.reason for r in rows],
@@ -199,7 +203,7 @@ def run_case(model_name: str, batch: int, dtype_name: str, args, spec_name: str)
     log(f"  measured {base_ms:.2f} → {aux_ms:.2f} ms ({row['measured_delta_pct']:+.2f} %), predicted "
         f"{row['predicted_delta_pct']:+.2f} % (plain analytic {row['predicted_plain_analytic_delta_pct']:+.2f} %); "
         f"auto {'applies' if auto_applies else 'declines'} ({row['auto_vs_baseline_pct']:+.2f} %); peak memory "
-        f"{row['peak_delta_pct']:+.2f} % (predicted {row['predicted_peak_delta_pct']:+.2f} %); max grad diff {max_diff:.1e}")
+        f"{_pct(row['peak_delta_pct'])} (predicted {row['predicted_peak_delta_pct']:+.2f} %); max grad diff {max_diff:.1e}")
     del baseline, with_pass, steps
     return row
 
@@ -243,6 +247,10 @@ def main(argv=None) -> int:
             except torch.cuda.OutOfMemoryError as error:  # noqa: PERF203
                 log(f"  out of memory: {str(error).splitlines()[0]}")
                 results.append(dict(model=args.model, batch=batch, dtype=dtype_name, error=f"OOM: {error}"[:300]))
+            except Exception as error:  # noqa: BLE001  (a failed case is a row, and the next case still runs)
+                log(f"  failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                results.append(dict(model=args.model, batch=batch, dtype=dtype_name,
+                                    error=f"{type(error).__name__}: {error}"[:300]))
             os.makedirs(os.path.dirname(out), exist_ok=True)
             with open(out, "w") as f:  # after every case: a cut-off run keeps what it measured
                 json.dump(dict(device=device_name, spec=spec_name, torch=torch.__version__,
@@ -258,7 +266,7 @@ def main(argv=None) -> int:
             continue
         log(f"| {r['dtype']} bs{r['batch']} | measured {-r['measured_delta_pct']:+.2f} % faster | predicted "
             f"{-r['predicted_delta_pct']:+.2f} % | auto {r['auto_vs_baseline_pct']:+.2f} % | memory "
-            f"{r['peak_delta_pct']:+.2f} % |")
+            f"{_pct(r['peak_delta_pct'])} |")
     return 0
 
 

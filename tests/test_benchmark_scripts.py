@@ -103,3 +103,36 @@ def test_a_peer_that_dynamo_ran_eagerly_is_an_error_not_a_row(monkeypatch):
     with torch._dynamo.config.patch(recompile_limit=1), \
             pytest.raises(RuntimeError, match="dynamo compiled no graph"):
         cpu_ab.compile_inductor(model, inputs, freezing=False)
+
+
+def test_isolated_cases_survive_a_crash_and_a_hang(tmp_path):
+    """Each case in its own process: one that dies or hangs is reported, the next still runs."""
+    isolated = _script("isolated")
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import json, sys, time\n"
+        "case, out = sys.argv[sys.argv.index('--case') + 1], sys.argv[sys.argv.index('--case-out') + 1]\n"
+        "print('running', case, sys.argv[1])\n"
+        "if case == 'crash': sys.exit(3)\n"
+        "if case == 'hang': time.sleep(30)\n"
+        "if case != 'silent': json.dump(['case', {'name': case}], open(out, 'w'))\n")
+    logged = []
+    got = list(isolated.run_isolated(["a", "crash", "hang", "silent", "b"], str(child), ["--flag"], timeout_s=3,
+                                     log=logged.append))
+    assert [(case, result) for case, result, _ in got] == [
+        ("a", ["case", {"name": "a"}]), ("crash", None), ("hang", None), ("silent", None), ("b", ["case", {"name": "b"}])]
+    why = {case: reason for case, _, reason in got}
+    assert why["crash"].startswith("the case's process exited with 3: running crash --flag")
+    assert why["hang"].startswith("no result within 3 s") and why["silent"].startswith("the case wrote no result")
+    assert "  | running b --flag" in logged
+    assert list(isolated.run_isolated(["late"], str(child), [], timeout_s=3, budget_s=-1))[0][2].startswith(
+        "time budget spent")
+
+
+def test_gpu_aux_stream_smoke_runs_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    out = tmp_path / "aux.json"
+    assert _script("gpu_aux_stream").main(["--device", "cpu", "--tiny", "--batches", "2", "--dtypes", "fp32",
+                                           "--rounds", "2", "--block", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row and row["peak_delta_pct"] is None and row["max_grad_abs_diff"] == 0.0
