@@ -39,6 +39,7 @@ Not thread-safe, and one stream at a time: replays and input copies go to the cu
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -58,6 +59,22 @@ class CudaGraphFallback(RuntimeError):
 
 class CudaGraphOutputOverwritten(RuntimeError):
     """An output of the previous replay is still held and this replay would overwrite it."""
+
+
+_PAUSED = [0]
+
+
+@contextlib.contextmanager
+def capture_paused():
+    """Regions run their graphs as they are, neither captured nor replayed, nor counted as
+    fallbacks: while fxdream times a rewritten graph in context or runs it for its outputs.
+    That runs on copies of the buffers, so a capture there held the copies' addresses, and
+    the first real call re-recorded every region (each GPU build on an H200 did)."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
 
 
 class SharedPool:
@@ -154,6 +171,8 @@ class CudaGraphRunner(torch.nn.Module):
 
     # --- the call ---------------------------------------------------------------------------
     def forward(self, *args):
+        if _PAUSED[0]:
+            return _as_tuple(self.region_graph(*args))
         if self.eager_reason is not None:
             return self._eager(args, self.eager_reason)
         if not self._layout_known:
@@ -365,6 +384,8 @@ def _repair_rng_after_failed_capture(device: torch.device) -> None:
     capture_end once more on the same generator state, which clears the mark, also for
     graphs captured before that share the state. The RNG stream does not move."""
     import warnings
+    if device is None or device.type != "cuda":
+        return
     try:
         with torch.cuda.device(device), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "The CUDA Graph is empty"

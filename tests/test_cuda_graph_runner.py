@@ -2,6 +2,8 @@
 numerics, bookkeeping, fallbacks); tests marked cuda check capture and replay on a GPU.
 """
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -172,6 +174,25 @@ def test_a_failed_capture_runs_the_region_eagerly_once_per_call_with_the_reason(
     strict = Failing(region, 0, (False, False), strict=True)
     with pytest.raises(CudaGraphFallback, match="capture failed"):
         strict(x, y)
+
+
+def test_while_a_graph_is_timed_in_context_its_regions_run_as_they_are():
+    """Timed in context, a graph runs on copies of its buffers: a capture there would hold the
+    copies' addresses, and the first real call would capture every region again."""
+    from fxdream.sim.in_context import time_graph
+    region = graph_with_values(_elementwise, (8,), (8,))
+    runner = _SimulatedRunner(region, 0, (False, True))
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    out = graph.call_module("region", (x, w))
+    graph.output(graph.call_function(torch.add, (graph.call_function(operator.getitem, (out, 0)), 1.0)))
+    gm = fx.GraphModule(torch.nn.ModuleDict({"region": runner}), graph)
+    inputs = [torch.randn(8), torch.randn(8)]
+    assert time_graph(gm, inputs, torch.device("cpu"), {}, rounds=2, warmup=1) is not None
+    stats = runner.stats()
+    assert (stats["shapes_captured"], stats["replays"], stats["eager_calls"]) == (0, 0, 0)
+    gm(*inputs)  # a real call captures, once
+    assert runner.stats()["shapes_captured"] == 1 and runner.eager_reason is None
 
 
 def test_clone_outputs_copies_with_the_same_strides():

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from ..cuda_graph_runner import capture_paused
 from .cuda_timing import HOLD_EXTRA_US, HOLD_MARGIN
 from .op_keys import HOST_SYNC_OPS, is_view, op_name, profile_key, real_tensors, size_hint
 
@@ -126,7 +127,7 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
         holds = not any(op_name(n) in HOST_SYNC_OPS for n in gm.graph.nodes)  # a sync would wait out the hold
     try:
         timed, keys = timed_copy(gm, device.type)
-        with torch.no_grad():
+        with torch.no_grad(), capture_paused():
             for i in range(warmup + rounds):
                 if i == warmup:
                     timed_from = time.perf_counter()
