@@ -182,6 +182,31 @@ def test_a_region_lowers_to_one_graph_launch_and_its_kernels():
     assert simulate(lowered.graph).makespan_us == pytest.approx(5.0)
 
 
+def test_measured_costs_replay_a_graph_s_kernels_closer_together():
+    """Profiled on a GPU: a region's kernels take their measured time less the per-kernel saving
+    of a graph replay (measured once per device), never below the device's smallest kernel."""
+    from fxdream.sim.cost import Profiled
+    from fxdream.sim.in_context import HOST
+    from fxdream.sim.op_keys import profile_key
+    cost = Profiled(get_device("h200"), "cuda")
+    gm = _regioned(static_input=True)
+    kernels = {"relu": 3.0, "neg": 1.0, "add": 40.0}
+    for node in gm.graph.nodes:
+        if node.name in kernels:
+            key = profile_key(node, "cuda")
+            cost.measurements[key], cost.measurements[HOST + key] = kernels[node.name], 5.0
+    cost.measurements["__graph_kernel_saving__|cuda"] = 1.5
+    cost.measurements["__graph_call__|cuda"] = cost.measurements["__view__|cuda"] = 0.0
+    cost._call_overhead_us = 1.0
+    lowered = lower([("g.fw", gm)], cost)
+    got = {name: lowered.graph.task(f"g.fw:{name}:k").duration_us for name in kernels}
+    floor = get_device("h200").kernel_min_us
+    assert got == pytest.approx({"relu": 1.5, "neg": min(1.0, floor), "add": 38.5})
+    eager = lower([("g.fw", graph_with_values(_three_ops, (4,)))], cost)  # outside a graph: as measured
+    assert eager.graph.task("g.fw:relu:k").duration_us == 3.0
+    assert eager.graph.task("g.fw:relu").duration_us == 1.0 + 5.0  # fx's call + the op's measured host time
+
+
 def test_a_copied_input_adds_one_copy_and_the_pool_is_static_memory():
     lowered = lower([("g.fw", _regioned(static_input=False))], LaunchBound())
     copy = lowered.graph.task("g.fw:cuda_graph0:copy_in:k")

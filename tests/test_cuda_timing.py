@@ -117,3 +117,4 @@ def test_a_tiny_op_is_host_bound_and_a_large_matmul_device_bound():
     # an H200) stays apart
     assert device_us > 2 * host_us and device_us > 2 * 4096 ** 3 / 2e15 * 1e6, (device_us, host_us)
     assert 0.0 <= cuda_timing.event_gap_us() < 10.0
+    assert 0.0 <= cuda_timing.graph_kernel_saving_us() < 10.0

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..annotate import node_flops, rnn_sequential_steps
 from .devices import DeviceSpec
-from .cuda_timing import time_calls_cuda
+from .cuda_timing import graph_kernel_saving_us, time_calls_cuda
 from .in_context import HOST, MIN_ROUNDS, compute_keys, compute_nodes, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
 from .op_keys import arg_values, is_view, profile_key, real_tensors, size_hint  # noqa: F401  (re-exported)
 
@@ -162,6 +162,19 @@ class Profiled:
             if host_us is not None:
                 self.measurements[HOST + key] = host_us
         return self.measurements[key]
+
+    def graph_kernel_us(self, node: fx.Node) -> float:
+        """``node``'s kernel replayed from a CUDA graph: its measured time less what a graph saves
+        per kernel on this GPU (``cuda_timing.graph_kernel_saving_us``, measured once and kept
+        with the profile), never below the device's smallest kernel or the kernel itself."""
+        kernel = self.kernel_us(node)
+        if self.torch_device.type != "cuda" or kernel == 0.0:
+            return kernel
+        key = f"__graph_kernel_saving__|{self.torch_device.type}"
+        if key not in self.measurements:
+            with real_tensors():
+                self.measurements[key] = graph_kernel_saving_us(self.torch_device)
+        return max(kernel - self.measurements[key], min(kernel, self.device.kernel_min_us))
 
     def dispatch_us(self, node: fx.Node) -> float:
         if is_view(node):

@@ -286,8 +286,9 @@ def _lower_region_node(tg: TaskGraph, node: fx.Node, name: str, common: dict, la
             kernel_of[buffers.key(node)] = kernel_of.get(buffers.key(node.all_input_nodes[0]))
         return launch
     stream = int(node.meta.get(STREAM, 0))
-    work = tg.append(Task(f"{name}:k", TaskKind.GPU, cost.kernel_us(node), f"stream:{stream}",
-                          utilization=cost.utilization(node), **common),
+    in_graph = getattr(cost, "graph_kernel_us", None)  # a measured cost model knows a replay's kernels
+    work = tg.append(Task(f"{name}:k", TaskKind.GPU, in_graph(node) if callable(in_graph) else cost.kernel_us(node),
+                          f"stream:{stream}", utilization=cost.utilization(node), **common),
                      deps=[(launch, DepKind.GRAPH_LAUNCH)])
     _wait_for_inputs(tg, node, work, kernel_of, buffers)
     kernel_of[buffers.key(node)] = work
