@@ -113,6 +113,21 @@ def step_fn(module, inputs, loss_fn, training):
     return train_step
 
 
+def check_device_here(device: str) -> None:
+    """An A/B runs on ``device``: say so plainly where this machine has no such device."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = str(device)
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: an A/B measures on this machine, on cpu or cuda; to predict "
+                         f"for a GPU: python -m fxdream explain MODEL --device {device}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA device here (torch {torch.__version__}, "
+                         "torch.cuda.is_available() is False); measure on cpu, or predict for a GPU "
+                         "without one: python -m fxdream explain MODEL --device h100")
+
+
 def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, device: str = "cpu",
        tiny: bool = False, rounds: int = 5, block: int = 10, progress: bool = True,
        dtype: torch.dtype = torch.float32) -> ABResult:
@@ -123,6 +138,7 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
     from . import models
     batch_sizes = (batch_sizes,) if isinstance(batch_sizes, int) else tuple(batch_sizes)
     check_counts(batch_sizes=batch_sizes, rounds=rounds, block=block)
+    check_device_here(device)
     if isinstance(model, str):
         model_name = model
         build = lambda batch: models.build(model_name, batch, tiny=tiny, device=device, dtype=dtype)  # noqa: E731

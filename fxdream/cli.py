@@ -187,8 +187,9 @@ def _load_plugins(paths) -> None:
 
 def cmd_ab(args) -> int:
     """Per-pass A/B: measured and predicted, side by side, one row per batch size."""
-    from fxdream.ab import ab, plot_ab
+    from fxdream.ab import ab, check_device_here, plot_ab
     _load_plugins(args.load)
+    check_device_here(args.device)
     model = user_model(args.model, args.device, args.tiny) or args.model
     result = ab(model, args.passes, batch_sizes=args.batch, training=args.training, device=args.device,
                 tiny=args.tiny, rounds=args.rounds, block=args.block)
