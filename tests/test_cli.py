@@ -45,8 +45,8 @@ def test_explain_for_a_gpu_lists_each_pass(tmp_path, capsys):
     (["simulate", "resnet1000"], "unknown model 'resnet1000'"),
     (["simulate", "mnist_convnet", "--tiny", "--device", "tpu9"], "unknown device 'tpu9'"),
     (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_everything"], "fuse_everything"),
-    (["ab", "mnist_convnet", "--tiny", "--device", "h100"], "an A/B measures on this machine"),
-    pytest.param(["ab", "mnist_convnet", "--tiny", "--device", "cuda"], "no CUDA device here",
+    (["ab", "mnist_convnet", "--tiny", "--pass", "cuda_graphs", "--device", "h100"], "an A/B measures on this machine"),
+    pytest.param(["ab", "mnist_convnet", "--tiny", "--pass", "cuda_graphs", "--device", "cuda"], "no CUDA device here",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
 ])
 def test_bad_arguments_give_one_line(argv, message, capsys):
