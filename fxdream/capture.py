@@ -22,6 +22,7 @@ from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_ba
                        frame_prefix, is_compute, node_flops, op_name, qualified_name)
 from .dynamo_glue import compiling_code, describe_error, graph_break_counts, new_graph_breaks
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
+from .dead_copies import drop_dead_copies
 from .rnn_op import keep_rnns_whole, outside_keep_rnns_whole
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
@@ -191,6 +192,11 @@ class CaptureSession:
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
             record.forward_layers = annotate_forward(fw, prefix)
+            if not record.training:
+                dropped = drop_dead_copies(fw)
+                if dropped:
+                    self.notes.append(f"graph {record.index}: dropped {len(dropped)} copies of intermediates that "
+                                      f"nothing else reads (aot_autograd makes one per eval-mode dropout)")
             record.forward = fw
             runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
                                          record.example_inputs)

@@ -42,7 +42,7 @@ from fxdream import streams
 from fxdream.annotate import LAYER, schema_arguments
 from fxdream.pass_api import PassContext, PassResult
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION
-from fxdream.sim.op_keys import is_view
+from fxdream.sim.op_keys import is_view, same_layout
 
 aten = torch.ops.aten
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
@@ -101,11 +101,6 @@ def _reads_only(user: fx.Node, value: fx.Node) -> bool:
     return True
 
 
-def _same_layout(a, b) -> bool:
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and tuple(a.shape) == tuple(b.shape) and tuple(a.stride()) == tuple(b.stride()))
-
-
 class _Buffers:
     """Which nodes share memory: each node's base (the node that made the memory, following
     views, ``_unsafe_view`` and in-place results back) and each base's family of aliases."""
@@ -127,7 +122,7 @@ class _Buffers:
         base = self.base.get(value, UNKNOWN)
         if base is UNKNOWN or base.op != "call_function":  # graph inputs, constants, unknown makers
             return False
-        if not _same_layout(value.meta.get("val"), op.meta.get("val")) or CUDA_GRAPH_REGION in op.meta:
+        if not same_layout(value.meta.get("val"), op.meta.get("val")) or CUDA_GRAPH_REGION in op.meta:
             return False
         family = self.family[base]
         if any(a is not value and a in family for a in op.all_input_nodes):  # e.g. add(a, a.t())

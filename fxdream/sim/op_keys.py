@@ -84,3 +84,9 @@ def _describe(a) -> str:
 def _ints(values) -> tuple:
     values = tuple(values)
     return values if all(type(v) is int for v in values) else tuple(map(size_hint, values))
+
+
+def same_layout(a, b) -> bool:
+    """Two tensors (fake or real) of one dtype, shape and strides."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+            and tuple(a.shape) == tuple(b.shape) and tuple(a.stride()) == tuple(b.stride()))
