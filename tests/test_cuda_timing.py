@@ -77,6 +77,27 @@ def test_in_context_cuda_rounds_keep_device_time_under_the_key_and_host_time_apa
     assert len(gpu.sleeps) == 4 and gpu.sleeps[0] == 0 and min(gpu.sleeps[1:]) >= cuda_timing.HOLD_EXTRA_US
 
 
+def test_work_between_timed_ops_is_charged_to_neither(monkeypatch):
+    """A submodule's call (a CUDA-graph region) is not timed; the op after it starts afresh."""
+    gpu = FakeGpu({"small": 3.0, "large": 400.0, "region": 50.0})
+    gpu.install(monkeypatch)
+
+    class Region(torch.nn.Module):
+        def forward(self, x):
+            return gpu.op("region")(x)
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(gpu.op("small"), (x,))
+    b = graph.call_module("region", (a,))
+    graph.output(graph.call_function(gpu.op("large"), (b,)))
+    gm = fx.GraphModule(torch.nn.ModuleDict({"region": Region()}), graph)
+    samples = {}
+    in_context.time_graph(gm, [torch.zeros(4)], torch.device("cuda"), samples, rounds=2, warmup=0)
+    small, large = in_context.compute_keys(gm, "cuda")
+    assert samples[small] == pytest.approx([2.5]) and samples[large] == pytest.approx([399.5])  # not 449.5
+
+
 def test_a_graph_that_syncs_is_not_held(monkeypatch):
     gpu = FakeGpu({"small": 3.0, "large": 4.0})
     gpu.install(monkeypatch)

@@ -58,6 +58,10 @@ def _stop_cuda(index: int, started: tuple, _result) -> None:
     _STAMPS.append((index, host, started[0], event))
 
 
+def _untimed_work_ran() -> None:
+    _LAST_EVENT.clear()  # the next timed op records its own start event
+
+
 def _cuda_round(timed, inputs, hold_us: float) -> tuple:
     """One run of a timed graph on a GPU held busy for ``hold_us`` first (see cuda_timing):
     (outputs, host seconds of the run, [(op index, device s, host s)])."""
@@ -99,6 +103,9 @@ def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, li
             with graph.inserting_after(node):
                 graph.call_function(stop, (len(keys), started, node))
             keys.append(profile_key(original, device_type))
+        elif node.op == "call_module" and device_type == "cuda":  # untimed work (a CUDA-graph region):
+            with graph.inserting_after(node):                      # the next op starts a new event
+                graph.call_function(_untimed_work_ran, ())
     timed = fx.GraphModule(gm, graph)
     _TIMED[gm] = ((gm.code, device_type), timed, keys)
     return timed, keys
