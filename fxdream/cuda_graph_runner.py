@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -383,7 +384,6 @@ def _repair_rng_after_failed_capture(device: torch.device) -> None:
     on an H200: dropout, randn, an RNN's init). An empty capture runs capture_begin and
     capture_end once more on the same generator state, which clears the mark, also for
     graphs captured before that share the state. The RNG stream does not move."""
-    import warnings
     if device is None or device.type != "cuda":
         return
     try:
@@ -394,4 +394,3 @@ def _repair_rng_after_failed_capture(device: torch.device) -> None:
                 pass
     except Exception as error:  # noqa: BLE001  (best effort; the region runs eagerly anyway)
         log.warning("fxdream: could not reset the CUDA RNG state after a failed capture: %s", error)
-
