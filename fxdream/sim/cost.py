@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..annotate import node_flops, rnn_sequential_steps
 from .devices import DeviceSpec
 from .cuda_timing import graph_kernel_saving_us, time_calls_cuda
+from .host_timing import _time_calls, measure_call_overhead_us, measure_graph_call_us  # noqa: F401  (re-exported)
 from .in_context import HOST, MIN_ROUNDS, compute_keys, compute_nodes, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
 from .op_keys import arg_values, is_view, profile_key, real_tensors, size_hint  # noqa: F401  (re-exported)
 
@@ -354,70 +354,6 @@ class Profiled:
         if data.get("device") != device.name:
             raise ValueError(f"profile {path} was measured on {data.get('device')!r}, not {device.name!r}")
         return cls(device, torch_device, data["measurements_us"])
-
-
-def _time_calls(fn, rounds: int = 5, target_block_us: float = 2000.0, cuda: bool = False) -> float:
-    """Median µs per call over ``rounds`` blocks sized to take about ``target_block_us``."""
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    fn()
-    sync()
-    started = time.perf_counter()
-    fn()
-    sync()
-    once_us = max((time.perf_counter() - started) * 1e6, 0.05)
-    calls = max(1, min(1000, int(target_block_us / once_us)))
-    samples = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - started) * 1e6 / calls)
-    return statistics.median(samples)
-
-
-_CALL_OVERHEAD_US: list[float] = []
-
-
-def measure_call_overhead_us() -> float:
-    """Python cost per op of generated FX code beyond the op itself (boxing, frame, locals)."""
-    if not _CALL_OVERHEAD_US:
-        graph = fx.Graph()
-        x = graph.placeholder("x")
-        y = x
-        for _ in range(100):
-            y = graph.call_function(torch.ops.aten.alias.default, (y,))
-        graph.output(y)
-        gm = fx.GraphModule(torch.nn.Module(), graph)
-        t = torch.empty(1)
-        through_graph = _time_calls(lambda: gm(t), rounds=7)
-        direct = _time_calls(lambda: _alias_chain(t), rounds=7)
-        _CALL_OVERHEAD_US.append(max(0.0, (through_graph - direct) / 100))
-    return _CALL_OVERHEAD_US[0]
-
-
-def measure_graph_call_us(device: torch.device) -> float:
-    """Per-call cost of a module run through fxdream's captured graph, beyond its one op."""
-    from ..pipeline import optimize
-
-    class AddOne(torch.nn.Module):
-        def forward(self, x):
-            return x + 1
-
-    x = torch.zeros(1, device=device)
-    module = optimize(AddOne(), (x,), cost=None)
-    cuda = device.type == "cuda"
-    with torch.no_grad():
-        through_graph = _time_calls(lambda: module(x), rounds=7, cuda=cuda)
-        direct = _time_calls(lambda: torch.ops.aten.add.Tensor(x, 1), rounds=7, cuda=cuda)
-    return max(0.0, through_graph - direct)
-
-
-def _alias_chain(t):
-    alias = torch.ops.aten.alias.default
-    for _ in range(100):
-        t = alias(t)
-    return t
 
 
 def total_us(cost: CostModel, gm: fx.GraphModule) -> float:
