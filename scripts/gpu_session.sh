@@ -3,18 +3,23 @@
 # the CUDA tests, then the GPU A/B benchmarks, each under its own time limit so a slow or broken
 # step cannot eat the others' time. Writes logs and JSON into $OUT (default ./out).
 #
-#   bash scripts/gpu_session.sh                 # tests + A/B, ~6 min on an H100/H200
+#   bash scripts/gpu_session.sh                 # tests + A/B, ~7 min on an H200
 #   STEPS="ab" AB_ARGS="--batches 8,32" bash scripts/gpu_session.sh
+#
+# The first lease (H200, 2026-11-26) took 27 s to start and ran env+install in 15 s, the CUDA
+# tests in ~20 s, and gpu_ab's 8 fp16 cases (bs1, bs128) in ~100 s. A lease has 15 minutes in
+# all: run this with a timeout that leaves room to rerun a step.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"env install tests ab aux"}
-TESTS_S=${TESTS_S:-120}
-AB_S=${AB_S:-150}
-AUX_S=${AUX_S:-75}
-AB_ARGS=${AB_ARGS:-"--models resnet50,tv_resnet50,bert_base,hf_bert --batches 1,128 --dtypes fp16 --peer-batches 1 --budget-s 100"}
-AUX_ARGS=${AUX_ARGS:-"--batches 32,128 --dtypes fp16 --rounds 3"}
+TESTS_S=${TESTS_S:-90}
+AB_S=${AB_S:-260}
+AUX_S=${AUX_S:-90}
+# each case in its own process (a CUDA error costs one case); the peer for ResNet-50 at bs1, 128
+AB_ARGS=${AB_ARGS:-"--models resnet50,tv_resnet50,bert_base,hf_bert --batches 1,128,8 --dtypes fp16,fp32 --budget-s 200"}
+AUX_ARGS=${AUX_ARGS:-"--batches 32,128 --dtypes fp16 --rounds 3 --cost auto"}
 PY=${PY:-python3}
 started=$(date +%s)
 step() { echo "=== [$(( $(date +%s) - started )) s] $*"; }
