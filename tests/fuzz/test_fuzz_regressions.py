@@ -56,3 +56,23 @@ def test_regression_training_without_passes_is_exact_against_aot_eager():
         L("attn", f=7, heads=7, scale="mul", mask="mask_then_scale", output="with_probs", dropout=0.25, steps=3)),
         None, seed=5893)
     check_training_without_passes(spec, (), EXACT, None)  # (with torch 2.13; another torch may be exact)
+
+
+def test_regression_training_steps_continue_from_the_same_weights():
+    """Found by the slow fuzzer (2026-11-26): after one SGD step from gradients a rounding apart,
+    an input on the edge of a saturated hardtanh fell on different sides in eager and fused, and
+    a BN bias's next gradient was 0 against 1.2e-4. Both now continue from eager's weights."""
+    def conv(cin, cout, k=1, p=0, d=1, groups=1, bias=False):
+        return L("conv", cin=cin, cout=cout, k=k, s=1, p=p, d=d, groups=groups, bias=bias)
+
+    def bn(c):
+        return L("bn", c=c, dims=3, affine=True, momentum=0.1)
+    spec = NetSpec("conv", 1, (4, 12, 16), (
+        L("res", inner=(conv(4, 7, k=3, p=2, d=2), bn(7), bn(7)), proj=conv(4, 7), proj_bn=False, add="+=",
+          shortcut_first=True, post="hardtanh"),
+        L("res", inner=(conv(7, 7, groups=7, bias=True), bn(7), L("act", fn="relu_inplace"), conv(7, 7, groups=7)),
+          proj=None, proj_bn=False, add="+=", shortcut_first=False, post="hardtanh"),
+        L("shared", conv=conv(7, 7, k=3, p=2, d=2, bias=True), bn=False, act="silu"),
+        L("fork", conv=conv(7, 10, bias=True), branch=(L("act", fn="hardtanh"),), combine="*"),
+        bn(10), L("shared", conv=conv(10, 10, k=3, p=1), bn=False, act="relu")), None, seed=2)
+    check_training(spec, ["fuse_conv_bias_act"], WITH_PASSES, cost="analytic")
