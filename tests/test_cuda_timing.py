@@ -110,6 +110,21 @@ def test_a_graph_that_syncs_is_not_held(monkeypatch):
     assert gpu.sleeps and set(gpu.sleeps) == {0.0}  # the sync would wait out the hold
 
 
+def test_a_copy_to_the_cpu_waits_for_the_device():
+    """Such a graph is timed without a hold (the copy would wait it out)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    copy = graph.call_function(aten._to_copy.default, (x,), {"device": torch.device("cpu")})
+    graph.output(graph.call_function(aten.relu.default, (copy,)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    with FakeTensorMode():  # fake CUDA tensors need no GPU
+        x.meta["val"], copy.meta["val"] = torch.empty(2, device="cuda"), torch.empty(2)
+    assert in_context._waits_for_the_device(gm)
+    x.meta["val"] = copy.meta["val"]  # CPU to CPU: no wait
+    assert not in_context._waits_for_the_device(gm)
+
+
 def test_profiled_on_a_gpu_dispatches_with_the_measured_host_time(monkeypatch):
     gpu = FakeGpu({"small": 3.0, "large": 400.0})
     gpu.install(monkeypatch)

@@ -58,6 +58,20 @@ def _stop_cuda(index: int, started: tuple, _result) -> None:
     _STAMPS.append((index, host, started[0], event))
 
 
+def _waits_for_the_device(gm: fx.GraphModule) -> bool:
+    """A node that makes the host wait for the GPU: a value read back, or a copy to the CPU."""
+    def on(value, kind):
+        return isinstance(value, torch.Tensor) and value.device.type == kind
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if op_name(node) in HOST_SYNC_OPS:
+            return True
+        if on(node.meta.get("val"), "cpu") and any(on(a.meta.get("val"), "cuda") for a in node.all_input_nodes):
+            return True
+    return False
+
+
 def _untimed_work_ran() -> None:
     _LAST_EVENT.clear()  # the next timed op records its own start event
 
@@ -131,7 +145,7 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     cuda = device.type == "cuda"
     if cuda:  # the first run on a GPU autotunes (cuDNN) and tells how long the host takes to queue it
         warmup, hold_us = max(warmup, 1), 0.0
-        holds = not any(op_name(n) in HOST_SYNC_OPS for n in gm.graph.nodes)  # a sync would wait out the hold
+        holds = not _waits_for_the_device(gm)  # a sync would wait out the hold
     try:
         timed, keys = timed_copy(gm, device.type)
         with torch.no_grad(), capture_paused():
