@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -23,10 +24,10 @@ def child_command(script: str, args: list[str], case: str, out: str) -> list[str
 
 
 def run_isolated(cases: Iterable[str], script: str, args: list[str], timeout_s: float,
-                 budget_s: float = float("inf"), log: Callable[[str], None] = print,
-                 run=subprocess.run) -> Iterable[tuple[str, dict | None, str | None]]:
-    """Yield (case, result, None) or (case, None, why it has no result) per case, in order.
-    No case starts once ``budget_s`` is spent (those yield the reason too)."""
+                 budget_s: float = float("inf"), log: Callable[[str], None] = print
+                 ) -> Iterable[tuple[str, dict | None, str | None]]:
+    """Yield (case, result, None) or (case, None, why it has no result) per case, in order; the
+    child's output is logged as it comes. No case starts once ``budget_s`` is spent."""
     started = time.perf_counter()
     for case in cases:
         elapsed = time.perf_counter() - started
@@ -35,25 +36,39 @@ def run_isolated(cases: Iterable[str], script: str, args: list[str], timeout_s: 
             continue
         with tempfile.TemporaryDirectory() as folder:
             out = str(Path(folder) / "case.json")
-            command = child_command(script, args, case, out)
-            try:
-                done = run(command, timeout=timeout_s, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            except subprocess.TimeoutExpired as expired:
-                yield case, None, f"no result within {timeout_s:.0f} s{_tail(expired.output)}"
-                continue
-            for line in (done.stdout or "").splitlines():
-                log(f"  | {line}")
-            if done.returncode != 0:
-                yield case, None, f"the case's process exited with {done.returncode}{_tail(done.stdout)}"
-                continue
-            try:
-                yield case, json.loads(Path(out).read_text()), None
-            except (OSError, ValueError) as error:
-                yield case, None, f"the case wrote no result ({type(error).__name__}: {error}){_tail(done.stdout)}"
+            returncode, output = _run_logged(child_command(script, args, case, out), timeout_s, log)
+            if returncode is None:
+                yield case, None, f"no result within {timeout_s:.0f} s{_tail(output)}"
+            elif returncode != 0:
+                yield case, None, f"the case's process exited with {returncode}{_tail(output)}"
+            else:
+                try:
+                    yield case, json.loads(Path(out).read_text()), None
+                except (OSError, ValueError) as error:
+                    yield case, None, f"the case wrote no result ({type(error).__name__}: {error}){_tail(output)}"
 
 
-def _tail(output, lines: int = 6) -> str:
-    if isinstance(output, bytes):
-        output = output.decode(errors="replace")
+def _run_logged(command: list[str], timeout_s: float, log) -> tuple[int | None, str]:
+    """(exit code, or None if killed at ``timeout_s``; its output), logging each line as it comes."""
+    lines: list[str] = []
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def pump():
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+            log(f"  | {lines[-1]}")
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        returncode = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        returncode = None
+    reader.join(timeout=5)
+    return returncode, "\n".join(lines)
+
+
+def _tail(output: str, lines: int = 6) -> str:
     kept = [line for line in (output or "").splitlines() if line.strip()][-lines:]
     return (": " + " / ".join(kept)) if kept else ""
