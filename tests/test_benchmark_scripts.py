@@ -136,3 +136,37 @@ def test_gpu_aux_stream_smoke_runs_on_cpu(tmp_path, monkeypatch):
                                            "--rounds", "2", "--block", "2", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert "error" not in row and row["peak_delta_pct"] is None and row["max_grad_abs_diff"] == 0.0
+
+
+def test_gpu_ab_runs_each_case_in_a_child_and_records_a_crash(tmp_path, monkeypatch):
+    """The parent plans the cases and starts one child per case; a child's row comes back as a
+    case, a child that died as a skipped case with its reason (no GPU needed: CUDA is faked)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_ab = _script("gpu_ab")
+    monkeypatch.setattr(gpu_ab.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_ab.torch.cuda, "get_device_name", lambda *a: "NVIDIA Fake")
+    monkeypatch.setattr(gpu_ab, "run_case", lambda model, dtype, batch, runners, peer, rounds, block: dict(
+        model=model, dtype=dtype, batch=batch, peer=peer, runners={}, skipped={}))
+    child_out = tmp_path / "child.json"  # the child's side, in this process
+    assert gpu_ab.main(["--case", "resnet50:fp16:1", "--case-out", str(child_out)]) == 0
+    kind, row = json.loads(child_out.read_text())
+    assert kind == "case" and row["peer"] is True and row["batch"] == 1
+
+    started = []
+
+    def fake_children(names, script, passed, timeout_s, budget_s, log):
+        for name in names:
+            started.append(name)
+            if name.startswith("bert_base"):
+                yield name, None, "the case's process exited with -11: an illegal memory access"
+            else:
+                yield name, ["case", dict(model=name.split(":")[0], runners={}, skipped={})], None
+    monkeypatch.setattr(gpu_ab, "run_isolated", fake_children)
+    out = tmp_path / "ab.json"
+    assert gpu_ab.main(["--models", "resnet50,bert_base", "--batches", "1", "--dtypes", "fp16",
+                        "--no-overhead", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert started == ["resnet50:fp16:1", "bert_base:fp16:1"]
+    assert [c["model"] for c in result["cases"]] == ["resnet50"]
+    (skipped,) = result["skipped_cases"]
+    assert skipped["model"] == "bert_base" and skipped["batch"] == 1 and "illegal memory access" in skipped["reason"]
