@@ -54,7 +54,7 @@ _DEFAULTS = (None, None, None, None, 0.0, False, None)
 
 def redirect_attention(args, kwargs, devices=("cuda",)):
     """``attention_inference(...)`` for an SDPA call whose query is on one of ``devices``
-    (and that uses no argument the op lacks, such as ``enable_gqa``); else None."""
+    (and that uses no argument the op lacks, such as ``enable_gqa``, outside autocast); else None."""
     if len(args) > len(_NAMES) or set(kwargs) - set(_NAMES):
         return None
     values = dict(zip(_NAMES, _DEFAULTS))
@@ -62,5 +62,7 @@ def redirect_attention(args, kwargs, devices=("cuda",)):
     values.update(kwargs)
     query = values["query"]
     if not isinstance(query, torch.Tensor) or query.device.type not in devices:
+        return None
+    if torch.is_autocast_enabled(query.device.type):  # autocast would cast SDPA's inputs; the op sits below it
         return None
     return attention_inference(*(values[n] for n in _NAMES))

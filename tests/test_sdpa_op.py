@@ -40,6 +40,8 @@ def test_the_op_equals_sdpa_and_only_takes_calls_it_can_make():
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3))
     assert redirect_attention((q, k, v), {}) is None  # a CPU query: not redirected by default
     assert redirect_attention((q, k, v), {"enable_gqa": True}, devices=("cpu",)) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts SDPA's inputs: left to it
+        assert redirect_attention((q, k, v), {}, devices=("cpu",)) is None
 
 
 def test_an_inference_capture_keeps_sdpa_whole_and_equal(monkeypatch):
