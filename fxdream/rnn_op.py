@@ -64,7 +64,8 @@ class _KeepRNNsWhole(TorchFunctionMode):
                 return kept
         mode = _MODES.get(func)
         if mode is not None and not kwargs and len(args) == 9 and args[6] is False \
-                and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor):
+                and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor) \
+                and not torch.is_autocast_enabled(args[0].device.type):  # autocast casts the RNN's inputs
             input, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
             return tuple(rnn_inference(input, hx, list(params), mode, has_biases, num_layers,
                                        bidirectional, batch_first))
