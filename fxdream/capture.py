@@ -215,7 +215,7 @@ class CaptureSession:
             record.compile_seconds += time.perf_counter() - started
             return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
 
-        with keep_rnns_whole():
+        with keep_rnns_whole(gm):
             return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
                                          bw_compiler=compile_backward)
 

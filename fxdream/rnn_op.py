@@ -72,10 +72,41 @@ class _KeepRNNsWhole(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def keep_rnns_whole():
+def keep_rnns_whole(gm: torch.fx.GraphModule | None = None):
     """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node (and
-    SDPA on a GPU one ``attention_inference`` node)."""
-    return contextlib.nullcontext() if torch.is_grad_enabled() else _KeepRNNsWhole()
+    SDPA on a GPU one ``attention_inference`` node). Given the graph about to be traced, only
+    if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
+    ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
+    if torch.is_grad_enabled() or (gm is not None and not may_call_whole_ops(gm)):
+        return contextlib.nullcontext()
+    return _KeepRNNsWhole()
+
+
+_WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.scaled_dot_product_attention)
+# torch.nn modules a graph may call as leaves (torch.fx's default) that run an RNN or SDPA inside
+_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                  torch.nn.TransformerDecoderLayer, torch.nn.TransformerEncoder, torch.nn.TransformerDecoder,
+                  torch.nn.Transformer)
+
+
+def may_call_whole_ops(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` calls a GRU/RNN or SDPA, directly or in a leaf module; True when unsure
+    (a call into Python code that is not a torch op)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (node.target in _WHOLE_FUNCTIONS or not _is_torch_callable(node.target)):
+            return True
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if any(isinstance(m, _WHOLE_MODULES) for m in module.modules()) or type(module).__module__.split(".")[0] != "torch":
+                return True
+    return False
+
+
+def _is_torch_callable(target) -> bool:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return True
+    module = getattr(target, "__module__", None) or ""
+    return module.split(".")[0] in ("torch", "_operator", "operator", "builtins", "math")
 
 
 @contextlib.contextmanager

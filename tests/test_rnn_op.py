@@ -150,3 +150,31 @@ def test_a_gru_on_cuda_is_one_op_and_equal_to_eager():
     assert sum(n.target is rnn_inference for n in _call_functions(optimized)) == 1
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_the_tracing_mode_is_entered_only_for_graphs_that_may_need_it():
+    """Its hook on every torch call slows the trace: a conv net goes without it; an RNN, SDPA,
+    a leaf module holding either, or a call into unknown Python gets it."""
+    import torch.fx as fx
+    import torch.nn.functional as F
+    from fxdream.rnn_op import may_call_whole_ops
+
+    class Attend(torch.nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q)
+
+    class Custom(torch.nn.Module):
+        def forward(self, x):
+            return _opaque(x)
+
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    assert not may_call_whole_ops(fx.symbolic_trace(conv))
+    assert may_call_whole_ops(fx.symbolic_trace(Attend()))
+    assert may_call_whole_ops(fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GRU(4, 4))))
+    assert may_call_whole_ops(fx.symbolic_trace(torch.nn.Sequential(torch.nn.TransformerEncoderLayer(8, 2))))
+    assert may_call_whole_ops(fx.symbolic_trace(Custom()))
+
+
+@torch.fx.wrap
+def _opaque(x):
+    return x + 1
