@@ -18,8 +18,11 @@ import time
 
 import torch
 
-HOLD_MARGIN = 1.5      # hold the GPU this many times the host's expected queueing time ...
-HOLD_EXTRA_US = 50.0   # ... plus this
+# Hold the GPU this many times the host's expected queueing time, plus this: a hold that ends
+# before the host has queued everything lets gaps into the kernel times, a longer one costs
+# only wall time; and the sleep's clock rate is calibrated once, while GPU clocks move.
+HOLD_MARGIN = 2.0
+HOLD_EXTRA_US = 100.0
 _CYCLES_PER_US: dict[int, float] = {}
 
 
