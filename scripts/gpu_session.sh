@@ -45,8 +45,10 @@ for s in $STEPS; do
         --junitxml="$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.log" | tail -60 ;;
     alltests)
       step "pytest, the whole default suite on this machine's torch (limit ${ALL_S:-150} s)"
-      timeout "${ALL_S:-150}" $PY -m pytest -q -p no:cacheprovider -x -n 8 -m "not slow" -rfE 2>&1 \
-        | tee "$OUT/all_tests.log" | tail -40 ;;
+      # -v: each result is a line as it comes, so a run cut by the limit still names its failures
+      # (the first lease's -q run was cut at 67 % with 12 F's and no names)
+      timeout "${ALL_S:-150}" $PY -m pytest -v --tb=line -p no:cacheprovider -n 8 -m "not slow" -rfE 2>&1 \
+        | tee "$OUT/all_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40 ;;
     ab)
       step "benchmarks/gpu_ab.py $AB_ARGS (limit ${AB_S} s)"
       # shellcheck disable=SC2086
