@@ -43,16 +43,18 @@ def drop_dead_copies(gm: fx.GraphModule) -> list[str]:
 
 
 def _read_only_by(value: fx.Node, clone: fx.Node) -> bool:
-    """``value``'s memory is new, made by an ATen op, and ``clone`` is its only reader."""
+    """``value``'s memory is new, made by an ATen op, and ``clone`` is its only reader (through
+    views, each read by the next alone)."""
+    reader = clone
     while True:
-        if list(value.users) != [clone] or value.op != "call_function":
+        if list(value.users) != [reader] or value.op != "call_function":
             return False
         if value.target is operator.getitem:  # an item of a multi-output op: its own memory
             parent = value.args[0]
             return isinstance(parent, fx.Node) and _makes_new_memory(parent)
         if not is_view(value):
             return _makes_new_memory(value)
-        clone, value = value, value.args[0]
+        reader, value = value, value.args[0]
         if not isinstance(value, fx.Node):
             return False
 
