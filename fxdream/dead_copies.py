@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .annotate import LAYER
-from .sim.op_keys import is_view, same_layout
+from .sim.op_keys import aliased_input, is_view, same_layout
 
 _CLONE = torch.ops.aten.clone.default
 
@@ -60,7 +60,6 @@ def _read_only_by(value: fx.Node, clone: fx.Node) -> bool:
 
 
 def _makes_new_memory(node: fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or is_view(node):
-        return False
-    schema = node.target._schema
-    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+    """An ATen op that writes none of its arguments and returns new memory (reinplace's rule)."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and not node.target._schema.is_mutable and aliased_input(node) is None)

@@ -31,7 +31,6 @@ subset, which would double them) and is kept only if the graph is then predicted
 """
 from __future__ import annotations
 
-import operator
 from collections import Counter
 
 import torch
@@ -42,7 +41,7 @@ from fxdream import streams
 from fxdream.annotate import LAYER, schema_arguments
 from fxdream.pass_api import PassContext, PassResult
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION
-from fxdream.sim.op_keys import is_view, same_layout
+from fxdream.sim.op_keys import UNKNOWN, aliased_input, is_view, same_layout
 
 aten = torch.ops.aten
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
@@ -59,33 +58,6 @@ def in_place_twin(op) -> torch._ops.OpOverload | None:
         return None
     written = twin._schema.arguments[0].alias_info
     return twin if written is not None and written.is_write else None
-
-
-UNKNOWN = object()  # a value made by something other than an ATen op: who knows what it aliases
-
-
-def _aliased_input(node: fx.Node):
-    """The node whose memory ``node``'s value shares (a view's or an in-place op's input), None
-    for new memory, UNKNOWN for a value not made by an ATen op (a graph input is its own base)."""
-    if node.op == "placeholder":
-        return None
-    if node.op != "call_function":
-        return UNKNOWN
-    if node.target is operator.getitem:  # an item of a split aliases what the split aliases
-        parent = node.args[0]
-        return parent if isinstance(parent, fx.Node) and _aliased_input(parent) is not None else None
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return UNKNOWN
-    if is_view(node):  # the project's view list, with aot's _unsafe_view (its schema claims new memory)
-        return node.args[0]
-    returns = node.target._schema.returns
-    sets = {name for r in returns if r.alias_info is not None for name in r.alias_info.before_set}
-    if not sets:
-        return None
-    for argument, given in schema_arguments(node):
-        if argument.alias_info is not None and sets & set(argument.alias_info.before_set):
-            return given if isinstance(given, fx.Node) else UNKNOWN
-    return UNKNOWN
 
 
 def _reads_only(user: fx.Node, value: fx.Node) -> bool:
@@ -110,7 +82,7 @@ class _Buffers:
         self.base: dict[fx.Node, object] = {}
         self.family: dict[object, list[fx.Node]] = {}
         for node in graph.nodes:
-            self._add(node, _aliased_input(node))
+            self._add(node, aliased_input(node))
 
     def _add(self, node: fx.Node, aliased) -> None:
         base = node if aliased is None else UNKNOWN if aliased is UNKNOWN else self.base.get(aliased, UNKNOWN)

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..annotate import VIEW_OPS, op_name
+from ..annotate import VIEW_OPS, op_name, schema_arguments
 
 # Ops that make the host wait for the device (a value read back, a data-dependent shape).
 HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal",
@@ -90,3 +90,30 @@ def same_layout(a, b) -> bool:
     """Two tensors (fake or real) of one dtype, shape and strides."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
             and tuple(a.shape) == tuple(b.shape) and tuple(a.stride()) == tuple(b.stride()))
+
+
+UNKNOWN = object()  # a value made by something other than an ATen op: who knows what it aliases
+
+
+def aliased_input(node: fx.Node):
+    """The node whose memory ``node``'s value shares (a view's or an in-place op's input), None
+    for new memory, UNKNOWN for a value not made by an ATen op (a graph input is its own base)."""
+    if node.op == "placeholder":
+        return None
+    if node.op != "call_function":
+        return UNKNOWN
+    if node.target is operator.getitem:  # an item of a split aliases what the split aliases
+        parent = node.args[0]
+        return parent if isinstance(parent, fx.Node) and aliased_input(parent) is not None else None
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return UNKNOWN
+    if is_view(node):  # the project's view list, with aot's _unsafe_view (its schema claims new memory)
+        return node.args[0]
+    returns = node.target._schema.returns
+    sets = {name for r in returns if r.alias_info is not None for name in r.alias_info.before_set}
+    if not sets:
+        return None
+    for argument, given in schema_arguments(node):
+        if argument.alias_info is not None and sets & set(argument.alias_info.before_set):
+            return given if isinstance(given, fx.Node) else UNKNOWN
+    return UNKNOWN
