@@ -18,49 +18,50 @@ import time
 
 import torch
 
+from .host_timing import calls_per_block
+
 # Hold the GPU this many times the host's expected queueing time, plus this: a hold that ends
 # before the host has queued everything lets gaps into the kernel times, a longer one costs
 # only wall time; and the sleep's clock rate is calibrated once, while GPU clocks move.
 HOLD_MARGIN = 2.0
 HOLD_EXTRA_US = 100.0
-_CYCLES_PER_US: dict[int, float] = {}
+_MEASURED: dict[tuple[str, int], float] = {}  # (what, device index) → its measurement
+
+
+def _once_per_device(what: str, device: torch.device | None, measure) -> float:
+    """``measure()`` run once per GPU (with that GPU current), then remembered."""
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if (what, index) not in _MEASURED:
+        with torch.cuda.device(index):
+            _MEASURED[what, index] = measure()
+    return _MEASURED[what, index]
 
 
 def cycles_per_us(device: torch.device | None = None) -> float:
     """Clock cycles of ``torch.cuda._sleep`` per µs on this GPU, measured once per device."""
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    if index not in _CYCLES_PER_US:
-        with torch.cuda.device(index):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            cycles = 2_000_000
-            torch.cuda._sleep(cycles // 10)  # warm the kernel up
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            _CYCLES_PER_US[index] = cycles / max(start.elapsed_time(end) * 1e3, 1.0)
-    return _CYCLES_PER_US[index]
-
-
-_EVENT_GAP_US: dict[int, float] = {}
+    def measure():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 2_000_000
+        torch.cuda._sleep(cycles // 10)  # warm the kernel up
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / max(start.elapsed_time(end) * 1e3, 1.0)
+    return _once_per_device("cycles_per_us", device, measure)
 
 
 def event_gap_us(device: torch.device | None = None) -> float:
     """Device time an event recorded between two ops adds (measured once per device): in-context
     timing puts one between every two ops and takes it out of the op's time again."""
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    if index not in _EVENT_GAP_US:
-        with torch.cuda.device(index):
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(101)]
-            hold_gpu(500.0)
-            for event in events:
-                event.record()
-            events[-1].synchronize()
-            _EVENT_GAP_US[index] = max(0.0, events[0].elapsed_time(events[-1]) * 1e3 / (len(events) - 1))
-    return _EVENT_GAP_US[index]
-
-
-_GRAPH_SAVING_US: dict[int, float] = {}
+    def measure():
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(101)]
+        hold_gpu(500.0)
+        for event in events:
+            event.record()
+        events[-1].synchronize()
+        return max(0.0, events[0].elapsed_time(events[-1]) * 1e3 / (len(events) - 1))
+    return _once_per_device("event_gap_us", device, measure)
 
 
 def graph_kernel_saving_us(device: torch.device | None = None, kernels: int = 64) -> float:
@@ -69,11 +70,8 @@ def graph_kernel_saving_us(device: torch.device | None = None, kernels: int = 64
     next kernel sooner. Measured once per device on ``kernels`` one-element adds. On an H200,
     kernels timed one by one predicted CUDA-graph replays of ResNet-50 and BERT at batch 1
     ~1.3-1.5 µs a kernel slower than they ran (not yet checked against this measurement)."""
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    if index in _GRAPH_SAVING_US:
-        return _GRAPH_SAVING_US[index]
-    with torch.cuda.device(index):
-        x = torch.zeros(1, device=f"cuda:{index}")
+    def measure():
+        x = torch.zeros(1, device=torch.cuda.current_device())
 
         def launches():
             for _ in range(kernels):
@@ -102,8 +100,8 @@ def graph_kernel_saving_us(device: torch.device | None = None, kernels: int = 64
             launches()
         one_by_one = device_us(launches, kernels * 30.0 + HOLD_EXTRA_US)
         replayed = device_us(graph.replay, HOLD_EXTRA_US)
-        _GRAPH_SAVING_US[index] = max(0.0, (one_by_one - replayed) / kernels)
-    return _GRAPH_SAVING_US[index]
+        return max(0.0, (one_by_one - replayed) / kernels)
+    return _once_per_device("graph_kernel_saving_us", device, measure)
 
 
 def hold_gpu(us: float, device: torch.device | None = None) -> None:
@@ -121,8 +119,7 @@ def time_calls_cuda(fn, rounds: int = 5, target_block_us: float = 2000.0) -> tup
     fn()
     host_once = (time.perf_counter() - started) * 1e6
     torch.cuda.synchronize()
-    once = max((time.perf_counter() - started) * 1e6, 0.05)
-    calls = max(1, min(1000, int(target_block_us / once)))
+    calls = calls_per_block((time.perf_counter() - started) * 1e6, target_block_us)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     device_us, host_us = [], []
     for _ in range(rounds):

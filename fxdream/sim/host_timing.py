@@ -9,6 +9,11 @@ import torch
 import torch.fx as fx
 
 
+def calls_per_block(once_us: float, target_block_us: float) -> int:
+    """Calls in a timed block that takes about ``target_block_us`` (1 to 1000)."""
+    return max(1, min(1000, int(target_block_us / max(once_us, 0.05))))
+
+
 def _time_calls(fn, rounds: int = 5, target_block_us: float = 2000.0, cuda: bool = False) -> float:
     """Median µs per call over ``rounds`` blocks sized to take about ``target_block_us``."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -17,8 +22,7 @@ def _time_calls(fn, rounds: int = 5, target_block_us: float = 2000.0, cuda: bool
     started = time.perf_counter()
     fn()
     sync()
-    once_us = max((time.perf_counter() - started) * 1e6, 0.05)
-    calls = max(1, min(1000, int(target_block_us / once_us)))
+    calls = calls_per_block((time.perf_counter() - started) * 1e6, target_block_us)
     samples = []
     for _ in range(rounds):
         started = time.perf_counter()
