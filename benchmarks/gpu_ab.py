@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     if not args.no_overhead:
         log("per-call overhead on a tiny graph")
         try:
-            result["runner_overhead"] = runner_overhead()
+            result["runner_overhead"] = runner_overhead(log)
         except Exception as error:
             result["runner_overhead"] = dict(error=f"{type(error).__name__}: {error}",
                                              traceback=traceback.format_exc(limit=8))

@@ -15,10 +15,6 @@ import fxdream
 from fxdream.cuda_graph_runner import CudaGraphRunner, describe_runners
 
 
-def log(message: str) -> None:
-    print(f"[gpu_ab {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
 class _Tiny(torch.nn.Module):
     def forward(self, x):
         return ((x + 1) * 2).relu()
@@ -38,7 +34,7 @@ def _per_call_us(fn, x, calls: int, rounds: int) -> float:
     return statistics.median(samples)
 
 
-def runner_overhead(calls: int = 2000, rounds: int = 5) -> dict:
+def runner_overhead(log=print, calls: int = 2000, rounds: int = 5) -> dict:
     """µs per call of a 3-op graph on a 1-element tensor: the kernels take a few µs, the rest is host."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from fxdream.passes.cuda_graphs import CudaGraphs
