@@ -299,7 +299,7 @@ class Profiled:
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were.
         ``give_up_above_us``: no third round where both first ones took longer (``time_graph``)."""
-        inputs = owned_copies(inputs)
+        inputs = owned_copies(inputs, gm)
         samples: dict[str, list[float]] = {}
         with real_tensors():
             values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s, give_up_above_us)
@@ -313,7 +313,7 @@ class Profiled:
     def run_graph(self, gm: fx.GraphModule, inputs) -> dict | None:
         """``gm``'s outputs by node name from one untimed run (None if it cannot run alone)."""
         with real_tensors():
-            return time_graph(gm, owned_copies(inputs), self.torch_device, {}, rounds=0, warmup=1)
+            return time_graph(gm, owned_copies(inputs, gm), self.torch_device, {}, rounds=0, warmup=1)
 
     def measured_in_context(self, gm: fx.GraphModule) -> bool:
         """Whether every compute node of ``gm`` has an in-context measurement."""

@@ -117,3 +117,29 @@ def aliased_input(node: fx.Node):
         if argument.alias_info is not None and sets & set(argument.alias_info.before_set):
             return given if isinstance(given, fx.Node) else UNKNOWN
     return UNKNOWN
+
+
+def written_inputs(gm: fx.GraphModule) -> frozenset[int] | None:
+    """Positions of the placeholders whose memory ``gm`` writes (an in-place op or an ``out=``
+    on one, or on a view of one), or None where that cannot be told (a call of something that
+    is not an ATen op: a submodule, a Python function, an unknown alias)."""
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    written = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node.op != "call_function" or not (node.target is operator.getitem
+                                               or isinstance(node.target, torch._ops.OpOverload)):
+            return None
+        for argument, given in schema_arguments(node):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            for value in tree_flatten(given)[0]:
+                while isinstance(value, fx.Node) and value not in placeholders:
+                    base = aliased_input(value)
+                    if base is UNKNOWN:
+                        return None
+                    value = base
+                if value in placeholders:
+                    written.add(placeholders[value])
+    return frozenset(written)
