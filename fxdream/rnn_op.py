@@ -10,6 +10,7 @@ need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to c
 calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
 (so values are bit-identical to eager) and that the cost model times as one node.
 Inference only: no autograd formula (training keeps dynamo's graph break at the RNN).
+The same tracing mode keeps upsampling whole (``upsample_op``) and, on a GPU, SDPA (``sdpa_op``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .sdpa_op import redirect_attention
+from .upsample_op import FUNCTIONS as UPSAMPLE_FUNCTIONS, redirect_upsample, upsample_calls_redirected
 
 _FUNCTIONS = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu}
 _MODES = {fn: mode for mode, fn in _FUNCTIONS.items()}
@@ -55,9 +57,17 @@ rnn_inference = torch.ops.fxdream.rnn_inference.default
 
 class _KeepRNNsWhole(TorchFunctionMode):
     """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op,
-    and on a GPU SDPA to ``fxdream::attention_inference`` (see sdpa_op)."""
+    upsampling to ``fxdream::upsample_inference`` (see upsample_op), and on a GPU SDPA to
+    ``fxdream::attention_inference`` (see sdpa_op)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.interpolate:  # what it calls is redirected below
+            with upsample_calls_redirected():
+                return func(*args, **(kwargs or {}))
+        if func in UPSAMPLE_FUNCTIONS:
+            kept = redirect_upsample(func, args, kwargs or {})
+            if kept is not None:
+                return kept
         if func is F.scaled_dot_product_attention:
             kept = redirect_attention(args, kwargs or {})
             if kept is not None:
@@ -73,8 +83,8 @@ class _KeepRNNsWhole(TorchFunctionMode):
 
 
 def keep_rnns_whole(gm: torch.fx.GraphModule | None = None):
-    """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node (and
-    SDPA on a GPU one ``attention_inference`` node). Given the graph about to be traced, only
+    """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node,
+    upsampling one ``upsample_inference`` node (and SDPA on a GPU one ``attention_inference``). Given the graph about to be traced, only
     if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
     ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
     if torch.is_grad_enabled() or (gm is not None and not may_call_whole_ops(gm)):
@@ -82,15 +92,15 @@ def keep_rnns_whole(gm: torch.fx.GraphModule | None = None):
     return _KeepRNNsWhole()
 
 
-_WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.scaled_dot_product_attention)
-# torch.nn modules a graph may call as leaves (torch.fx's default) that run an RNN or SDPA inside
-_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+_WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.scaled_dot_product_attention, F.interpolate, *UPSAMPLE_FUNCTIONS)
+# torch.nn modules a graph may call as leaves (torch.fx's default) that run an RNN, SDPA or an upsampling inside
+_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.Upsample, torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                   torch.nn.TransformerDecoderLayer, torch.nn.TransformerEncoder, torch.nn.TransformerDecoder,
                   torch.nn.Transformer)
 
 
 def may_call_whole_ops(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` calls a GRU/RNN or SDPA, directly or in a leaf module; True when unsure
+    """Whether ``gm`` calls a GRU/RNN, SDPA or an upsampling, directly or in a leaf module; True when unsure
     (a call into Python code that is not a torch op)."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and (node.target in _WHOLE_FUNCTIONS or not _is_torch_callable(node.target)):
