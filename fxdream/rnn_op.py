@@ -10,7 +10,8 @@ need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to c
 calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
 (so values are bit-identical to eager) and that the cost model times as one node.
 Inference only: no autograd formula (training keeps dynamo's graph break at the RNN).
-The same tracing mode keeps upsampling whole (``upsample_op``) and, on a GPU, SDPA (``sdpa_op``).
+The same tracing mode keeps upsampling (``upsample_op``), circular padding (``pad_op``) and, on a
+GPU, SDPA (``sdpa_op``) whole.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .pad_op import FUNCTIONS as PAD_FUNCTIONS, redirect_pad
 from .sdpa_op import redirect_attention
 from .upsample_op import FUNCTIONS as UPSAMPLE_FUNCTIONS, redirect_upsample, upsample_calls_redirected
 
@@ -57,7 +59,8 @@ rnn_inference = torch.ops.fxdream.rnn_inference.default
 
 class _KeepRNNsWhole(TorchFunctionMode):
     """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op,
-    upsampling to ``fxdream::upsample_inference`` (see upsample_op), and on a GPU SDPA to
+    upsampling and circular padding to ``fxdream::upsample_inference`` / ``pad_inference``
+    (see upsample_op, pad_op), and on a GPU SDPA to
     ``fxdream::attention_inference`` (see sdpa_op)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -66,6 +69,10 @@ class _KeepRNNsWhole(TorchFunctionMode):
                 return func(*args, **(kwargs or {}))
         if func in UPSAMPLE_FUNCTIONS:
             kept = redirect_upsample(func, args, kwargs or {})
+            if kept is not None:
+                return kept
+        if func in PAD_FUNCTIONS:
+            kept = redirect_pad(args, kwargs or {})
             if kept is not None:
                 return kept
         if func is F.scaled_dot_product_attention:
@@ -84,15 +91,16 @@ class _KeepRNNsWhole(TorchFunctionMode):
 
 def keep_rnns_whole(gm: torch.fx.GraphModule | None = None):
     """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node,
-    upsampling one ``upsample_inference`` node (and SDPA on a GPU one ``attention_inference``). Given the graph about to be traced, only
-    if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
+    upsampling and circular padding one node each (and SDPA on a GPU one ``attention_inference``).
+    Given the graph about to be traced, only if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
     ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
     if torch.is_grad_enabled() or (gm is not None and not may_call_whole_ops(gm)):
         return contextlib.nullcontext()
     return _KeepRNNsWhole()
 
 
-_WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.scaled_dot_product_attention, F.interpolate, *UPSAMPLE_FUNCTIONS)
+_WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.scaled_dot_product_attention, F.interpolate, *UPSAMPLE_FUNCTIONS,
+                    *PAD_FUNCTIONS)
 # torch.nn modules a graph may call as leaves (torch.fx's default) that run an RNN, SDPA or an upsampling inside
 _WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.Upsample, torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
                   torch.nn.TransformerDecoderLayer, torch.nn.TransformerEncoder, torch.nn.TransformerDecoder,
@@ -107,7 +115,8 @@ def may_call_whole_ops(gm: torch.fx.GraphModule) -> bool:
             return True
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
-            if any(isinstance(m, _WHOLE_MODULES) for m in module.modules()) or type(module).__module__.split(".")[0] != "torch":
+            if any(isinstance(m, _WHOLE_MODULES) or getattr(m, "padding_mode", None) == "circular"
+                   for m in module.modules()) or type(module).__module__.split(".")[0] != "torch":
                 return True
     return False
 
