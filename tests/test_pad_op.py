@@ -47,14 +47,15 @@ def test_the_other_padding_modes_are_traced_as_they_are():
         assert pad_inference not in _targets(optimized), mode
 
 
-def test_a_circular_padded_conv_fuses_and_equals_eager_but_training_keeps_torchs_decomposition():
+@pytest.mark.parametrize("cost", [None, "analytic"], ids=["prepacked-channels_last", "chosen"])
+def test_a_circular_padded_conv_fuses_and_equals_eager_but_training_keeps_torchs_decomposition(cost):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular", bias=False), nn.BatchNorm2d(8),
                           nn.ReLU()).eval()
     x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         expected = model(x)
-    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], cost="analytic")
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], cost=cost)
     assert pad_inference in _targets(optimized)
     torch.testing.assert_close(optimized(x), expected, rtol=1e-4, atol=1e-5)
     training = fxdream.optimize(model.train(), (x,), training=True, cost=None)

@@ -86,7 +86,8 @@ class _Interpolate(nn.Module):
         return F.interpolate(x, **self.keywords)
 
 
-def test_nn_upsample_modules_and_fused_convs_around_them_equal_eager():
+@pytest.mark.parametrize("cost", [None, "analytic"], ids=["prepacked-channels_last", "chosen"])
+def test_nn_upsample_modules_and_fused_convs_around_them_equal_eager(cost):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.Upsample(scale_factor=2, mode="bilinear"), nn.Conv2d(8, 8, 3, padding=1),
@@ -94,7 +95,7 @@ def test_nn_upsample_modules_and_fused_convs_around_them_equal_eager():
     x = torch.randn(1, 3, 8, 8)
     with torch.no_grad():
         expected = model(x)
-    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], cost="analytic")
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], cost=cost)
     assert _call_functions(optimized).count(upsample_inference) == 2
     assert next(r for r in optimized.report.passes if r.name == "fuse_conv_bias_act").applied
     torch.testing.assert_close(optimized(x), expected, rtol=1e-4, atol=1e-5)
