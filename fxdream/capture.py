@@ -23,7 +23,7 @@ from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_ba
 from .dynamo_glue import compiling_code, describe_error, graph_break_counts, new_graph_breaks
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
 from .dead_copies import drop_dead_copies
-from .rnn_op import keep_rnns_whole, outside_keep_rnns_whole
+from .rnn_op import keep_ops_whole, outside_keep_ops_whole
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
@@ -188,7 +188,7 @@ class CaptureSession:
         parameter_positions = frozenset(range(len(own))) | {i for i, x in enumerate(state)
                                                             if isinstance(x, torch.nn.Parameter)}
 
-        @outside_keep_rnns_whole()
+        @outside_keep_ops_whole()
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
             record.forward_layers = annotate_forward(fw, prefix)
@@ -205,7 +205,7 @@ class CaptureSession:
             run = _same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
             return self.clock.wrap(make_boxed_func(run), f"g{record.index}.fw")
 
-        @outside_keep_rnns_whole()
+        @outside_keep_ops_whole()
         def compile_backward(bw: fx.GraphModule, _inputs):
             started = time.perf_counter()
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
@@ -215,7 +215,7 @@ class CaptureSession:
             record.compile_seconds += time.perf_counter() - started
             return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
 
-        with keep_rnns_whole(gm):
+        with keep_ops_whole(gm):
             return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
                                          bw_compiler=compile_backward)
 

@@ -6,21 +6,23 @@ ATen ops per time step and layer (a 32-step bidirectional GRU: ~1500 nodes), and
 them from Python took 3.5x eager's C++ loop (measured here, batch 8). ``nn.LSTM`` does not
 need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to cuDNN's.
 
-``keep_rnns_whole()`` is active while a capture traces an inference graph: it sends those
+``keep_ops_whole()`` is active while a capture traces an inference graph: it sends those
 calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
 (so values are bit-identical to eager) and that the cost model times as one node.
 Inference only: no autograd formula (training keeps dynamo's graph break at the RNN).
-The same tracing mode keeps upsampling (``upsample_op``), circular padding (``pad_op``) and, on a
-GPU, SDPA (``sdpa_op``) whole.
+``keep_ops_whole`` keeps upsampling (``upsample_op``), circular padding (``pad_op``), 1-d max
+pooling (``max_pool1d_op``) and, on a GPU, SDPA (``sdpa_op``) whole the same way.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .max_pool1d_op import FUNCTIONS as MAX_POOL1D_FUNCTIONS, redirect_max_pool1d
 from .pad_op import FUNCTIONS as PAD_FUNCTIONS, redirect_pad
 from .sdpa_op import redirect_attention
 from .upsample_op import FUNCTIONS as UPSAMPLE_FUNCTIONS, redirect_upsample, upsample_calls_redirected
@@ -57,26 +59,25 @@ def _(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_firs
 rnn_inference = torch.ops.fxdream.rnn_inference.default
 
 
-class _KeepRNNsWhole(TorchFunctionMode):
+# torch function → (args, kwargs) → the whole op's call, or None to trace the call as it is
+_REDIRECTS = {**{f: functools.partial(redirect_upsample, f) for f in UPSAMPLE_FUNCTIONS},
+              **{f: redirect_pad for f in PAD_FUNCTIONS},
+              **{f: redirect_max_pool1d for f in MAX_POOL1D_FUNCTIONS},
+              F.scaled_dot_product_attention: redirect_attention}
+
+
+class _KeepOpsWhole(TorchFunctionMode):
     """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op,
-    upsampling and circular padding to ``fxdream::upsample_inference`` / ``pad_inference``
-    (see upsample_op, pad_op), and on a GPU SDPA to
-    ``fxdream::attention_inference`` (see sdpa_op)."""
+    upsampling, circular padding and 1-d max pooling to their ops (upsample_op, pad_op,
+    max_pool1d_op), and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.interpolate:  # what it calls is redirected below
             with upsample_calls_redirected():
                 return func(*args, **(kwargs or {}))
-        if func in UPSAMPLE_FUNCTIONS:
-            kept = redirect_upsample(func, args, kwargs or {})
-            if kept is not None:
-                return kept
-        if func in PAD_FUNCTIONS:
-            kept = redirect_pad(args, kwargs or {})
-            if kept is not None:
-                return kept
-        if func is F.scaled_dot_product_attention:
-            kept = redirect_attention(args, kwargs or {})
+        redirect = _REDIRECTS.get(func)
+        if redirect is not None:
+            kept = redirect(args, kwargs or {})
             if kept is not None:
                 return kept
         mode = _MODES.get(func)
@@ -89,26 +90,25 @@ class _KeepRNNsWhole(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def keep_rnns_whole(gm: torch.fx.GraphModule | None = None):
+def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node,
-    upsampling and circular padding one node each (and SDPA on a GPU one ``attention_inference``).
-    Given the graph about to be traced, only if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
-    ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
+    upsampling, circular padding and 1-d max pooling one node each (and SDPA on a GPU one
+    ``attention_inference``). Given the graph about to be traced, only if it may call one: the
+    mode's Python hook on every torch call made ResNet-50's capture ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
     if torch.is_grad_enabled() or (gm is not None and not may_call_whole_ops(gm)):
         return contextlib.nullcontext()
-    return _KeepRNNsWhole()
+    return _KeepOpsWhole()
 
 
-_WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.scaled_dot_product_attention, F.interpolate, *UPSAMPLE_FUNCTIONS,
-                    *PAD_FUNCTIONS)
-# torch.nn modules a graph may call as leaves (torch.fx's default) that run an RNN, SDPA or an upsampling inside
-_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.Upsample, torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
-                  torch.nn.TransformerDecoderLayer, torch.nn.TransformerEncoder, torch.nn.TransformerDecoder,
-                  torch.nn.Transformer)
+_WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.interpolate, *_REDIRECTS)
+# torch.nn modules a graph may call as leaves (torch.fx's default) that call one of those inside
+_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.Upsample, torch.nn.MaxPool1d, torch.nn.modules.padding._CircularPadNd,
+                  torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer,
+                  torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Transformer)
 
 
 def may_call_whole_ops(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` calls a GRU/RNN, SDPA or an upsampling, directly or in a leaf module; True when unsure
+    """Whether ``gm`` calls a function kept whole, directly or in a leaf module; True when unsure
     (a call into Python code that is not a torch op)."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and (node.target in _WHOLE_FUNCTIONS or not _is_torch_callable(node.target)):
@@ -129,10 +129,10 @@ def _is_torch_callable(target) -> bool:
 
 
 @contextlib.contextmanager
-def outside_keep_rnns_whole():
+def outside_keep_ops_whole():
     """For aot's compiler callbacks (passes, in-context profiling): without the mode, whose
     Python hook on every torch call (~10-40 µs here) the profile would count as op time."""
-    if isinstance(torch.overrides._get_current_function_mode(), _KeepRNNsWhole):  # private, isolated
+    if isinstance(torch.overrides._get_current_function_mode(), _KeepOpsWhole):  # private, isolated
         with torch.overrides._pop_mode_temporarily():
             yield
     else:

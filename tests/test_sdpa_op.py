@@ -45,7 +45,8 @@ def test_the_op_equals_sdpa_and_only_takes_calls_it_can_make():
 
 
 def test_an_inference_capture_keeps_sdpa_whole_and_equal(monkeypatch):
-    monkeypatch.setattr(rnn_op, "redirect_attention", functools.partial(redirect_attention, devices=("cpu",)))
+    monkeypatch.setitem(rnn_op._REDIRECTS, F.scaled_dot_product_attention,
+                        functools.partial(redirect_attention, devices=("cpu",)))
     model, inputs = Attention().eval(), _inputs()
     with torch.no_grad():
         optimized = fxdream.optimize(model, inputs, passes=[], cost=None)
@@ -54,7 +55,8 @@ def test_an_inference_capture_keeps_sdpa_whole_and_equal(monkeypatch):
 
 
 def test_a_training_capture_is_left_as_torch_traces_it(monkeypatch):
-    monkeypatch.setattr(rnn_op, "redirect_attention", functools.partial(redirect_attention, devices=("cpu",)))
+    monkeypatch.setitem(rnn_op._REDIRECTS, F.scaled_dot_product_attention,
+                        functools.partial(redirect_attention, devices=("cpu",)))
     model, inputs = Attention(), _inputs()
     optimized = fxdream.optimize(model, inputs, passes=[], cost=None, training=True)
     assert not _attention_nodes(optimized)
