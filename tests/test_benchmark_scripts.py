@@ -170,3 +170,20 @@ def test_gpu_ab_runs_each_case_in_a_child_and_records_a_crash(tmp_path, monkeypa
     assert [c["model"] for c in result["cases"]] == ["resnet50"]
     (skipped,) = result["skipped_cases"]
     assert skipped["model"] == "bert_base" and skipped["batch"] == 1 and "illegal memory access" in skipped["reason"]
+
+
+def test_whole_ops_times_each_op_eager_captured_and_decomposed(tmp_path, monkeypatch):
+    import torch
+    import torch.nn.functional as F
+    from fxdream import rnn_op
+    whole_ops = _script("whole_ops")
+    small = {"bilinear 2x": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), torch.randn(1, 2, 4, 4)),
+             "max_pool1d 3/2": (lambda x: F.max_pool1d(x, 3, 2), torch.randn(1, 2, 9))}
+    monkeypatch.setattr(whole_ops, "cases", lambda: small)
+    redirects = dict(rnn_op._REDIRECTS)
+    out = tmp_path / "whole.json"
+    whole_ops.main(["--decomposed", "--rounds", "1", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == list(small)
+    assert all(r["eager_ms"] > 0 and r["captured_ms"] > 0 and r["decomposed_ms"] > 0 for r in rows)
+    assert rnn_op._REDIRECTS == redirects  # the decomposed build put the redirections back
