@@ -65,7 +65,14 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    torch.set_grad_enabled(False)
+    with torch.no_grad():
+        rows = _rows(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(date=str(datetime.date.today()), torch=torch.__version__,
+                                                   threads=torch.get_num_threads(), rows=rows), indent=1))
+
+
+def _rows(args) -> list[dict]:
     rows = []
     print("| op | input | eager ms | captured ms | ratio |" + (" decomposed ms | ratio |" if args.decomposed else ""))
     print("|---|---|---|---|---|" + ("---|---|" if args.decomposed else ""))
@@ -86,9 +93,7 @@ def main(argv=None) -> None:
         if args.decomposed:
             line += f" {times['decomposed']:.3f} | {times['decomposed'] / times['eager']:.2f}x |"
         print(line, flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(date=str(datetime.date.today()), torch=torch.__version__,
-                                                   threads=torch.get_num_threads(), rows=rows), indent=1))
+    return rows
 
 
 if __name__ == "__main__":

@@ -266,12 +266,14 @@ def _model_state_of(fw: fx.GraphModule, state: list) -> dict:
 
 @contextlib.contextmanager
 def preserved_inputs(inputs):
-    """Input tensors a forward updates in place (``x.mul_(2)``) get their values back afterwards:
-    a build runs the model several times, and the user's example must not come out changed
-    (nor differ between the runs that check a trace against eager)."""
+    """Input tensors a forward updates in place (``x.mul_(2)``) get their values back afterwards,
+    and inputs that require grad their ``.grad``: a build runs the model several times, and the
+    user's example must not come out changed (nor differ between the runs that check a trace
+    against eager)."""
     tensors = [t for t in torch.utils._pytree.tree_leaves(inputs)
                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
     saved = [(t, t._version, t.detach().clone()) for t in tensors]
+    grads = [(t, None if t.grad is None else t.grad.clone()) for t in tensors if t.is_leaf and t.requires_grad]
     try:
         yield
     finally:
@@ -279,6 +281,8 @@ def preserved_inputs(inputs):
             for tensor, version, copy in saved:
                 if tensor._version != version:
                     tensor.copy_(copy)
+        for tensor, grad in grads:
+            tensor.grad = grad
 
 
 @contextlib.contextmanager

@@ -64,14 +64,22 @@ _REDIRECTS = {**{f: functools.partial(redirect_upsample, f) for f in UPSAMPLE_FU
               **{f: redirect_pad for f in PAD_FUNCTIONS},
               **{f: redirect_max_pool1d for f in MAX_POOL1D_FUNCTIONS},
               F.scaled_dot_product_attention: redirect_attention}
+_DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS})  # whole ops with a gradient formula
 
 
 class _KeepOpsWhole(TorchFunctionMode):
     """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op,
     upsampling, circular padding and 1-d max pooling to their ops (upsample_op, pad_op,
-    max_pool1d_op), and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op)."""
+    max_pool1d_op), and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op). While a
+    training graph is traced, only what has a gradient formula: upsampling."""
+
+    def __init__(self, training: bool = False):
+        super().__init__()
+        self.training = training
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.training and func not in _DIFFERENTIABLE:
+            return func(*args, **(kwargs or {}))
         if func is F.interpolate:  # what it calls is redirected below
             with upsample_calls_redirected():
                 return func(*args, **(kwargs or {}))
@@ -91,13 +99,14 @@ class _KeepOpsWhole(TorchFunctionMode):
 
 
 def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
-    """While tracing an inference graph: GRU/RNN layers become one ``rnn_inference`` node,
+    """While tracing a graph: in inference GRU/RNN layers become one ``rnn_inference`` node,
     upsampling, circular padding and 1-d max pooling one node each (and SDPA on a GPU one
-    ``attention_inference``). Given the graph about to be traced, only if it may call one: the
-    mode's Python hook on every torch call made ResNet-50's capture ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
-    if torch.is_grad_enabled() or (gm is not None and not may_call_whole_ops(gm)):
+    ``attention_inference``); in training upsampling only. Given the graph about to be traced,
+    only if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
+    ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
+    if gm is not None and not may_call_whole_ops(gm):
         return contextlib.nullcontext()
-    return _KeepOpsWhole()
+    return _KeepOpsWhole(training=torch.is_grad_enabled())
 
 
 _WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.interpolate, *_REDIRECTS)

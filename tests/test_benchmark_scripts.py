@@ -187,3 +187,4 @@ def test_whole_ops_times_each_op_eager_captured_and_decomposed(tmp_path, monkeyp
     assert [r["op"] for r in rows] == list(small)
     assert all(r["eager_ms"] > 0 and r["captured_ms"] > 0 and r["decomposed_ms"] > 0 for r in rows)
     assert rnn_op._REDIRECTS == redirects  # the decomposed build put the redirections back
+    assert torch.is_grad_enabled()  # and the script left grad mode as it was

@@ -211,6 +211,17 @@ def test_the_example_input_a_forward_updates_in_place_comes_back_unchanged(train
         torch.testing.assert_close(optimized(y), model(y_eager))
     assert torch.equal(y, y_eager) and torch.equal(y, 2 * x)  # each call updates its input, as eager
 
+
+@pytest.mark.parametrize("had_grad", [False, True])
+def test_an_example_input_that_requires_grad_keeps_its_grad_through_a_training_build(had_grad):
+    # the build's throw-away steps ran backward into it: x.grad came out set (or added to)
+    model, x = Small(), torch.randn(2, 3, 8, 8, requires_grad=True)
+    given = torch.ones_like(x) if had_grad else None
+    x.grad = None if given is None else given.clone()
+    fxdream.optimize(model, (x,), training=True, cost=None)
+    assert (x.grad is None) if given is None else torch.equal(x.grad, given)
+
+
 def test_many_optimized_copies_of_one_class_are_each_captured():
     # every optimize() is its own dynamo backend; dynamo's default limit of 8 cache
     # entries per function would otherwise make later ones run eagerly without a word
