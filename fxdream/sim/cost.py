@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..annotate import node_flops, rnn_sequential_steps
 from .devices import DeviceSpec
 from .cuda_timing import graph_kernel_saving_us, time_calls_cuda
-from .host_timing import _time_calls, measure_call_overhead_us, measure_graph_call_us  # noqa: F401  (re-exported)
+from .host_timing import (OVERHEAD_BLOCK_US, OVERHEAD_ROUNDS, _time_calls, measure_call_overhead_us,  # noqa: F401
+                          measure_graph_call_us)
 from .in_context import HOST, MIN_ROUNDS, compute_keys, compute_nodes, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
 from .op_keys import arg_values, is_view, profile_key, real_tensors, size_hint  # noqa: F401  (re-exported)
 
@@ -221,7 +222,8 @@ class Profiled:
         if key not in self.measurements:
             with real_tensors():
                 x = torch.empty(8, 8, device=self.torch_device)
-                self.measurements[key] = _time_calls(lambda: torch.ops.aten.view.default(x, [64]), self.rounds)
+                self.measurements[key] = _time_calls(lambda: torch.ops.aten.view.default(x, [64]),
+                                                     OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US)
         return self.measurements[key]
 
     def utilization(self, node: fx.Node) -> float:
