@@ -135,3 +135,36 @@ def test_the_op_passes_opcheck():
         # left to torch), and ATen's backward meta kernels reject symbolic sizes from scale factors
         torch.library.opcheck(upsample, args, test_utils=("test_schema", "test_autograd_registration",
                                                           "test_faketensor", "test_aot_dispatch_static"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("training", [False, True])
+def test_on_a_gpu_the_ops_equal_eager(training):
+    from fxdream.max_pool1d_op import max_pool1d_inference
+    from fxdream.pad_op import pad_inference
+    torch.manual_seed(0)
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular")
+
+        def forward(self, x):
+            y = F.interpolate(self.conv(x), scale_factor=2, mode="bilinear")
+            return y, F.max_pool1d(y.flatten(2), 3, 2)
+
+    model, x = Mixed().cuda().train(training), torch.randn(2, 3, 8, 8, device="cuda")
+    optimized = fxdream.optimize(model, (x,), training=training, cost=None)
+    targets = _call_functions(optimized)
+    assert upsample in targets
+    assert (pad_inference in targets and max_pool1d_inference in targets) == (not training)
+    with torch.set_grad_enabled(training):
+        actual, expected = optimized(x), model(x)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+    if training:
+        sum(a.sum() for a in actual).backward()
+        grad = model.conv.weight.grad.clone()
+        model.zero_grad()
+        sum(e.sum() for e in expected).backward()
+        torch.testing.assert_close(grad, model.conv.weight.grad, rtol=1e-4, atol=1e-5)
