@@ -273,7 +273,7 @@ def preserved_inputs(inputs):
     tensors = [t for t in torch.utils._pytree.tree_leaves(inputs)
                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
     saved = [(t, t._version, t.detach().clone()) for t in tensors]
-    grads = [(t, None if t.grad is None else t.grad.clone()) for t in tensors if t.is_leaf and t.requires_grad]
+    grads = [(t, t.grad, None if t.grad is None else t.grad.clone()) for t in tensors if t.is_leaf and t.requires_grad]
     try:
         yield
     finally:
@@ -281,8 +281,11 @@ def preserved_inputs(inputs):
             for tensor, version, copy in saved:
                 if tensor._version != version:
                     tensor.copy_(copy)
-        for tensor, grad in grads:
-            tensor.grad = grad
+            for tensor, grad, values in grads:
+                if grad is not None and tensor.grad is grad:  # accumulated into in place: its values back
+                    grad.copy_(values)
+                else:
+                    tensor.grad = grad
 
 
 @contextlib.contextmanager
