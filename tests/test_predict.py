@@ -407,3 +407,33 @@ def test_timed_runs_copy_only_the_inputs_the_graph_writes():
     assert all(c is not b for c, b in zip(owned_copies(inputs, python)[1:], buffers))
     through_view(*copies)
     assert torch.equal(buffers[0], torch.zeros(2))  # the model's buffer is left alone
+
+
+def _steady_relu(x):
+    """~30 ms every call."""
+    import time
+    time.sleep(0.03)
+    _RUNS.append(time.perf_counter())
+    return torch.relu(x)
+
+
+def test_two_rounds_that_agree_end_the_timing_of_a_graph_that_is_not_short(monkeypatch):
+    # a third round cannot move the median of three further than the first two differ; ResNet-50
+    # bs1's unfused graph ran 34.8 and 34.3 ms, and its third run cost ~70 ms of the build
+    import torch.fx as fx
+    import fxdream.sim.in_context as in_context
+    graph = fx.Graph()
+    graph.output(graph.call_function(_steady_relu, (graph.placeholder("x"),)))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+
+    def runs(**kwargs):
+        _RUNS.clear()
+        in_context.time_graph(gm, [torch.randn(4)], torch.device("cpu"), {}, rounds=4, warmup=0, **kwargs)
+        return len(_RUNS)
+    monkeypatch.setattr(in_context, "AGREED", 0.5)  # sleeps agree within 50 % on any machine
+    assert runs() == 2
+    monkeypatch.setattr(in_context, "AGREED_ROUNDS_S", 1.0)  # two 30 ms rounds: short, timed four times
+    assert runs() == 4
+    monkeypatch.setattr(in_context, "AGREED_ROUNDS_S", 0.05)
+    monkeypatch.setattr(in_context, "AGREED", 0.0)  # never agree exactly: four rounds
+    assert runs() == 4

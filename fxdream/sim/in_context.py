@@ -25,6 +25,10 @@ MIN_ROUNDS = 3  # past these timed rounds, no new round starts once the budget i
 # kept). VGG-19 at bs8 (2 s a run) spent 24 s of a 33 s build in 12 timed runs; each of its ops
 # is milliseconds long, and a cold first round (oneDNN primitives built) is ~1 % of such a run.
 LONG_ROUNDS_S = 2.0
+# ... and for any graph whose two rounds took AGREED_ROUNDS_S in all and agree within AGREED:
+# a third could move their median by no more than they differ. ResNet-50 bs1's unfused graph
+# (its ops warm from the eager check) ran 34.8 and 34.3 ms; its third run cost ~70 ms of the build.
+AGREED, AGREED_ROUNDS_S = 0.02, 0.05
 
 _STAMPS: list[tuple[int, float]] = []  # (op index, seconds) from the timed graph running now
 
@@ -132,8 +136,8 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     by node name. No third round where both timed ones took more than ``give_up_above_us`` in
     all: a candidate clearly slower than another needs no median, but one run can be cold (a
     new oneDNN primitive per conv: 1 ms on a 0.1 ms graph) or caught in a noise spike (giving
-    up on the second run alone made ResNet-50 bs1 pick its NCHW variant in an A/B). Of two
-    timed rounds (these, or a long graph's) only the faster is kept: the median of two is
+    up on the second run alone made ResNet-50 bs1 pick its NCHW variant in an A/B). Nor where
+    the two agree (``AGREED``). Of two timed rounds (these, or a long graph's) only the faster is kept: the median of two is
     their mean (a tiny conv net's fused variant, timed on its cold first run alone, was
     predicted 0.27x; with three runs, 0.82x).
 
@@ -172,7 +176,8 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                             this_round.setdefault(HOST + keys[index], []).append(host * 1e6)
                     taken.append((sum(seconds for _, seconds, _ in stamps) * 1e6,
                                   {key: sum(times) / len(times) for key, times in this_round.items()}))
-                    if i == warmup + 1 and min(total for total, _ in taken) > give_up_above_us:
+                    if i == warmup + 1 and (min(total for total, _ in taken) > give_up_above_us
+                                            or _agreed(taken, time.perf_counter() - timed_from)):
                         break
     except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
         return None
@@ -184,6 +189,11 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     names = [a.name if isinstance(a, fx.Node) else None for a in tree_flatten(output.args)[0]]
     return {name: value for name, value in zip(names, tree_flatten(outputs)[0]) if name}
+
+
+def _agreed(taken: list, seconds: float) -> bool:
+    (first, _), (second, _) = taken
+    return seconds >= AGREED_ROUNDS_S and abs(first - second) <= AGREED * min(first, second)
 
 
 def owned_copies(inputs, gm: fx.GraphModule | None = None) -> list:
