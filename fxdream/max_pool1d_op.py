@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .call_args import bind
+
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("max_pool1d_inference(Tensor input, int kernel_size, int stride, int padding, int dilation, "
             "bool ceil_mode) -> Tensor")
@@ -44,11 +46,9 @@ _DEFAULTS = (None, None, None, 0, 1, False, False)
 def redirect_max_pool1d(args, kwargs):
     """``max_pool1d_inference(...)`` for a max_pool1d call without indices on a tensor of
     static shape; else None (the call is traced as it is)."""
-    if len(args) > len(_NAMES) or set(kwargs) - set(_NAMES):
+    values = bind(args, kwargs, _NAMES, _DEFAULTS)
+    if values is None:
         return None
-    values = dict(zip(_NAMES, _DEFAULTS))
-    values.update(zip(_NAMES, args))
-    values.update(kwargs)
     input = values["input"]
     if values["return_indices"] or not isinstance(input, torch.Tensor) or input.dim() not in (2, 3) \
             or not all(isinstance(s, int) for s in input.shape):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .call_args import bind
+
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("pad_inference(Tensor input, int[] pad, str mode) -> Tensor")
 
@@ -42,12 +44,9 @@ FUNCTIONS = (F.pad, torch._C._nn.pad)
 def redirect_pad(args, kwargs):
     """``pad_inference(...)`` for a circular ``F.pad`` / ``torch._C._nn.pad`` call on a tensor
     of static shape; else None (the call is traced as it is)."""
-    names = ("input", "pad", "mode", "value")
-    values = dict(zip(names, (None, None, "constant", None)))
-    if len(args) > len(names) or set(kwargs) - set(names):
+    values = bind(args, kwargs, ("input", "pad", "mode", "value"), (None, None, "constant", None))
+    if values is None:
         return None
-    values.update(zip(names, args))
-    values.update(kwargs)
     input, pad = values["input"], values["pad"]
     if values["mode"] != "circular" or values["value"] is not None or not isinstance(input, torch.Tensor):
         return None

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .call_args import bind
+
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("attention_inference(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
             "bool is_causal, float? scale) -> Tensor")
@@ -55,11 +57,9 @@ _DEFAULTS = (None, None, None, None, 0.0, False, None)
 def redirect_attention(args, kwargs, devices=("cuda",)):
     """``attention_inference(...)`` for an SDPA call whose query is on one of ``devices``
     (and that uses no argument the op lacks, such as ``enable_gqa``, outside autocast); else None."""
-    if len(args) > len(_NAMES) or set(kwargs) - set(_NAMES):
+    values = bind(args, kwargs, _NAMES, _DEFAULTS)
+    if values is None:
         return None
-    values = dict(zip(_NAMES, _DEFAULTS))
-    values.update(zip(_NAMES, args))
-    values.update(kwargs)
     query = values["query"]
     if not isinstance(query, torch.Tensor) or query.device.type not in devices:
         return None
