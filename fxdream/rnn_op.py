@@ -104,9 +104,10 @@ def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     ``attention_inference``); in training upsampling only. Given the graph about to be traced,
     only if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
     ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
-    if gm is not None and not may_call_whole_ops(gm):
+    training = torch.is_grad_enabled()
+    if gm is not None and not may_call_whole_ops(gm, training):
         return contextlib.nullcontext()
-    return _KeepOpsWhole(training=torch.is_grad_enabled())
+    return _KeepOpsWhole(training)
 
 
 _WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.interpolate, *_REDIRECTS)
@@ -116,15 +117,16 @@ _WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.Upsample, torch.nn.MaxPool1d, torch
                   torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Transformer)
 
 
-def may_call_whole_ops(gm: torch.fx.GraphModule) -> bool:
-    """Whether ``gm`` calls a function kept whole, directly or in a leaf module; True when unsure
-    (a call into Python code that is not a torch op)."""
+def may_call_whole_ops(gm: torch.fx.GraphModule, training: bool = False) -> bool:
+    """Whether ``gm`` calls a function kept whole (in ``training``, one with a gradient formula),
+    directly or in a leaf module; True when unsure (a call into Python code that is not a torch op)."""
+    functions, modules = (_DIFFERENTIABLE, torch.nn.Upsample) if training else (_WHOLE_FUNCTIONS, _WHOLE_MODULES)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and (node.target in _WHOLE_FUNCTIONS or not _is_torch_callable(node.target)):
+        if node.op == "call_function" and (node.target in functions or not _is_torch_callable(node.target)):
             return True
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
-            if any(isinstance(m, _WHOLE_MODULES) or getattr(m, "padding_mode", None) == "circular"
+            if any(isinstance(m, modules) or (not training and getattr(m, "padding_mode", None) == "circular")
                    for m in module.modules()) or type(module).__module__.split(".")[0] != "torch":
                 return True
     return False

@@ -154,7 +154,8 @@ def test_a_gru_on_cuda_is_one_op_and_equal_to_eager():
 
 def test_the_tracing_mode_is_entered_only_for_graphs_that_may_need_it():
     """Its hook on every torch call slows the trace: a conv net goes without it; an RNN, SDPA,
-    a leaf module holding either, or a call into unknown Python gets it."""
+    upsampling, circular padding, 1-d max pooling, a leaf module holding one, or a call into
+    unknown Python gets it."""
     import torch.fx as fx
     import torch.nn.functional as F
     from fxdream.rnn_op import may_call_whole_ops
@@ -173,6 +174,16 @@ def test_the_tracing_mode_is_entered_only_for_graphs_that_may_need_it():
     assert may_call_whole_ops(fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GRU(4, 4))))
     assert may_call_whole_ops(fx.symbolic_trace(torch.nn.Sequential(torch.nn.TransformerEncoderLayer(8, 2))))
     assert may_call_whole_ops(fx.symbolic_trace(Custom()))
+    up = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Upsample(scale_factor=2))
+    circular = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular")
+    leaves = lambda model: fx.symbolic_trace(torch.nn.Sequential(model))  # noqa: E731  (torch.nn modules as leaves)
+    for model in (up, circular, torch.nn.MaxPool1d(2), torch.nn.CircularPad2d(1)):
+        assert may_call_whole_ops(leaves(model))
+    # in training only upsampling has a whole op (with its gradient formula)
+    assert may_call_whole_ops(leaves(up), training=True)
+    for model in (Attend(), torch.nn.GRU(4, 4), circular, torch.nn.MaxPool1d(2), conv):
+        assert not may_call_whole_ops(leaves(model), training=True)
+    assert may_call_whole_ops(fx.symbolic_trace(Custom()), training=True)
 
 
 @torch.fx.wrap
