@@ -1,6 +1,8 @@
-"""Ops an inference capture keeps whole (upsample_op, pad_op, max_pool1d_op): each alone in a
-module, eager against its capture (medians of interleaved blocks, same process), and the
-capture with the op left to torch's decomposition, as it was before (``--decomposed``).
+"""Ops an inference capture keeps whole, each alone in a module: eager, captured, decomposed.
+
+The ops of upsample_op, pad_op, max_pool1d_op and rnn_cell_op: eager against the capture
+(medians of interleaved blocks, same process), and with ``--decomposed`` the capture with the
+op left to torch's decomposition, as it was before.
 
     python benchmarks/whole_ops.py [--decomposed] [--json benchmarks/results/whole_ops_cpu_<date>.json]
 """
@@ -25,6 +27,8 @@ from fxdream.measure import time_interleaved  # noqa: E402
 
 def cases() -> dict:
     image, volume, signal = torch.randn(1, 64, 64, 64), torch.randn(1, 16, 8, 32, 32), torch.randn(8, 64, 512)
+    torch.manual_seed(0)
+    steps = torch.randn(16, 256)
     return {
         "bilinear 2x": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), image),
         "nearest 2x": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), image),
@@ -33,6 +37,8 @@ def cases() -> dict:
         "circular pad 2": (lambda x: F.pad(x, (2, 2, 2, 2), mode="circular"), image),
         "3x3 conv, circular padding": (nn.Conv2d(64, 64, 3, padding=1, padding_mode="circular"), image),
         "max_pool1d 3/2": (lambda x: F.max_pool1d(x, 3, 2), signal),
+        "GRUCell 256": (nn.GRUCell(256, 256), steps),
+        "LSTMCell 256": (nn.LSTMCell(256, 256), steps),
     }
 
 

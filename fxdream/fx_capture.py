@@ -102,9 +102,14 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
             with preserved_inputs(inputs):  # the traced run gets the inputs eager got
                 expected = model(*inputs)
             torch.manual_seed(0)
-            actual = pytree.tree_unflatten(list(traced(*inputs)), out_spec)
+            values = list(traced(*inputs))
+            actual = pytree.tree_unflatten(values, out_spec)
     except Exception as error:
         return None, f"the torch.fx trace does not run ({_headline(error)})"
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        out_spec = _expand_outputs(traced, values, out_spec)
+        if out_spec is None:
+            return None, "an output that is not a tensor"
     if _module_state(model) != before:
         return None, "forward changes the modules' Python attributes (a trace would do it only once)"
     if _state_versions(model) != versions:
@@ -276,6 +281,29 @@ def _flatten_outputs(gm: fx.GraphModule):
             gm.graph.erase_node(node)
     gm.recompile()
     return spec
+
+
+def _expand_outputs(gm: fx.GraphModule, values: list, spec):
+    """Output nodes whose value is a tuple or list (a leaf module returning one, as ``nn.LSTM``'s
+    ``(output, (h, c))``; the trace cannot know until it runs) become one getitem node per
+    tensor in it: aot wants tensors out. The spec that rebuilds the output, or None where a
+    value holds something other than tensors."""
+    output = gm.graph.output_node()
+    leaves = []
+    for node, value in zip(output.args[0], values):
+        paths = pytree.tree_flatten_with_path(value)[0]
+        if not all(isinstance(leaf, torch.Tensor) for _, leaf in paths) or \
+                not all(isinstance(key, pytree.SequenceKey) for path, _ in paths for key in path):
+            return None
+        with gm.graph.inserting_before(output):
+            for path, _ in paths:
+                item = node
+                for key in path:
+                    item = gm.graph.call_function(operator.getitem, (item, key.idx))
+                leaves.append(item)
+    output.args = (tuple(leaves),)
+    gm.recompile()
+    return pytree.tree_flatten(pytree.tree_unflatten(values, spec))[1]
 
 
 def _plain(value):

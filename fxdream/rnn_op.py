@@ -10,8 +10,9 @@ need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to c
 calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
 (so values are bit-identical to eager) and that the cost model times as one node.
 Inference only: no autograd formula (training keeps dynamo's graph break at the RNN).
-``keep_ops_whole`` keeps upsampling (``upsample_op``), circular padding (``pad_op``), 1-d max
-pooling (``max_pool1d_op``) and, on a GPU, SDPA (``sdpa_op``) whole the same way.
+``keep_ops_whole`` keeps RNN cells (``rnn_cell_op``), upsampling (``upsample_op``), circular
+padding (``pad_op``), 1-d max pooling (``max_pool1d_op``) and, on a GPU, SDPA (``sdpa_op``) whole
+the same way.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from .max_pool1d_op import FUNCTIONS as MAX_POOL1D_FUNCTIONS, redirect_max_pool1d
 from .pad_op import FUNCTIONS as PAD_FUNCTIONS, redirect_pad
+from .rnn_cell_op import FUNCTIONS as CELL_FUNCTIONS, redirect_rnn_cell
 from .sdpa_op import redirect_attention
 from .upsample_op import FUNCTIONS as UPSAMPLE_FUNCTIONS, redirect_upsample, upsample_calls_redirected
 
@@ -63,14 +65,15 @@ rnn_inference = torch.ops.fxdream.rnn_inference.default
 _REDIRECTS = {**{f: functools.partial(redirect_upsample, f) for f in UPSAMPLE_FUNCTIONS},
               **{f: redirect_pad for f in PAD_FUNCTIONS},
               **{f: redirect_max_pool1d for f in MAX_POOL1D_FUNCTIONS},
+              **{f: functools.partial(redirect_rnn_cell, f) for f in CELL_FUNCTIONS},
               F.scaled_dot_product_attention: redirect_attention}
 _DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS})  # whole ops with a gradient formula
 
 
 class _KeepOpsWhole(TorchFunctionMode):
     """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op,
-    upsampling, circular padding and 1-d max pooling to their ops (upsample_op, pad_op,
-    max_pool1d_op), and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op). While a
+    RNN cells, upsampling, circular padding and 1-d max pooling to their ops (rnn_cell_op,
+    upsample_op, pad_op, max_pool1d_op), and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op). While a
     training graph is traced, only what has a gradient formula: upsampling."""
 
     def __init__(self, training: bool = False):
@@ -100,7 +103,7 @@ class _KeepOpsWhole(TorchFunctionMode):
 
 def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     """While tracing a graph: in inference GRU/RNN layers become one ``rnn_inference`` node,
-    upsampling, circular padding and 1-d max pooling one node each (and SDPA on a GPU one
+    RNN cells, upsampling, circular padding and 1-d max pooling one node each (and SDPA on a GPU one
     ``attention_inference``); in training upsampling only. Given the graph about to be traced,
     only if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
     ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
@@ -112,7 +115,7 @@ def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
 
 _WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.interpolate, *_REDIRECTS)
 # torch.nn modules a graph may call as leaves (torch.fx's default) that call one of those inside
-_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.Upsample, torch.nn.MaxPool1d, torch.nn.modules.padding._CircularPadNd,
+_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.RNNCellBase, torch.nn.Upsample, torch.nn.MaxPool1d, torch.nn.modules.padding._CircularPadNd,
                   torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer,
                   torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Transformer)
 

@@ -1,6 +1,7 @@
 """Inference capture through torch.fx.symbolic_trace (no dynamo), and its fallbacks to dynamo."""
 import collections
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -224,6 +225,49 @@ def test_a_namedtuple_output_is_rebuilt_from_its_fields():
     assert type(out) is LogitsAndHidden
     torch.testing.assert_close(out.logits, expected.logits)
     torch.testing.assert_close(out.hidden, expected.hidden)
+
+
+class ReturnsTheLeafsTuple(nn.Module):
+    """A leaf module's own tuple as the output: the trace cannot know it is one until it runs."""
+
+    def __init__(self, leaf):
+        super().__init__()
+        self.leaf = leaf
+
+    def forward(self, x):
+        return self.leaf(x)
+
+
+class _AttentionWithoutWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)  # the leaf returns (output, None)
+
+
+@pytest.mark.parametrize("leaf, x", [(nn.LSTM(4, 6, batch_first=True), torch.randn(2, 5, 4)),
+                                     (nn.LSTMCell(4, 6), torch.randn(2, 4))], ids=["LSTM", "LSTMCell"])
+def test_a_leaf_modules_tuple_output_is_expanded_for_aot_and_rebuilt(leaf, x):
+    model = ReturnsTheLeafsTuple(leaf).eval()
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "torch.fx symbolic_trace"  # was: dynamo, aot's output spec mismatch
+    with torch.no_grad():
+        out, expected = optimized(x), model(x)
+    assert torch.utils._pytree.tree_structure(out) == torch.utils._pytree.tree_structure(expected)
+    assert all(torch.equal(a, b) for a, b in zip(torch.utils._pytree.tree_leaves(out),
+                                                 torch.utils._pytree.tree_leaves(expected)))
+
+
+def test_a_leaf_output_holding_something_other_than_tensors_goes_through_dynamo():
+    model, x = _AttentionWithoutWeights().eval(), torch.randn(2, 5, 8)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "dynamo (an output that is not a tensor)"
+    with torch.no_grad():
+        out, expected = optimized(x), model(x)
+    assert out[1] is None
+    torch.testing.assert_close(out[0], expected[0])  # eager's fast path rounds differently
 
 
 class ScoresAndMask(nn.Module):
