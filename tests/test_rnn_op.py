@@ -189,3 +189,44 @@ def test_the_tracing_mode_is_entered_only_for_graphs_that_may_need_it():
 @torch.fx.wrap
 def _opaque(x):
     return x + 1
+
+
+class ProjectedLSTM(torch.nn.Module):
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(6, 8, proj_size=3, num_layers=2, bidirectional=True, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.lstm(x)  # (output, (h, c)), returned as the leaf module gives it
+
+
+class ProjectedLSTMWithKwargs(ProjectedLSTM):
+    """**kwargs keep torch.fx off: the dynamo path."""
+    def forward(self, x, **unused):
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("cls", [ProjectedLSTM, ProjectedLSTMWithKwargs], ids=["torch.fx", "dynamo"])
+def test_an_lstm_with_projections_is_one_op_on_cpu_and_exact(batch_first, cls):
+    # oneDNN does not take projections: eager runs ATen's C++ loop, which a trace unrolled into
+    # ops per time step (256 wide, 50 steps: 1218 nodes, 1.7x eager's time)
+    from fxdream.rnn_op import lstm_inference
+    torch.manual_seed(0)
+    model, x = cls(batch_first).eval(), torch.randn(3, 5, 6)
+    with torch.no_grad():
+        expected = model(x)
+    optimized = fxdream.optimize(model, (x,), cost=None)
+    targets = [n.target for n in _call_functions(optimized)]
+    assert targets.count(lstm_inference) == 1 and torch.ops.aten.sigmoid.default not in targets
+    actual = optimized(x)
+    for a, e in zip(torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected)):
+        assert torch.equal(a, e) and a.stride() == e.stride()
+
+
+def test_an_lstm_without_projections_keeps_onednns_layer():
+    from fxdream.rnn_op import lstm_inference
+    model, x = ProjectedLSTM(True).eval(), torch.randn(3, 5, 6)
+    model.lstm = torch.nn.LSTM(6, 8, batch_first=True)
+    optimized = fxdream.optimize(model, (x,), cost=None)
+    assert lstm_inference not in [n.target for n in _call_functions(optimized)]
