@@ -91,7 +91,8 @@ def _rows(args) -> list[dict]:
             with _decomposed():
                 decomposed = fxdream.optimize(model, (x,), cost=None)
             runners["decomposed"] = lambda: decomposed(x)
-        times = {k: m.median_ms for k, m in time_interleaved(runners, rounds=args.rounds, block=5, progress=False).items()}
+        measured = time_interleaved(runners, rounds=args.rounds, block=5, progress=False)
+        times = {k: m.median_ms for k, m in measured.items()}
         row = dict(op=name, input=list(x.shape), **{f"{k}_ms": v for k, v in times.items()})
         rows.append(row)
         line = f"| {name} | {'x'.join(map(str, x.shape))} | {times['eager']:.3f} | {times['captured']:.3f} | " \

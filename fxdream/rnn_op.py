@@ -7,7 +7,7 @@ them from Python took 3.5x eager's C++ loop (measured here, batch 8). ``nn.LSTM`
 need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to cuDNN's; except
 with projections (``proj_size``) on a CPU, which oneDNN does not take: ``lstm_inference``.
 
-``keep_ops_whole()`` is active while a capture traces an inference graph: it sends those
+``keep_ops_whole()`` is active while a capture traces a graph; in inference it sends those
 calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
 (so values are bit-identical to eager) and that the cost model times as one node.
 Inference only: no autograd formula (training keeps dynamo's graph break at the RNN).
@@ -112,10 +112,11 @@ _DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS})  # whole ops w
 
 
 class _KeepOpsWhole(TorchFunctionMode):
-    """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op,
-    RNN cells, upsampling, circular padding and 1-d max pooling to their ops (rnn_cell_op,
-    upsample_op, pad_op, max_pool1d_op), and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op). While a
-    training graph is traced, only what has a gradient formula: upsampling."""
+    """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op, a
+    CPU LSTM with projections to ``lstm_inference``, RNN cells, upsampling, circular padding
+    and 1-d max pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op), and on
+    a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op). While a training graph is traced,
+    only what has a gradient formula: upsampling."""
 
     def __init__(self, training: bool = False):
         super().__init__()
@@ -143,11 +144,11 @@ class _KeepOpsWhole(TorchFunctionMode):
 
 
 def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
-    """While tracing a graph: in inference GRU/RNN layers become one ``rnn_inference`` node,
-    RNN cells, upsampling, circular padding and 1-d max pooling one node each (and SDPA on a GPU one
-    ``attention_inference``); in training upsampling only. Given the graph about to be traced,
-    only if it may call one: the mode's Python hook on every torch call made ResNet-50's capture
-    ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
+    """While tracing a graph: in inference GRU/RNN layers (and a CPU LSTM with projections),
+    RNN cells, upsampling, circular padding and 1-d max pooling become one node each (and SDPA
+    on a GPU one ``attention_inference``); in training upsampling only. Given the graph about to
+    be traced, only if it may call one: the mode's Python hook on every torch call made
+    ResNet-50's capture ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
     training = torch.is_grad_enabled()
     if gm is not None and not may_call_whole_ops(gm, training):
         return contextlib.nullcontext()
@@ -156,9 +157,10 @@ def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
 
 _WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.interpolate, *_REDIRECTS)
 # torch.nn modules a graph may call as leaves (torch.fx's default) that call one of those inside
-_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.RNNCellBase, torch.nn.Upsample, torch.nn.MaxPool1d, torch.nn.modules.padding._CircularPadNd,
-                  torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer,
-                  torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Transformer)
+_WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.RNNCellBase, torch.nn.Upsample, torch.nn.MaxPool1d,
+                  torch.nn.modules.padding._CircularPadNd, torch.nn.MultiheadAttention,
+                  torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer, torch.nn.TransformerEncoder,
+                  torch.nn.TransformerDecoder, torch.nn.Transformer)
 
 
 def may_call_whole_ops(gm: torch.fx.GraphModule, training: bool = False) -> bool:

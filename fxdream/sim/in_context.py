@@ -137,9 +137,9 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     all: a candidate clearly slower than another needs no median, but one run can be cold (a
     new oneDNN primitive per conv: 1 ms on a 0.1 ms graph) or caught in a noise spike (giving
     up on the second run alone made ResNet-50 bs1 pick its NCHW variant in an A/B). Nor where
-    the two agree (``AGREED``). Of two timed rounds (these, or a long graph's) only the faster is kept: the median of two is
-    their mean (a tiny conv net's fused variant, timed on its cold first run alone, was
-    predicted 0.27x; with three runs, 0.82x).
+    the two agree (``AGREED``). Of two timed rounds (these, or a long graph's) only the faster
+    is kept: the median of two is their mean (a tiny conv net's fused variant, timed on its
+    cold first run alone, was predicted 0.27x; with three runs, 0.82x).
 
     A key's sample for one round is the mean over its instances in the graph, so that the key's
     cost times its count is what those instances took. Instances of one op and shape need not
