@@ -30,10 +30,11 @@ _WITH_ALIGN_CORNERS = ("upsample_linear1d", "upsample_bilinear2d", "upsample_tri
                        "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
 FUNCTIONS = {getattr(torch._C._nn, name): name for name in _NEAREST + _WITH_ALIGN_CORNERS
              if hasattr(torch._C._nn, name)}
+_BY_NAME = {name: function for function, name in FUNCTIONS.items()}  # never the redirecting stand-ins
 
 
 def _upsample(input, name, output_size, align_corners, scale_factors):
-    function = getattr(torch._C._nn, name)
+    function = _BY_NAME[name]
     if name in _NEAREST:
         return function(input, output_size, scale_factors)
     return function(input, output_size, align_corners, scale_factors)
@@ -119,17 +120,15 @@ def upsample_calls_redirected():
     so it cannot see the ``torch._C._nn`` call F.interpolate makes): those functions redirect.
     F.interpolate looks them up at each call; a call from another thread meanwhile would get
     the op too, whose values are the same."""
-    saved = {name: function for function, name in FUNCTIONS.items()}
-
     def redirecting(original):
         def call(*args, **kwargs):
             kept = redirect_upsample(original, args, kwargs)
             return kept if kept is not None else original(*args, **kwargs)
         return call
     try:
-        for name, original in saved.items():
+        for name, original in _BY_NAME.items():
             setattr(torch._C._nn, name, redirecting(original))
         yield
     finally:
-        for name, original in saved.items():
+        for name, original in _BY_NAME.items():
             setattr(torch._C._nn, name, original)
