@@ -31,7 +31,6 @@ from .sdpa_op import redirect_attention
 from .upsample_op import FUNCTIONS as UPSAMPLE_FUNCTIONS, redirect_upsample, upsample_calls_redirected
 
 _FUNCTIONS = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu}
-_MODES = {fn: mode for mode, fn in _FUNCTIONS.items()}
 
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("rnn_inference(Tensor input, Tensor hx, Tensor[] params, str mode, bool has_biases, "
@@ -101,8 +100,20 @@ def _redirect_lstm(args, kwargs):
     return tuple(lstm_inference(input, [h, c], list(params), has_biases, num_layers, bidirectional, batch_first))
 
 
+def _redirect_rnn(mode, args, kwargs):
+    """``rnn_inference(...)`` for the input-tensor overload of GRU/RNN as nn.GRU / nn.RNN call
+    it (9 arguments, train=False), outside autocast (it casts the RNN's inputs); else None."""
+    if kwargs or len(args) != 9 or args[6] is not False \
+            or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor) \
+            or torch.is_autocast_enabled(args[0].device.type):
+        return None
+    input, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
+    return tuple(rnn_inference(input, hx, list(params), mode, has_biases, num_layers, bidirectional, batch_first))
+
+
 # torch function → (args, kwargs) → the whole op's call, or None to trace the call as it is
-_REDIRECTS = {**{f: functools.partial(redirect_upsample, f) for f in UPSAMPLE_FUNCTIONS},
+_REDIRECTS = {**{f: functools.partial(_redirect_rnn, mode) for mode, f in _FUNCTIONS.items()},
+              **{f: functools.partial(redirect_upsample, f) for f in UPSAMPLE_FUNCTIONS},
               **{f: redirect_pad for f in PAD_FUNCTIONS},
               **{f: redirect_max_pool1d for f in MAX_POOL1D_FUNCTIONS},
               **{f: functools.partial(redirect_rnn_cell, f) for f in CELL_FUNCTIONS},
@@ -112,11 +123,11 @@ _DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS})  # whole ops w
 
 
 class _KeepOpsWhole(TorchFunctionMode):
-    """Redirects the input-tensor overload of GRU/RNN (9 arguments, train=False) to the op, a
-    CPU LSTM with projections to ``lstm_inference``, RNN cells, upsampling, circular padding
-    and 1-d max pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op), and on
-    a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op). While a training graph is traced,
-    only what has a gradient formula: upsampling."""
+    """Redirects (``_REDIRECTS``) GRU/RNN layers to ``rnn_inference``, a CPU LSTM with
+    projections to ``lstm_inference``, RNN cells, upsampling, circular padding and 1-d max
+    pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op), and on a GPU SDPA
+    to ``fxdream::attention_inference`` (sdpa_op). While a training graph is traced, only what
+    has a gradient formula: upsampling."""
 
     def __init__(self, training: bool = False):
         super().__init__()
@@ -133,13 +144,6 @@ class _KeepOpsWhole(TorchFunctionMode):
             kept = redirect(args, kwargs or {})
             if kept is not None:
                 return kept
-        mode = _MODES.get(func)
-        if mode is not None and not kwargs and len(args) == 9 and args[6] is False \
-                and isinstance(args[0], torch.Tensor) and isinstance(args[1], torch.Tensor) \
-                and not torch.is_autocast_enabled(args[0].device.type):  # autocast casts the RNN's inputs
-            input, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
-            return tuple(rnn_inference(input, hx, list(params), mode, has_biases, num_layers,
-                                       bidirectional, batch_first))
         return func(*args, **(kwargs or {}))
 
 
@@ -155,7 +159,7 @@ def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     return _KeepOpsWhole(training)
 
 
-_WHOLE_FUNCTIONS = (*_FUNCTIONS.values(), F.interpolate, *_REDIRECTS)
+_WHOLE_FUNCTIONS = (F.interpolate, *_REDIRECTS)
 # torch.nn modules a graph may call as leaves (torch.fx's default) that call one of those inside
 _WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.RNNCellBase, torch.nn.Upsample, torch.nn.MaxPool1d,
                   torch.nn.modules.padding._CircularPadNd, torch.nn.MultiheadAttention,
