@@ -22,8 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..annotate import node_flops, rnn_sequential_steps
 from .devices import DeviceSpec
 from .cuda_timing import graph_kernel_saving_us, time_calls_cuda
-from .host_timing import (OVERHEAD_BLOCK_US, OVERHEAD_ROUNDS, _time_calls, measure_call_overhead_us,  # noqa: F401
-                          measure_graph_call_us)
+from .host_timing import (_time_calls, measure_call_overhead_us, measure_graph_call_us,  # noqa: F401
+                          measure_view_us)
 from .in_context import HOST, MIN_ROUNDS, compute_keys, compute_nodes, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
 from .op_keys import arg_values, is_view, profile_key, real_tensors, size_hint  # noqa: F401  (re-exported)
 
@@ -171,11 +171,8 @@ class Profiled:
         kernel = self.kernel_us(node)
         if self.torch_device.type != "cuda" or kernel == 0.0:
             return kernel
-        key = f"__graph_kernel_saving__|{self.torch_device.type}"
-        if key not in self.measurements:
-            with real_tensors():
-                self.measurements[key] = graph_kernel_saving_us(self.torch_device)
-        return max(kernel - self.measurements[key], min(kernel, self.device.kernel_min_us))
+        saving = self._once("graph_kernel_saving", lambda: graph_kernel_saving_us(self.torch_device))
+        return max(kernel - saving, min(kernel, self.device.kernel_min_us))
 
     def dispatch_us(self, node: fx.Node) -> float:
         if is_view(node):
@@ -202,10 +199,14 @@ class Profiled:
         return self._call_overhead_us
 
     def graph_call_us(self) -> float:
-        key = f"__graph_call__|{self.torch_device.type}"
+        return self._once("graph_call", lambda: measure_graph_call_us(self.torch_device))
+
+    def _once(self, what: str, measure) -> float:
+        """A measurement of this device taken once (real tensors) and kept with the profile."""
+        key = f"__{what}__|{self.torch_device.type}"
         if key not in self.measurements:
             with real_tensors():
-                self.measurements[key] = measure_graph_call_us(self.torch_device)
+                self.measurements[key] = measure()
         return self.measurements[key]
 
     def measure_overheads(self) -> None:
@@ -218,13 +219,7 @@ class Profiled:
         self.call_overhead_us()
 
     def view_us(self) -> float:
-        key = f"__view__|{self.torch_device.type}"
-        if key not in self.measurements:
-            with real_tensors():
-                x = torch.empty(8, 8, device=self.torch_device)
-                self.measurements[key] = _time_calls(lambda: torch.ops.aten.view.default(x, [64]),
-                                                     OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US)
-        return self.measurements[key]
+        return self._once("view", lambda: measure_view_us(self.torch_device))
 
     def utilization(self, node: fx.Node) -> float:
         return self._fallback.utilization(node)

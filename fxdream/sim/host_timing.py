@@ -75,6 +75,12 @@ def measure_graph_call_us(device: torch.device) -> float:
     return max(0.0, through_graph - direct)
 
 
+def measure_view_us(device: torch.device) -> float:
+    """Cost of one view op (``aten.view`` of a small tensor) from Python."""
+    x = torch.empty(8, 8, device=device)
+    return _time_calls(lambda: torch.ops.aten.view.default(x, [64]), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US)
+
+
 def _alias_chain(t):
     alias = torch.ops.aten.alias.default
     for _ in range(100):
