@@ -1,5 +1,7 @@
 """fuse_conv_bias_act: the fused ops are exact and trainable, the pass matches what it should,
 skips what it must (and says why), and picks its variant by the predicted cost."""
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -263,14 +265,51 @@ def test_variant_is_chosen_by_predicted_time():
     assert result.notes[0].endswith("→ nchw (forced)")
 
 
+class _PerOpCost:
+    """A stand-in cost model: every op removed by fusion (BN, add, relu) costs ``removed_us``."""
+    def __init__(self, removed_us):
+        self.removed_us = removed_us
+
+    def kernel_us(self, node):
+        return self.removed_us
+
+    def dispatch_us(self, node):
+        return 0.0
+
+
+@pytest.mark.parametrize("removed_us, built", [(10.0, False), (200.0, True)])
+def test_nchw_is_not_built_when_its_floor_loses(removed_us, built):
+    # NCHW's floor: unfused minus the ops fusion removes (BN + its getitem, add, relu); over 1.1x
+    # the prepacked variant timed before it, NCHW is neither built nor timed
+    model, inputs, _ = models.build("resnet18", 1, tiny=True)
+    model.eval()
+    captured = fxdream.capture(model, inputs)
+    removed = len([n for n in captured.forward.graph.nodes if n.op == "call_function" and any(
+        k in str(n.target) for k in ("batch_norm", "getitem", "relu", "add"))])
+    assert 4 <= removed < 60  # so 4000 - removed x 10 > 3300 > 4000 - removed x 200
+    times = {"unfused": 4000.0, "nchw": 3900.0, "channels_last+prepacked": 3000.0}
+    ctx = dataclasses.replace(pass_context(model, captured, predict_us=_by_structure(times)),
+                              cost_model=_PerOpCost(removed_us))
+    result = resolve_passes([PASS])[0](captured.forward, ctx)
+    assert result.modified and result.reason.endswith("; channels_last+prepacked (predicted 1.33x)")
+    floor_note = [n for n in result.notes if n.startswith("variant nchw not built: at least ")]
+    if built:
+        assert not floor_note and " nchw 3.900 ms" in result.notes[0]
+    else:
+        assert " nchw " not in result.notes[0]
+        assert floor_note and floor_note[0].endswith("x channels_last+prepacked"), floor_note
+
+
 def test_measured_cost_model_times_every_variant():
     model, inputs, _ = models.build("mnist_convnet", 2, tiny=True)
     model.eval()
     optimized = fxdream.optimize(model, inputs, passes=[PASS])  # Profiled: measured on this machine
     (row,) = optimized.report.passes
     predicted = next(n for n in row.notes if n.startswith("predicted:"))
-    for name in ("unfused", "nchw", "channels_last+prepacked"):
+    for name in ("unfused", "channels_last+prepacked"):
         assert f" {name} " in predicted
+    # nchw is timed, or left out by its floor, and the notes say which
+    assert " nchw " in predicted or any(n.startswith("variant nchw not built: at least ") for n in row.notes)
     assert " channels_last " not in predicted  # dominated by prepacked on a CPU: not timed
     with torch.no_grad():
         torch.testing.assert_close(optimized(*inputs), model(*inputs), atol=1e-4, rtol=1e-4)
