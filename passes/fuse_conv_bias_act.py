@@ -254,8 +254,8 @@ def _floor_us(ctx: PassContext, variant: Variant, sites: list[Site], base_us: fl
     """The least a CPU variant in the graph's own layout can take: the unfused graph minus the
     ops fusion removes (BN, add, activation), as a fused oneDNN conv in NCHW runs no faster than
     aten's conv (ResNet-50 bs1: the NCHW variant 70.0 ms, the unfused graph 62.6 ms, 53.2 of it
-    in convs). None where no floor is known (channels_last variants, GPUs, no per-op costs). Building and
-    timing ResNet-50's NCHW variant took ~0.25 s of a 2 s first build at bs1."""
+    in convs). None where no floor is known (channels_last variants, GPUs, no per-op costs).
+    Building and timing ResNet-50's NCHW variant took ~0.25 s of a ~2 s first build at bs1."""
     cost = ctx.cost_model
     if variant.channels_last or ctx.device != "cpu" or cost is None:
         return None
