@@ -288,6 +288,33 @@ def preserved_inputs(inputs):
                     tensor.grad = grad
 
 
+def switch_to_build_mode(model: torch.nn.Module, training: bool) -> str | None:
+    """Put ``model`` in the mode of a ``training`` build; the reason, or None if it already was.
+
+    Only where the model's own flag says otherwise (a model left in train mode for an inference
+    build): then every submodule is switched, as ``model.train(training)``. Where it agrees, each
+    submodule keeps its flag (BatchNorm frozen in eval while the rest fine-tunes, dropout left on
+    in an eval model for MC dropout): switching them all made those builds compute something
+    else than the model does."""
+    if model.training == training:
+        return None
+    model.train(training)
+    return (f"{type(model).__name__} was in {'eval' if training else 'train'} mode: the "
+            f"{'training' if training else 'inference'} build switched it and every submodule to "
+            f"{'train' if training else 'eval'} mode (model.train({training}))")
+
+
+@contextlib.contextmanager
+def preserved_modes(model: torch.nn.Module):
+    """Every submodule's train/eval flag as it was, whatever runs inside."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 @contextlib.contextmanager
 def preserved_state(model: torch.nn.Module):
     """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
@@ -360,8 +387,9 @@ def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training
 def capture(model: torch.nn.Module, example_inputs, training: bool = False):
     """Capture ``model`` at ``example_inputs``: a ``Captured``, or a tuple of them after graph breaks.
 
-    The model's grads, buffers, RNG state and train/eval mode are left as they were.
-    Raises ``CaptureError`` when dynamo captured nothing.
+    The model's grads, buffers, RNG state and every submodule's train/eval flag are left as they
+    were (during the capture, a model whose own flag is not ``training`` is switched whole:
+    ``switch_to_build_mode``). Raises ``CaptureError`` when dynamo captured nothing.
     """
     return capture_with_host_gaps(model, example_inputs, training, measure=False)[0]
 
@@ -373,9 +401,13 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
     from .validate import check_inputs, check_model
     check_model(model)
     inputs = check_inputs(example_inputs)
+    with preserved_modes(model):
+        switch_to_build_mode(model, training)
+        return _capture(model, inputs, training, measure)
+
+
+def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: bool) -> tuple:
     session = CaptureSession(model)
-    was_training = model.training
-    model.train(training)
     breaks_before, how = graph_break_counts(), "dynamo"
     try:
         from .blockwise import capture_after_nothing  # these import this module
@@ -386,20 +418,14 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: boo
             retried = capture_after_nothing(model, inputs, session, training, new_graph_breaks(breaks_before))
             runner = retried[0] if retried else runner
     except Exception as error:
-        try:
-            run_once(model, model, inputs, training)  # the model's own error, if eager fails too
-        finally:
-            model.train(was_training)
+        run_once(model, model, inputs, training)  # the model's own error, if eager fails too
         raise CaptureError(f"the capture of {type(model).__name__} ({how}) failed: {describe_error(error)}") from error
     captured = session.captured()
     step, notes = None, ()
-    try:
-        if not captured:
-            reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
-            raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
-        if measure and worth_measuring(training, len(captured)):
-            step = measure_model_gaps(runner, model, inputs, training, session.clock)
-            notes = describe_gaps(step, len(captured), training)
-    finally:
-        model.train(was_training)
+    if not captured:
+        reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
+        raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
+    if measure and worth_measuring(training, len(captured)):
+        step = measure_model_gaps(runner, model, inputs, training, session.clock)
+        notes = describe_gaps(step, len(captured), training)
     return (captured[0] if len(captured) == 1 else captured), step, notes

@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 
-from .capture import CaptureError, CaptureSession, one_step, preserved_inputs, preserved_state, run_once
+from .capture import (CaptureError, CaptureSession, one_step, preserved_inputs, preserved_state, run_once,
+                      switch_to_build_mode)
 from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
 from .blockwise import capture_after_nothing
 from .fx_capture import compile_model
@@ -123,7 +124,10 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     ``torch.no_grad()``: folded weights are constants); ``.report`` tells what was captured,
     where dynamo broke the graph, and what each pass did. When dynamo cannot trace the
     model it runs eagerly and the report says why; ``strict=True`` raises instead
-    (also on graph breaks, where parts of the model would run eagerly).
+    (also on graph breaks, where parts of the model would run eagerly). A model whose own
+    train/eval flag is not ``training`` is switched to it, every submodule with it, and left so
+    (the report says so); otherwise each submodule keeps its flag (BatchNorm frozen in eval
+    while the rest trains, dropout left on for MC dropout).
 
     ``passes``: names or Pass objects, applied in order and forced; or "auto": every
     registered pass is considered, every subset simulated, and the best predicted one
@@ -148,11 +152,14 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
         else check_flag("eager_check", eager_check)
     selected = resolve_passes(available_passes() if auto else passes)
     target = resolve_device(device, model, inputs)
+    switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
     with preserved_state(model), preserved_inputs(inputs):  # the user's RNG, BN statistics, grads, inputs
         started = time.perf_counter()
         module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
         module._build_seconds = time.perf_counter() - started
+        if switched:
+            module._session.notes.insert(0, f"{switched}; it stays in that mode")
         if module._fallback_reason is None and module._pipeline.base_context.cost_model is not None:
             module._extras.update(_whole_model_prediction(module, model, inputs, training))
         if verify:
@@ -171,7 +178,6 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
 
 def _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget) -> OptimizedModule:
     """Capture (one throw-away step) with the pass pipeline as the graph transform."""
-    model.train(training)
     cost_model = cost_model_for(this_machine_device(target), cost, reuse=True) if selected and cost else None
     if isinstance(cost_model, Profiled):
         cost_model.measure_overheads()  # before the capture: inside it they read several times higher

@@ -355,6 +355,62 @@ def test_optimize_leaves_the_users_rng_bn_statistics_and_grads_as_they_were(trai
     assert all(p.grad is None for p in model.parameters())
 
 
+def _frozen_bn(model):
+    """Fine-tuning with a frozen BatchNorm: the model trains, its BN uses and keeps running stats."""
+    model.train()
+    model.bn.eval()
+    for p in model.bn.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    return model
+
+
+@pytest.mark.parametrize("passes", [[], "auto"])
+def test_a_training_build_keeps_a_frozen_batch_norm_in_eval(passes):
+    torch.manual_seed(0)
+    model, x = _frozen_bn(Small()), torch.randn(4, 3, 8, 8)
+    reference = _frozen_bn(Small())
+    reference.load_state_dict(model.state_dict())
+    optimized = fxdream.optimize(model, (x,), passes=passes, training=True, eager_check=False)
+    assert model.training and not model.bn.training  # as the user left them
+    assert not any("mode" in note for note in optimized.report.notes)
+    assert_same_training_step(reference, optimized, (x,))
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean, rtol=0, atol=0)
+
+
+def test_an_inference_build_keeps_dropout_left_on_in_an_eval_model():
+    # MC dropout: model.eval() with its dropout switched back on; the build must not switch it off
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 2)).eval()
+    model[2].train()
+    x = torch.randn(4, 8)
+    optimized = fxdream.optimize(model, (x,), eager_check=False)
+    assert not model.training and model[2].training
+    with torch.no_grad():
+        samples = torch.stack([optimized(x) for _ in range(8)])
+    assert samples.std(0).max() > 0  # dropout draws a new mask every call
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_model_in_the_other_mode_is_switched_whole_and_the_report_says_so(training):
+    model, x = Small().train(not training), torch.randn(2, 3, 8, 8)
+    model.bn.train(training)  # a submodule already in the build's mode: switched with the rest
+    optimized = fxdream.optimize(model, (x,), training=training, eager_check=False)
+    assert all(m.training == training for m in model.modules())
+    mode = "train" if training else "eval"
+    assert optimized.report.notes[0] == (
+        f"Small was in {'eval' if training else 'train'} mode: the {'training' if training else 'inference'} "
+        f"build switched it and every submodule to {mode} mode (model.train({training})); it stays in that mode")
+
+
+def test_capture_leaves_every_submodules_mode_as_it_was():
+    model = _frozen_bn(Small())
+    fxdream.capture(model, (torch.randn(2, 3, 8, 8),), training=False)  # switched during the capture only
+    assert model.training and not model.bn.training and model.conv.training
+
+
 class PaddedEncoder(nn.Module):
     def __init__(self):
         super().__init__()
