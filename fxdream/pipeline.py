@@ -1,7 +1,9 @@
 """optimize(): capture → passes → executable module, as an explicit list of steps."""
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -65,6 +67,12 @@ class OptimizedModule(torch.nn.Module):
             key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
             self._count_compilation(key, self._session.records[compiled:])
         return output
+
+    def __deepcopy__(self, memo) -> "OptimizedModule":
+        """The same build of a deep copy of the model: the graphs run on this model's own tensors
+        (the torch.fx path's are bound at compile time) and on oneDNN-packed constants, which
+        cannot be copied; a copy of the graphs would read the original's weights or fail."""
+        return self._rebuild(copy.deepcopy(self.model, memo))
 
     def _count_compilation(self, key: tuple, records: list) -> None:
         """Run eagerly once dynamo has compiled calls of one kind (``key``: ``call_kind``)
@@ -173,6 +181,9 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
             module._extras.update(_check_against_eager(model, module, inputs, training,
                                                        module._extras.get("predicted_baseline_ms")))
     save_profile(module._pipeline.base_context.cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
+    module._rebuild = functools.partial(optimize, example_inputs=inputs, passes=passes, training=training,
+                                        device=device, strict=strict, cost=cost, memory_budget=memory_budget,
+                                        verify=verify, measure=measure, eager_check=eager_check)
     return module
 
 

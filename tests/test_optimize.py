@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -409,6 +411,24 @@ def test_capture_leaves_every_submodules_mode_as_it_was():
     model = _frozen_bn(Small())
     fxdream.capture(model, (torch.randn(2, 3, 8, 8),), training=False)  # switched during the capture only
     assert model.training and not model.bn.training and model.conv.training
+
+
+@pytest.mark.parametrize("training, passes", [(False, []), (False, ["fuse_conv_bias_act"]), (True, [])])
+def test_a_deep_copy_is_built_again_for_a_copy_of_the_model(training, passes):
+    # the graphs run on the model's own tensors (and on oneDNN-packed weights, which cannot be
+    # copied): a copy must run on its own model's weights, not the original's
+    torch.manual_seed(0)
+    model, x = Small().train(training), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), passes=passes, training=training, eager_check=False)
+    copied = copy.deepcopy(optimized)
+    applied = lambda m: [(row.name, row.applied) for row in m.report.passes]  # noqa: E731
+    assert copied.model is not model and applied(copied) == applied(optimized)
+    with torch.no_grad():
+        copied.model.fc.bias.add_(1.0)  # only the copy's model changes
+    with torch.set_grad_enabled(training):
+        torch.testing.assert_close(optimized(x), model(x))
+        torch.testing.assert_close(copied(x), copied.model(x))
+        assert not torch.allclose(copied(x), optimized(x))
 
 
 class PaddedEncoder(nn.Module):
