@@ -180,7 +180,9 @@ class _Builder:
         """Re-derive every value's fake tensor in order (strides change with channels_last);
         convert conv inputs to channels_last (channels_last_3d) once, and back to the original
         layout before any view (views depend on strides) and at the outputs; a 1-d conv's input
-        is converted inside the op."""
+        is converted inside the op, and its (N, L, C) output back before any op but a pointwise
+        one or another fused conv: (N, L, C) is no memory format ATen knows, and CPU kernels
+        such as GroupNorm's reject it (Wav2Vec2's feature encoder raised)."""
         converted: dict[tuple[str, object], fx.Node] = {}
         for node in list(self.graph.nodes):
             if node.op in ("placeholder", "get_attr"):
@@ -195,8 +197,17 @@ class _Builder:
             elif aliases_input(node):  # e.g. the view before a classifier: depends on the input's strides
                 node.args = tree_map(lambda a: self._restore(a, node, converted) if isinstance(a, fx.Node) else a,
                                      node.args)
+            elif node.op == "call_function" and not _takes_nlc(node.target):
+                node.args, node.kwargs = tree_map(
+                    lambda a: self._restore(a, node, converted) if self._is_nlc(a) else a, (node.args, node.kwargs))
             if node.op == "call_function":
                 node.meta["val"] = self._fake_run(node)
+
+    def _is_nlc(self, arg) -> bool:
+        """Whether ``arg`` is a 1-d conv's output in (N, L, C) strides where the graph had it contiguous."""
+        before, now = self.original.get(arg.name) if isinstance(arg, fx.Node) else None, value_of(arg)
+        return (isinstance(before, torch.Tensor) and isinstance(now, torch.Tensor) and before.dim() == 3
+                and before.is_contiguous() and not now.is_contiguous())
 
     def _restore(self, arg: fx.Node, user: fx.Node, converted) -> fx.Node:
         before, now = self.original.get(arg.name), value_of(arg)
@@ -261,6 +272,12 @@ def _floor_us(ctx: PassContext, variant: Variant, sites: list[Site], base_us: fl
         return None
     removed = [n for s in sites for n in (s.bn, s.bn_out, s.add, s.act) if n is not None]
     return base_us - sum(cost.kernel_us(n) + cost.dispatch_us(n) for n in removed)
+
+
+def _takes_nlc(target) -> bool:
+    """Ops that run on a 1-d conv's (N, L, C) output as they are: the fused convs and pointwise
+    ops (their output follows the input's strides)."""
+    return target in ops.INFERENCE_OPS or torch.Tag.pointwise in getattr(target, "tags", ())
 
 
 def _default(ctx: PassContext, sites: list[Site]) -> Variant:

@@ -116,3 +116,35 @@ def test_a_3d_residual_is_accumulated_in_place_in_channels_last_3d():
         out = optimized(x)
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
     assert out.is_contiguous()
+
+
+class Conv1dGroupNorm(nn.Module):
+    """Wav2Vec2's feature encoder: conv1d → GroupNorm → GELU → conv1d → GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0, self.norm = nn.Conv1d(1, 8, 10, stride=5, bias=False), nn.GroupNorm(8, 8)
+        self.conv1 = nn.Conv1d(8, 8, 3, stride=2, bias=False)
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.norm(self.conv0(x)))
+        return nn.functional.gelu(self.conv1(h)).transpose(1, 2)
+
+
+def test_a_1d_convs_nlc_output_goes_back_to_ncl_before_an_op_that_needs_it():
+    # GroupNorm's CPU kernel rejects the (N, L, C) strides a prepacked 1-d conv returns: the
+    # prepacked build restores them before it (a pointwise op or another fused conv takes them)
+    torch.manual_seed(0)
+    model, x = Conv1dGroupNorm().eval(), torch.randn(2, 1, 200)
+    with torch.no_grad():
+        expected = model(x)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    (row,) = optimized.report.passes
+    assert row.applied and "channels_last+prepacked" in row.reason, row.reason
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), expected, atol=1e-5, rtol=1e-5)
+        compiled = torch.compile(model, backend="fxdream", options={"passes": [PASS], "cost": None})
+        torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-5)
+    graph = optimized.rewritten_graphs[(0, "fw")].graph
+    norm = next(n for n in graph.nodes if n.target is torch.ops.aten.native_group_norm.default)
+    assert norm.args[0].meta["val"].is_contiguous()
