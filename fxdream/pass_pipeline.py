@@ -31,6 +31,14 @@ MAX_EXHAUSTIVE = 5  # up to 2**5 subsets are simulated; beyond that, greedy
 GIVE_UP_SLOWER_THAN = 1.25
 
 
+class RewriteFailed(RuntimeError):
+    """A pass's rewritten graph raised when run on real inputs the graph before it ran on."""
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy whose graph a pass may rewrite freely (attributes are shared, not cloned).
 
@@ -60,6 +68,7 @@ class PassPipeline:
         self._inputs: dict[tuple[int, str], object] = {}  # real inputs per graph, for profiling
         self._predictions: dict[int, tuple[fx.GraphModule, tuple[float, int]]] = {}
         self._best_us: dict[tuple[int, str], float] = {}  # (subgraph, phase) → best candidate predicted
+        self._ran_alone: set[tuple[int, str]] = set()  # graphs that ran on their real inputs (or did before)
 
     # --- predictions -------------------------------------------------------------------------
     def predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
@@ -85,6 +94,8 @@ class PassPipeline:
                 values = cost.profile_graph(gm, inputs)
             else:  # the backward's saved tensors, only if a backward candidate needs them
                 values = lambda: cost.run_graph(gm, inputs)  # noqa: E731
+            if values is not None:
+                self._ran_alone.add((index, "fw"))
             if values is not None and self.base_context.training:
                 self._inputs[(index, "bw")] = values  # the backward's saved tensors, by name
         elif phase == "bw" and (index, "bw") in self._inputs:
@@ -94,8 +105,9 @@ class PassPipeline:
                 values = fw_values() if callable(fw_values) else fw_values
                 return None if values is None else cost.backward_inputs(gm, values)
             self._inputs[(index, "bw")] = backward_inputs
-            if not cost.measured_in_context(gm) and self._real_inputs(index, "bw") is not None:
-                cost.profile_graph(gm, self._real_inputs(index, "bw"))
+            if cost.measured_in_context(gm) or (self._real_inputs(index, "bw") is not None and
+                                                cost.profile_graph(gm, self._real_inputs(index, "bw")) is not None):
+                self._ran_alone.add((index, "bw"))
 
     def _real_inputs(self, index: int, phase: str):
         """The graph's real inputs, computed now if they were left for later (None if unknown)."""
@@ -109,13 +121,23 @@ class PassPipeline:
         (unless they are a tiny share of the graph: ``Profiled.worth_timing_in_context``).
         A candidate whose first two timed runs are both ``GIVE_UP_SLOWER_THAN`` times the best
         prediction so far for its graph is not run a third time: ResNet-50's NCHW variant (1.6x
-        the prepacked one at bs1) took a third run of the graph to lose by as much."""
+        the prepacked one at bs1) took a third run of the graph to lose by as much.
+
+        A candidate that raises on the inputs the graph before it ran on raises ``RewriteFailed``:
+        its rewrite is broken (a 1-d conv's output left in a layout GroupNorm's CPU kernel rejects
+        passed every check but running it), and the pass is skipped with the reason; under
+        ``torch.compile(backend="fxdream")`` nothing else would catch it before the user's call."""
         cost = self.base_context.cost_model
         if isinstance(cost, Profiled) and cost.to_time_in_context(gm):
             inputs = self._real_inputs(index, phase)
             if inputs is not None:
                 best = self._best_us.get((index, phase), math.inf)
-                cost.profile_graph(gm, inputs, new_keys_only=True, give_up_above_us=GIVE_UP_SLOWER_THAN * best)
+                try:
+                    cost.profile_graph(gm, inputs, new_keys_only=True, give_up_above_us=GIVE_UP_SLOWER_THAN * best,
+                                       raise_errors=(index, phase) in self._ran_alone)
+                except Exception as error:
+                    raise RewriteFailed(f"the rewritten graph raised when run on the example inputs, where the "
+                                        f"graph before it ran: {type(error).__name__}: {_first_line(error)}") from error
 
     # --- the transform -----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict, inputs=None) -> fx.GraphModule:
@@ -156,7 +178,10 @@ class PassPipeline:
             return gm, PassReport(p.name, index, ctx.phase, False, reason)
         delta_us = delta_peak = None
         if result.modified and ctx.cost_model is not None:
-            self._profile_candidate(result.graph_module, ctx.phase, index)
+            try:
+                self._profile_candidate(result.graph_module, ctx.phase, index)
+            except RewriteFailed as error:
+                return gm, PassReport(p.name, index, ctx.phase, False, f"skipped: {error}")
             (before_us, before_peak), (after_us, after_peak) = (self.predict(gm, ctx.phase),
                                                                 self.predict(result.graph_module, ctx.phase))
             delta_us, delta_peak = after_us - before_us, after_peak - before_peak

@@ -137,6 +137,27 @@ def test_rewritten_graphs_that_fail_when_run_give_way_to_the_captured_ones(train
         torch.testing.assert_close(optimized(x), model(x))
 
 
+@pytest.mark.parametrize("through", ["optimize", "torch.compile"])
+def test_a_rewrite_that_raises_in_its_timed_run_is_skipped_at_build(through):
+    # with measured costs the rewritten graph runs on the example before it is chosen: a broken
+    # rewrite is skipped there, also where nothing else would catch it (the torch.compile backend)
+    model, x = nn.ReLU(), torch.randn(4, 8)  # the relu made to raise is the whole graph: worth timing
+    rows = []
+    with torch.no_grad():
+        if through == "optimize":
+            optimized = fxdream.optimize(model, (x,), passes=[FailsWhenRun()], cost="profiled")
+            rows, out = optimized.report.passes, optimized(x)
+        else:
+            compiled = torch.compile(model, backend="fxdream",
+                                     options={"passes": [FailsWhenRun()], "cost": "profiled", "on_report": rows.append})
+            out = compiled(x)
+        torch.testing.assert_close(out, model(x))
+    (row,) = rows
+    assert not row.applied and row.reason == (
+        "skipped: the rewritten graph raised when run on the example inputs, where the graph before it "
+        "ran: RuntimeError: wrong strides for view")
+
+
 def test_rewritten_graphs_that_fail_on_a_later_call_give_way_to_eager(monkeypatch):
     monkeypatch.setitem(globals(), "RUNS_AT_BATCH", 4)  # the build's batch runs, a batch of 6 raises
     model, x, optimized = _run([FailsWhenRun()])

@@ -282,7 +282,7 @@ class Profiled:
 
     def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 0,
                       budget_s: float = PROFILE_BUDGET_S, new_keys_only: bool = False,
-                      give_up_above_us: float = math.inf) -> dict | None:
+                      give_up_above_us: float = math.inf, raise_errors: bool = False) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
         Past ``MIN_ROUNDS`` timed rounds, no new round starts once they took ``budget_s``: a
@@ -295,11 +295,13 @@ class Profiled:
         no closer (median optimized 465 vs 420 ms; measured 396-400 ms).
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were.
-        ``give_up_above_us``: no third round where both first ones took longer (``time_graph``)."""
+        ``give_up_above_us``: no third round where both first ones took longer (``time_graph``).
+        ``raise_errors``: a graph that raises when run raises here, instead of giving None."""
         inputs = owned_copies(inputs, gm)
         samples: dict[str, list[float]] = {}
         with real_tensors():
-            values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s, give_up_above_us)
+            values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s, give_up_above_us,
+                                raise_errors)
         for key, times in samples.items():
             if new_keys_only and key in self.samples:
                 continue

@@ -132,7 +132,8 @@ def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, li
 
 
 def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
-               warmup: int, budget_s: float = math.inf, give_up_above_us: float = math.inf) -> dict | None:
+               warmup: int, budget_s: float = math.inf, give_up_above_us: float = math.inf,
+               raise_errors: bool = False) -> dict | None:
     """Add each profile key's in-context time per round to ``samples``; return the output values
     by node name. No third round where both timed ones took more than ``give_up_above_us`` in
     all: a candidate clearly slower than another needs no median, but one run can be cold (a
@@ -146,7 +147,8 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     cost times its count is what those instances took. Instances of one op and shape need not
     cost the same in context: in a MobileNet-like net, one of three 1x1 convs of one shape ran
     ~480 µs slower than the others, run after run; the median of their pooled times (the cost
-    before) was the fast ones', and the graph was predicted 10-25 % faster than it ran."""
+    before) was the fast ones', and the graph was predicted 10-25 % faster than it ran.
+    A graph that raises gives None, or with ``raise_errors`` the error."""
     outputs, taken = None, []
     cuda = device.type == "cuda"
     if cuda:  # the first run on a GPU autotunes (cuDNN) and tells how long the host takes to queue it
@@ -181,6 +183,8 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                                             or _agreed(taken, time.perf_counter() - timed_from)):
                         break
     except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
+        if raise_errors:
+            raise
         return None
     finally:
         _STAMPS.clear()
