@@ -203,6 +203,8 @@ class CaptureSession:
             record.compile_seconds += time.perf_counter() - started
             frozen = runnable is not fw and not record.training  # inference: state may be constants
             run = _same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
+            if frozen:
+                run = _captured_if_rewrite_raises(run, fw.forward, lambda error: self._rewrite_failed(record, error))
             return self.clock.wrap(make_boxed_func(run), f"g{record.index}.fw")
 
         @outside_keep_ops_whole()
@@ -218,6 +220,11 @@ class CaptureSession:
         with keep_ops_whole(gm):
             return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
                                          bw_compiler=compile_backward)
+
+    def _rewrite_failed(self, record: _SubgraphRecord, error: Exception) -> None:
+        failed = getattr(self.transform, "rewrite_failed", None)
+        if failed is not None:
+            failed(record.index, "fw", error)
 
     def _transformed(self, gm: fx.GraphModule, phase: str, index: int, state: dict, inputs) -> fx.GraphModule:
         if self.transform is None:
@@ -242,6 +249,27 @@ def _same_state_or(rewritten: Callable, original: Callable, state: list, own: in
     def run(*args):
         if all(args[i] is t for i, t in lifted):
             return rewritten(*args)
+        return original(*args)
+    return run
+
+
+def _captured_if_rewrite_raises(rewritten: Callable, original: Callable, failed: Callable) -> Callable:
+    """Run ``rewritten`` until a call raises where ``original`` (the graph as captured) does not;
+    from then on ``original``, and ``failed(error)`` says why. For inference graphs: they write
+    no input (aot_autograd applies input mutations after the graph), so a call that raised
+    halfway can run again. Under ``torch.compile(backend="fxdream")`` nothing else stands
+    between a broken rewrite and the user's call."""
+    broken = []
+
+    def run(*args):
+        if not broken:
+            try:
+                return rewritten(*args)
+            except Exception as error:
+                out = original(*args)  # raises here where the call itself is wrong
+                broken.append(error)
+                failed(error)
+                return out
         return original(*args)
     return run
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule  # private: GraphModule with code on demand
 
+from .dynamo_glue import describe_error
 from .pass_api import Pass, PassContext, PassResult
 from .predict import graph_prediction
 from .report import PassReport
@@ -252,11 +253,33 @@ class PassPipeline:
         self._add(row)
         return trial
 
+    def rewrite_failed(self, index: int, phase: str, error: Exception) -> None:
+        """Graph ``index``'s rewrite raised when run where the graph as captured did not: that
+        graph runs as captured from now on (``capture._captured_if_rewrite_raises``), and its
+        applied rows say so (and are reported again to ``on_row``)."""
+        self.rewritten.pop((index, phase), None)
+        for i, row in enumerate(self.rows):
+            if (row.graph_index, row.phase) == (index, phase) and row.applied:
+                self.rows[i] = failed_to_run(row, error)
+                if self.on_row is not None:  # the backend's on_report hears of it too
+                    self.on_row(self.rows[i])
+        log.warning("graph %d/%s: the rewritten graph raised (%s: %s); it runs as captured",
+                    index, phase, type(error).__name__, _first_line(error))
+
     def _add(self, row: PassReport) -> None:
         self.rows.append(row)
         log.info("pass %s on %d/%s: %s", row.name, row.graph_index, row.phase, row.reason)
         if self.on_row is not None:
             self.on_row(row)
+
+
+def failed_to_run(row: PassReport, error: Exception) -> PassReport:
+    """``row``, if applied, as a rewrite whose graph raised when run and so runs as captured."""
+    if not row.applied:
+        return row
+    reason = f"applied, but the rewritten graphs failed when run ({describe_error(error)}); they run as captured: {row.reason}"
+    return dataclasses.replace(row, applied=False, reason=reason, predicted_delta_us=None,
+                               predicted_delta_peak_bytes=None)
 
 
 def _rows_not_chosen(candidates: dict, best: tuple) -> list[PassReport]:

@@ -18,7 +18,7 @@ from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
 from .numerics import max_abs_diff
 from .pass_api import PassContext, available_passes, resolve_passes
-from .pass_pipeline import PassPipeline, copy_graph_module  # noqa: F401  (copy_graph_module: public)
+from .pass_pipeline import PassPipeline, copy_graph_module, failed_to_run  # noqa: F401  (copy_graph_module: public)
 from .predict import cost_model_for, predict, this_machine_device
 from .report import GraphReport, Report
 from .sim.cost import Profiled
@@ -231,9 +231,7 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
 def _rows_that_failed_to_run(rows: list, error: Exception) -> list:
     """The pass rows of a build whose rewritten graphs raised when run: none of them is kept
     (the graphs run as captured), each applied row says so."""
-    failed = f"applied, but the rewritten graphs failed when run ({describe_error(error)}); they run as captured"
-    return [dataclasses.replace(r, applied=False, reason=f"{failed}: {r.reason}", predicted_delta_us=None,
-                                predicted_delta_peak_bytes=None) if r.applied else r for r in rows]
+    return [failed_to_run(r, error) for r in rows]
 
 
 RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before running eagerly

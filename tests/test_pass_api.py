@@ -158,7 +158,22 @@ def test_a_rewrite_that_raises_in_its_timed_run_is_skipped_at_build(through):
         "ran: RuntimeError: wrong strides for view")
 
 
-def test_rewritten_graphs_that_fail_on_a_later_call_give_way_to_eager(monkeypatch):
+def test_under_the_backend_a_rewrite_that_raises_untimed_gives_way_to_the_captured_graph():
+    # no timed run at build (analytic costs): the first call finds the broken rewrite
+    model, x, rows = ScaledLinear(), torch.randn(4, 8), []
+    compiled = torch.compile(model, backend="fxdream",
+                             options={"passes": [FailsWhenRun()], "cost": "analytic", "on_report": rows.append})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+        torch.testing.assert_close(compiled(x), model(x))
+    applied, failed = rows
+    assert applied.applied and applied.reason == "made relu raise"
+    assert not failed.applied and failed.reason == ("applied, but the rewritten graphs failed when run "
+                                                    "(RuntimeError: wrong strides for view); they run as "
+                                                    "captured: made relu raise")
+
+
+def test_a_rewritten_graph_that_fails_on_a_later_call_gives_way_to_the_captured_one(monkeypatch):
     monkeypatch.setitem(globals(), "RUNS_AT_BATCH", 4)  # the build's batch runs, a batch of 6 raises
     model, x, optimized = _run([FailsWhenRun()])
     assert optimized.report.fallback_reason is None and optimized.report.passes[0].applied
@@ -166,11 +181,18 @@ def test_rewritten_graphs_that_fail_on_a_later_call_give_way_to_eager(monkeypatc
         torch.testing.assert_close(optimized(x), model(x))
         with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
             optimized(torch.randn(6, 5))  # eager raises too: the caller's error, as eager says it
-        assert optimized.report.fallback_reason is None
         x6 = torch.randn(6, 8)
+        torch.testing.assert_close(optimized(x6), model(x6))  # batch 6's graph, rewritten, raised
         torch.testing.assert_close(optimized(x6), model(x6))
-    assert optimized.report.fallback_reason.startswith(
-        "the rewritten graphs raised on a later call where eager did not (RuntimeError: wrong strides for view")
+        torch.testing.assert_close(optimized(x), model(x))  # batch 4's rewritten graph still runs
+    report = optimized.report
+    assert report.fallback_reason is None
+    first, later = (row for row in report.passes if row.graph_index in (0, 1))
+    assert first.applied and first.graph_index == 0
+    assert not later.applied and later.reason.startswith(
+        "applied, but the rewritten graphs failed when run (RuntimeError: wrong strides for view); they run "
+        "as captured")
+    assert list(optimized.rewritten_graphs) == [(0, "fw")]
 
 
 def test_applies_to_reason_is_reported_per_graph():
