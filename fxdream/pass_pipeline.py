@@ -277,7 +277,8 @@ def failed_to_run(row: PassReport, error: Exception) -> PassReport:
     """``row``, if applied, as a rewrite whose graph raised when run and so runs as captured."""
     if not row.applied:
         return row
-    reason = f"applied, but the rewritten graphs failed when run ({describe_error(error)}); they run as captured: {row.reason}"
+    reason = (f"applied, but the rewritten graphs failed when run ({describe_error(error)}); "
+              f"they run as captured: {row.reason}")
     return dataclasses.replace(row, applied=False, reason=reason, predicted_delta_us=None,
                                predicted_delta_peak_bytes=None)
 
