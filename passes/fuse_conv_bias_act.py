@@ -213,7 +213,7 @@ class _Builder:
         before, now = self.original.get(arg.name), value_of(arg)
         if not isinstance(before, torch.Tensor) or not isinstance(now, torch.Tensor):
             return arg
-        if before.dim() == 3 and before.is_contiguous() and not now.is_contiguous():  # a 1-d conv's NLC
+        if self._is_nlc(arg):
             return self._convert(arg, NCHW, user, converted)
         channels_last = ops.channels_last_format(before.dim())
         if channels_last is None:
