@@ -25,7 +25,7 @@ import torch
 import fxdream
 from fxdream import models
 from fxdream.ab import interleaved_profiler
-from fxdream.capture import preserved_state
+from fxdream.model_state import preserved_state
 from fxdream.host_gaps import StepCalls, measure_host_gaps, worth_measuring
 from fxdream.measure import time_interleaved
 from fxdream.predict import cost_model_for, predict

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .capture import preserved_state
+from .model_state import preserved_state
 from .host_gaps import StepCalls, measure_host_gaps, worth_measuring
 from .measure import Measurement, time_interleaved
 from .numerics import max_abs_diff

@@ -24,6 +24,7 @@ from .dynamo_glue import compiling_code, describe_error, graph_break_counts, new
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
 from .dead_copies import drop_dead_copies
 from .rnn_op import keep_ops_whole, outside_keep_ops_whole
+from .model_state import preserved_inputs, preserved_modes, preserved_state, switch_to_build_mode
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
@@ -290,87 +291,6 @@ def _model_state_of(fw: fx.GraphModule, state: list) -> dict:
     if len(placeholders) != len(state):
         return {}  # aot added or removed inputs: do not guess
     return {name: t for name, t in zip(placeholders, state) if t is not None}
-
-
-@contextlib.contextmanager
-def preserved_inputs(inputs):
-    """Input tensors a forward updates in place (``x.mul_(2)``) get their values back afterwards,
-    and inputs that require grad their ``.grad``: a build runs the model several times, and the
-    user's example must not come out changed (nor differ between the runs that check a trace
-    against eager)."""
-    tensors = [t for t in torch.utils._pytree.tree_leaves(inputs)
-               if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
-    saved = [(t, t._version, t.detach().clone()) for t in tensors]
-    grads = [(t, t.grad, None if t.grad is None else t.grad.clone()) for t in tensors if t.is_leaf and t.requires_grad]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for tensor, version, copy in saved:
-                if tensor._version != version:
-                    tensor.copy_(copy)
-            for tensor, grad, values in grads:
-                if grad is not None and tensor.grad is grad:  # accumulated into in place: its values back
-                    grad.copy_(values)
-                else:
-                    tensor.grad = grad
-
-
-def switch_to_build_mode(model: torch.nn.Module, training: bool) -> str | None:
-    """Put ``model`` in the mode of a ``training`` build; the reason, or None if it already was.
-
-    Only where the model's own flag says otherwise (a model left in train mode for an inference
-    build): then every submodule is switched, as ``model.train(training)``. Where it agrees, each
-    submodule keeps its flag (BatchNorm frozen in eval while the rest fine-tunes, dropout left on
-    in an eval model for MC dropout): switching them all made those builds compute something
-    else than the model does."""
-    if model.training == training:
-        return None
-    model.train(training)
-    return (f"{type(model).__name__} was in {'eval' if training else 'train'} mode: the "
-            f"{'training' if training else 'inference'} build switched it and every submodule to "
-            f"{'train' if training else 'eval'} mode (model.train({training}))")
-
-
-@contextlib.contextmanager
-def preserved_modes(model: torch.nn.Module):
-    """Every submodule's train/eval flag as it was, whatever runs inside."""
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-@contextlib.contextmanager
-def preserved_state(model: torch.nn.Module):
-    """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
-    grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({p.device.index for p in model.parameters()
-                      if p.device.type == "cuda" and p.device.index is not None})
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-            for p, saved in grads.items():
-                p.grad = saved
-            _refresh_rnn_weights(model)
-
-
-def _refresh_rnn_weights(model: torch.nn.Module) -> None:
-    """A capture runs ``nn.RNNBase.forward`` on stand-ins for the parameters (aot_autograd's fake
-    ones), which the module keeps in ``_flat_weights`` until a later forward notices and refreshes
-    them: refresh them now. Left stale, the model held fake tensors, and its next forward changed
-    its Python attributes, so a second optimize() of a GRU model lost the torch.fx path."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.RNNBase) and hasattr(m, "_weights_have_changed") \
-                and m._weights_have_changed():  # private torch API, guarded
-            m._update_flat_weights()
 
 
 def differentiable_scalar(output) -> torch.Tensor | None:

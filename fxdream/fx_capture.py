@@ -23,7 +23,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureSession, preserved_inputs, preserved_state, run_once
+from .capture import CaptureSession, run_once
+from .model_state import preserved_inputs, preserved_state
 from .dynamo_glue import compile_with, graph_break_counts, new_graph_breaks
 
 

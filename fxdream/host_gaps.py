@@ -116,7 +116,8 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
     gradients, buffers and RNG are left as they were."""
-    from .capture import one_step, preserved_state  # capture imports this module
+    from .capture import one_step  # capture imports this module
+    from .model_state import preserved_state
 
     def step():
         if training:

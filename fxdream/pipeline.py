@@ -8,13 +8,13 @@ from typing import Callable
 
 import torch
 
-from .capture import (CaptureError, CaptureSession, one_step, preserved_inputs, preserved_state, run_once,
-                      switch_to_build_mode)
+from .capture import CaptureError, CaptureSession, one_step, run_once
 from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
 from .blockwise import capture_after_nothing
 from .fx_capture import compile_model
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
+from .model_state import preserved_inputs, preserved_state, switch_to_build_mode
 from .numerics import max_abs_diff
 from .pass_api import PassContext, available_passes, resolve_passes
 from .pass_pipeline import PassPipeline, copy_graph_module, failed_to_run  # noqa: F401  (copy_graph_module: public)
