@@ -207,7 +207,8 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         if any(row.applied for row in pipeline.rows):  # the rewrites' fault, not the capture's
             without = _build(model, inputs, (), auto, training, target, strict, cost, memory_budget)
             if without._fallback_reason is None:
-                without._pipeline.rows[:] = _rows_that_failed_to_run(pipeline.rows, error)
+                # none of the rewrites is kept (the graphs run as captured): each applied row says so
+                without._pipeline.rows[:] = [failed_to_run(r, error) for r in pipeline.rows]
                 return without
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
         module._fall_back(f"the model's capture ({how}) failed: {describe_error(error)}")
@@ -225,12 +226,6 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
                            + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
     return module
-
-
-def _rows_that_failed_to_run(rows: list, error: Exception) -> list:
-    """The pass rows of a build whose rewritten graphs raised when run: none of them is kept
-    (the graphs run as captured), each applied row says so."""
-    return [failed_to_run(r, error) for r in rows]
 
 
 RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before running eagerly

@@ -111,7 +111,7 @@ def redirect_upsample(function, args, kwargs):
     if torch.is_autocast_enabled(input.device.type):  # autocast casts the op's input above us
         return None
     return upsample(input, name, None if output_size is None else list(output_size), align_corners,
-                              None if scale_factors is None else [float(s) for s in scale_factors])
+                    None if scale_factors is None else [float(s) for s in scale_factors])
 
 
 @contextlib.contextmanager
