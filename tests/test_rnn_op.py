@@ -45,10 +45,13 @@ def test_an_rnn_layer_is_one_op_in_inference_and_exact(kind, cls):
     rnn = [n for n in nodes if n.target is rnn_inference]
     assert len(rnn) == 1 and node_flops(rnn[0]) > 0
     assert len(nodes) < 30  # not one group of ops per time step (16 steps × 2 layers × 2 directions)
+    # auto may time oneDNN's linear faster than MKL's (it did under CI's load): other rounding there
+    prepacked = any(r.applied for r in optimized.report.passes if r.name == "prepack_linear")
+    same = (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)) if prepacked else torch.equal
     with torch.no_grad():
-        assert torch.equal(optimized(x), model(x))
+        assert same(optimized(x), model(x))
         x2 = torch.randn(5, 9, 6)  # another batch and length: recompiles, still exact
-        assert torch.equal(optimized(x2), model(x2))
+        assert same(optimized(x2), model(x2))
 
 
 @pytest.mark.parametrize("training", [False, True])
