@@ -23,6 +23,7 @@ from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_ba
 from .dynamo_glue import compiling_code, describe_error, graph_break_counts, new_graph_breaks
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
 from .dead_copies import drop_dead_copies
+from .direct_calls import call_ops_directly
 from .rnn_op import keep_ops_whole, outside_keep_ops_whole
 from .model_state import preserved_inputs, preserved_modes, preserved_state, switch_to_build_mode
 
@@ -192,6 +193,7 @@ class CaptureSession:
         @outside_keep_ops_whole()
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
+            call_ops_directly(fw)
             record.forward_layers = annotate_forward(fw, prefix)
             if not record.training:
                 dropped = drop_dead_copies(fw)
@@ -211,6 +213,7 @@ class CaptureSession:
         @outside_keep_ops_whole()
         def compile_backward(bw: fx.GraphModule, _inputs):
             started = time.perf_counter()
+            call_ops_directly(bw)
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
             bw.graph.output_node().meta[PARAMETER_GRADIENTS] = parameter_positions
             record.backward = bw

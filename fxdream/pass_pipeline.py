@@ -18,6 +18,7 @@ from typing import Callable
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule  # private: GraphModule with code on demand
 
+from .direct_calls import call_ops_directly
 from .dynamo_glue import describe_error
 from .pass_api import Pass, PassContext, PassResult
 from .predict import graph_prediction
@@ -50,8 +51,9 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def compiled(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its code generated now, so a bound ``gm.forward`` is the generated one."""
-    _LazyGraphModule.force_recompile(gm)
+    """``gm`` with its code generated now (ops called directly: a pass may have built a new
+    graph), so a bound ``gm.forward`` is the generated one."""
+    _LazyGraphModule.force_recompile(call_ops_directly(gm))
     return gm
 
 

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..annotate import node_flops, rnn_sequential_steps
+from ..direct_calls import direct
 from .devices import DeviceSpec
 from .cuda_timing import graph_kernel_saving_us, time_calls_cuda
 from .host_timing import (_time_calls, measure_call_overhead_us, measure_graph_call_us,  # noqa: F401
@@ -231,7 +232,8 @@ class Profiled:
             return 0.0, None
         try:
             args, kwargs = tree_map(lambda v: _materialize(v, self.torch_device), arg_values(node))
-            call = lambda: node.target(*args, **kwargs)  # noqa: E731
+            op = direct(node.target)  # as graph code calls it (``direct_calls``)
+            call = lambda: op(*args, **kwargs)  # noqa: E731
             if self.torch_device.type == "cuda":
                 return time_calls_cuda(call, self.rounds, self.target_block_us)
             return _time_calls(call, self.rounds, self.target_block_us), None

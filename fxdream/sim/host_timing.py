@@ -8,6 +8,8 @@ import time
 import torch
 import torch.fx as fx
 
+from ..direct_calls import call_ops_directly
+
 
 def calls_per_block(once_us: float, target_block_us: float) -> int:
     """Calls in a timed block that takes about ``target_block_us`` (1 to 1000)."""
@@ -50,7 +52,7 @@ def measure_call_overhead_us() -> float:
         for _ in range(100):
             y = graph.call_function(torch.ops.aten.alias.default, (y,))
         graph.output(y)
-        gm = fx.GraphModule(torch.nn.Module(), graph)
+        gm = call_ops_directly(fx.GraphModule(torch.nn.Module(), graph))
         t = torch.empty(1)
         through_graph = _time_calls(lambda: gm(t), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US)
         direct = _time_calls(lambda: _alias_chain(t), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US)
@@ -71,18 +73,18 @@ def measure_graph_call_us(device: torch.device) -> float:
     cuda = device.type == "cuda"
     with torch.no_grad():
         through_graph = _time_calls(lambda: module(x), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US, cuda=cuda)
-        direct = _time_calls(lambda: torch.ops.aten.add.Tensor(x, 1), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US, cuda=cuda)
+        direct = _time_calls(lambda: torch.ops.aten.add.Tensor._op(x, 1), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US, cuda=cuda)
     return max(0.0, through_graph - direct)
 
 
 def measure_view_us(device: torch.device) -> float:
     """Cost of one view op (``aten.view`` of a small tensor) from Python."""
     x = torch.empty(8, 8, device=device)
-    return _time_calls(lambda: torch.ops.aten.view.default(x, [64]), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US)
+    return _time_calls(lambda: torch.ops.aten.view.default._op(x, [64]), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US)
 
 
 def _alias_chain(t):
-    alias = torch.ops.aten.alias.default
+    alias = torch.ops.aten.alias.default._op  # as graph code calls it (``direct_calls``)
     for _ in range(100):
         t = alias(t)
     return t
