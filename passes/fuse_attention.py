@@ -15,8 +15,10 @@ optional ``clone`` (dropout in eval), the second matmul. Every intermediate must
 other user. Replaced by ``aten.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, False,
 scale=...)`` (a filled mask becomes its negation: SDPA's boolean mask says what takes part).
 Values change in the last bits (another summation order): max abs diff ~1e-7 on BERT; and a
-query row a filled mask excludes entirely gives 0 where eager's softmax gives NaN (said in the
-pass's notes; a causal mask never excludes a whole row). SDPA's output follows q's layout
+query row the mask excludes entirely (filled, or -inf added) gives 0 where eager's softmax gives
+NaN: a block whose mask is a constant of the model that does so is left as it is, and where the
+mask is only known at the call the pass's notes say so (a causal mask never excludes a whole
+row). An add with ``alpha`` (mask weighted) is not SDPA's and is not matched. SDPA's output follows q's layout
 ([b, s, h, d] in memory on CPU) where the bmm's was contiguous: the values downstream are
 re-derived, and where the difference would show (a returned tensor's strides, a ``view`` that
 needs the old ones) a clone makes it contiguous again.
@@ -34,6 +36,7 @@ import fxdream
 from fxdream.annotate import LAYER
 from fxdream.pass_api import PassContext, PassResult
 from fxdream.pass_pipeline import copy_graph_module
+from fxdream.sim.op_keys import real_tensors
 
 aten = torch.ops.aten
 _FLATTEN = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
@@ -42,8 +45,8 @@ _PLUMBING = _FLATTEN | _COPIES
 _SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
 
 
-FULLY_MASKED_ROWS = ("a query row that masked_fill(-inf) masks entirely gives 0 with SDPA where eager "
-                     "softmax gives NaN (a causal mask never does)")
+FULLY_MASKED_ROWS = ("a query row whose mask excludes every key (masked_fill(-inf), or -inf added) gives 0 "
+                     "with SDPA where eager softmax gives NaN (a causal mask never does)")
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,8 @@ def _scores_to_softmax(node: fx.Node):
     scale, mask, fill_mask, between = None, None, None, []
     while len(node.users) == 1:
         args = node.args
-        if node.target is aten.add.Tensor and isinstance(args[1], fx.Node) and mask is None \
-                and fill_mask is None and scale is None:  # added after the scale: SDPA's order
+        if node.target is aten.add.Tensor and isinstance(args[1], fx.Node) and node.kwargs.get("alpha", 1) == 1 \
+                and mask is None and fill_mask is None and scale is None:  # added after the scale: SDPA's order
             mask_val, scores_val = args[1].meta.get("val"), node.meta.get("val")
             if not (isinstance(mask_val, torch.Tensor) and mask_val.dtype == scores_val.dtype):
                 return None
@@ -281,6 +284,13 @@ class FuseAttention:
         if not sites:
             return PassResult(gm, False, f"{unmatched} matmul → softmax → matmul block(s), none in the form SDPA "
                               f"computes ({_FORM})" if unmatched else "no matmul → softmax → matmul attention block")
+        rows_masked = {s: _whole_row_masked(s, ctx) for s in sites}
+        sites = [s for s in sites if rows_masked[s] is not True]
+        unmasked = len(rows_masked) - len(sites)
+        left_exact = (f"; {unmasked} more left as they are (a constant mask excludes a whole query row: eager's "
+                      f"softmax gives NaN there, SDPA 0)") if unmasked else ""
+        if not sites:
+            return PassResult(gm, False, f"{unmasked} attention block(s) found, none fused{left_exact}")
         layers = tuple(dict.fromkeys(s.output.meta.get(LAYER) or s.output.name for s in sites))
         fuse(fused, sites)
         if judged:
@@ -288,8 +298,21 @@ class FuseAttention:
             if after >= before:
                 return PassResult(gm, False, f"{len(sites)} attention block(s) found; fusing them is "
                                   f"predicted slower ({before:.0f} → {after:.0f} µs)", notes=layers)
-        if any(s.excludes for s in sites):
+        if any(rows_masked[s] is None for s in sites):
             layers += (FULLY_MASKED_ROWS,)
         left = f"; {unmatched} more left as they are (not in the form SDPA computes: {_FORM})" if unmatched else ""
-        return PassResult(fused, True, f"{len(sites)} attention block(s) → scaled_dot_product_attention{left}",
-                          notes=layers)
+        return PassResult(fused, True, f"{len(sites)} attention block(s) → scaled_dot_product_attention"
+                          f"{left}{left_exact}", notes=layers)
+
+
+def _whole_row_masked(site: Attention, ctx: PassContext) -> bool | None:
+    """Whether the block's mask leaves a query row no key (eager's softmax: NaN; SDPA: 0); None
+    where that is not known before the call (the mask is an input, or computed in the graph)."""
+    if site.mask is None:
+        return False
+    value = ctx.params.get(site.mask.name) if ctx.frozen and site.mask.op == "placeholder" else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    with real_tensors():  # passes run under aot's fake mode
+        excluded = value if site.excludes else value == float("-inf")
+        return bool(excluded.all(-1).any())

@@ -180,3 +180,57 @@ def test_bert_attention_is_fused_on_cuda_and_equals_eager():
     assert count == 2
     with torch.no_grad():
         torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)  # TF32 / flash
+
+
+class MaskedScores(nn.Module):
+    """softmax(q·kᵀ·c + mask) · v with the mask a buffer (a constant of the model) or an input;
+    ``alpha`` weights the mask (``torch.add(..., alpha=)``), which SDPA does not."""
+    def __init__(self, mask=None, alpha=1.0):
+        super().__init__()
+        self.alpha = alpha
+        if mask is not None:
+            self.register_buffer("mask", mask)
+
+    def forward(self, q, k, v, mask=None):
+        mask = self.mask if mask is None else mask
+        scores = torch.add(torch.matmul(q, k.transpose(-1, -2)) * 0.25, mask, alpha=self.alpha)
+        return torch.matmul(torch.softmax(scores, -1), v)
+
+
+def _qkv():
+    torch.manual_seed(0)
+    return tuple(torch.randn(3, 2, 6, 8) for _ in range(3))
+
+
+def test_a_mask_weighted_by_alpha_is_not_matched():
+    model, qkv = MaskedScores(torch.randn(1, 1, 6, 6), alpha=2.0), _qkv()
+    optimized, count = _fused(model, qkv)
+    assert count == 0 and optimized.report.passes[0].reason.startswith("1 matmul → softmax → matmul block(s), none")
+    with torch.no_grad():
+        assert torch.equal(optimized(*qkv), model(*qkv))
+
+
+@pytest.mark.parametrize("masked_row", [False, True])
+def test_a_constant_mask_is_checked_for_rows_it_masks_whole(masked_row):
+    mask = torch.zeros(1, 1, 6, 6)
+    mask[..., 1, :3] = float("-inf")
+    if masked_row:
+        mask[..., 2, :] = float("-inf")  # query row 2 sees no key: eager gives NaN there, SDPA 0
+    model, qkv = MaskedScores(mask), _qkv()
+    optimized, count = _fused(model, qkv)
+    (row,) = optimized.report.passes
+    assert count == (0 if masked_row else 1) and FULLY_MASKED_ROWS not in row.notes
+    if masked_row:
+        assert row.reason == ("1 attention block(s) found, none fused; 1 more left as they are (a constant mask "
+                              "excludes a whole query row: eager's softmax gives NaN there, SDPA 0)")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*qkv), model(*qkv), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_a_mask_given_at_the_call_is_fused_with_the_note():
+    model, qkv = MaskedScores(), _qkv()
+    inputs = (*qkv, torch.zeros(1, 1, 6, 6))
+    optimized, count = _fused(model, inputs)
+    assert count == 1 and FULLY_MASKED_ROWS in optimized.report.passes[0].notes
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
