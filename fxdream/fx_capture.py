@@ -7,8 +7,9 @@ nothing, and Python side effects in forward run once, at trace time. So the trac
 only when its output on the example equals eager's and forward left the modules' Python
 attributes as they were (anything else falls back to dynamo, with the reason), and the runner
 checks every call against what it was built for (input shapes, strides, dtypes, devices, the
-modules' train/eval flags, grad mode): any other call goes through dynamo, which captures
-again with the same session.
+modules' train/eval flags, grad mode, autocast off, and where forward updates an input in place,
+which inputs share memory): any other call goes through dynamo, which captures again with the
+same session.
 
 Inference only: training keeps dynamo (autograd mutations of BN buffers, graph breaks kept
 for RNNs, see ``capture.tracing_config``).
@@ -33,13 +34,26 @@ def _signature(args: tuple) -> tuple:
                  if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
 
 
+def _shared_storage(args: tuple) -> tuple:
+    """Which inputs share memory: for each tensor, the position of the first one on its storage."""
+    storages = [a.untyped_storage().data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+    return tuple(None if s is None else storages.index(s) for s in storages)
+
+
+autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled",  # private; ~0.2 µs a call
+                           lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+
+
 class TracedRunner:
     """Runs the aot-compiled trace for calls like the example; any other call through dynamo."""
 
     def __init__(self, model: torch.nn.Module, compiled: Callable, out_spec, example: tuple,
-                 session: CaptureSession, grad_enabled: bool = False):
+                 session: CaptureSession, grad_enabled: bool = False, mutates_inputs: bool = False):
         self._model, self._compiled, self._out_spec = model, compiled, out_spec
         self._signature, self._grad_enabled = _signature(example), grad_enabled
+        # a forward that updates an input in place reads it after the update where another input is
+        # the same tensor (``opt(x, x)``); the graph, traced with two tensors, does not
+        self._shared = _shared_storage(example) if mutates_inputs else None
         self._modules = tuple(model.modules())  # walking the tree per call costs ~20 µs
         self._modes = self._module_modes()
         self._session = session
@@ -50,7 +64,8 @@ class TracedRunner:
 
     def __call__(self, *args, **kwargs):
         if (not kwargs and torch.is_grad_enabled() == self._grad_enabled and _signature(args) == self._signature
-                and self._module_modes() == self._modes):
+                and self._module_modes() == self._modes and not autocast_enabled()
+                and (self._shared is None or _shared_storage(args) == self._shared)):
             return pytree.tree_unflatten(list(self._compiled(*args)), self._out_spec)
         if self._fallback is None:
             self._fallback = compile_with(self._model, self._session)
@@ -90,6 +105,8 @@ def trace_and_compile(model: torch.nn.Module, inputs: tuple,
 def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str | None]:
     if model.training or torch.is_grad_enabled():
         return None, "training"
+    if autocast_enabled():
+        return None, "built under autocast (its graph would run with autocast's casts at every call)"
     versions = _state_versions(model)
     traced, out_spec, reason = _flat_trace(model, inputs)
     if traced is None:
@@ -101,7 +118,9 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
             with preserved_inputs(inputs):  # the traced run gets the inputs eager got
+                input_versions = [x._version for x in inputs]
                 expected = model(*inputs)
+                mutates_inputs = [x._version for x in inputs] != input_versions
             torch.manual_seed(0)
             values = list(traced(*inputs))
             actual = pytree.tree_unflatten(values, out_spec)
@@ -121,7 +140,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         compiled = session(traced, list(inputs))
     except Exception as error:
         return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
-    return TracedRunner(model, compiled, out_spec, inputs, session), None
+    return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=mutates_inputs), None
 
 
 def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSession,

@@ -11,7 +11,7 @@ import torch
 from .capture import CaptureError, CaptureSession, one_step, run_once
 from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
 from .blockwise import capture_after_nothing
-from .fx_capture import compile_model
+from .fx_capture import autocast_enabled, compile_model
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
 from .model_state import preserved_inputs, preserved_state, switch_to_build_mode
@@ -233,13 +233,14 @@ RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before
 
 def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
     """What makes two calls alike for dynamo with static shapes: tensors' shapes, dtypes and
-    devices, other values as they are (their types, where they cannot be hashed), grad mode and
-    the train/eval flag."""
+    devices, other values as they are (their types, where they cannot be hashed), grad mode,
+    the train/eval flag and whether autocast is on."""
     def leaf(x):
         if isinstance(x, torch.Tensor):
             return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
         return x if isinstance(x, (int, float, bool, str, type(None))) else type(x)
-    return tuple(leaf(x) for x in torch.utils._pytree.tree_leaves((args, kwargs))) + (grad, training)
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return tuple(leaf(x) for x in leaves) + (grad, training, autocast_enabled())
 
 
 def beyond_rounding(diff: float, model, inputs) -> bool:

@@ -135,6 +135,45 @@ def test_other_calls_go_through_dynamo_and_stay_correct():
     assert len(optimized.report.graphs) == 3
 
 
+class ScaleFirstInput(nn.Module):
+    """Updates its first input in place, then reads the second: ``m(x, x)`` reads the update."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, a, b):
+        a.mul_(2)
+        return self.lin(a + b)
+
+
+def test_inputs_sharing_memory_go_through_dynamo_where_forward_updates_an_input():
+    torch.manual_seed(0)
+    model = ScaleFirstInput().eval()
+    optimized = fxdream.optimize(model, (torch.randn(3, 6), torch.randn(3, 6)))
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        expected_x = x.clone()
+        expected = model(expected_x, expected_x)  # 2x + 2x
+        actual = optimized(x, x)                  # the traced graph alone: 2x + x
+    assert torch.equal(actual, expected) and torch.equal(x, expected_x)
+    assert len(optimized.report.graphs) == 2  # captured again by dynamo
+
+
+def test_a_call_under_autocast_goes_through_dynamo_and_gets_eagers_dtypes():
+    torch.manual_seed(0)
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 8, 8)
+    optimized = _eval_optimize(model, x, passes=["fuse_conv_bias_act"])
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, actual = model(x), optimized(x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # built under autocast: dynamo, which guards it
+        built_under = _eval_optimize(model, x)
+    assert built_under.report.capture.startswith("dynamo (built under autocast")
+
+
 def test_training_is_captured_by_dynamo():
     model, x = ConvBnNet(), torch.randn(2, 3, 8, 8)
     optimized = fxdream.optimize(model, (x,), training=True)
