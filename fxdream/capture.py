@@ -199,7 +199,7 @@ class CaptureSession:
                 dropped = drop_dead_copies(fw)
                 if dropped:
                     self.notes.append(f"graph {record.index}: dropped {len(dropped)} copies of intermediates that "
-                                      f"nothing else reads (aot_autograd makes one per eval-mode dropout)")
+                                      f"nothing else reads (aot_autograd makes them, e.g. one per eval-mode dropout)")
             record.forward = fw
             runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
                                          record.example_inputs)

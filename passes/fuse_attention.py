@@ -286,11 +286,11 @@ class FuseAttention:
                               f"computes ({_FORM})" if unmatched else "no matmul → softmax → matmul attention block")
         rows_masked = {s: _whole_row_masked(s, ctx) for s in sites}
         sites = [s for s in sites if rows_masked[s] is not True]
-        unmasked = len(rows_masked) - len(sites)
-        left_exact = (f"; {unmasked} more left as they are (a constant mask excludes a whole query row: eager's "
-                      f"softmax gives NaN there, SDPA 0)") if unmasked else ""
+        whole_rows = len(rows_masked) - len(sites)
+        left_exact = (f"; {whole_rows} more left as they are (a constant mask excludes a whole query row: eager's "
+                      f"softmax gives NaN there, SDPA 0)") if whole_rows else ""
         if not sites:
-            return PassResult(gm, False, f"{unmasked} attention block(s) found, none fused{left_exact}")
+            return PassResult(gm, False, f"{whole_rows} attention block(s) found, none fused{left_exact}")
         layers = tuple(dict.fromkeys(s.output.meta.get(LAYER) or s.output.name for s in sites))
         fuse(fused, sites)
         if judged:
