@@ -193,7 +193,7 @@ class CaptureSession:
         @outside_keep_ops_whole()
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
-            call_ops_directly(fw)
+            call_ops_directly(fw, recompile=False)  # the passes' copies of it call ops directly
             record.forward_layers = annotate_forward(fw, prefix)
             if not record.training:
                 dropped = drop_dead_copies(fw)
@@ -203,6 +203,8 @@ class CaptureSession:
             record.forward = fw
             runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
                                          record.example_inputs)
+            if runnable is fw:
+                fw.recompile()  # it runs: its own code calls ops directly too
             record.compile_seconds += time.perf_counter() - started
             frozen = runnable is not fw and not record.training  # inference: state may be constants
             run = _same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
@@ -213,11 +215,13 @@ class CaptureSession:
         @outside_keep_ops_whole()
         def compile_backward(bw: fx.GraphModule, _inputs):
             started = time.perf_counter()
-            call_ops_directly(bw)
+            call_ops_directly(bw, recompile=False)
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
             bw.graph.output_node().meta[PARAMETER_GRADIENTS] = parameter_positions
             record.backward = bw
             runnable = self._transformed(bw, "bw", record.index, {}, None)
+            if runnable is bw:
+                bw.recompile()
             record.compile_seconds += time.perf_counter() - started
             return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
 

@@ -51,9 +51,9 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def compiled(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its code generated now (ops called directly: a pass may have built a new
-    graph), so a bound ``gm.forward`` is the generated one."""
-    _LazyGraphModule.force_recompile(call_ops_directly(gm))
+    """``gm`` with its code generated now (a copy's: ops called directly, ``direct_calls``),
+    so a bound ``gm.forward`` is the generated one."""
+    _LazyGraphModule.force_recompile(call_ops_directly(gm, recompile=False))
     return gm
 
 

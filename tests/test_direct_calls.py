@@ -1,11 +1,13 @@
 """Graph code calls plain OpOverloads through ``_op`` (fxdream.direct_calls), and computes the same."""
 import copy
+import re
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 import fxdream
+from conftest import ConvBnNet
 from fxdream.direct_calls import call_ops_directly, direct, direct_calls
 
 
@@ -70,3 +72,13 @@ def test_optimized_graphs_run_direct_calls_and_equal_eager_forward_and_backward(
     model.zero_grad()
     model(x).sum().backward()
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_a_passs_rewritten_graph_calls_its_new_ops_directly():
+    torch.manual_seed(0)
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], cost=None)
+    code = optimized.rewritten_graphs[(0, "fw")].code
+    assert "._op(" in code and not re.search(r"torch\.ops\.\w+\.\w+\.\w+\(", code)  # every op, the new ones too
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
