@@ -32,7 +32,7 @@ def call_ops_directly(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphMod
     current = getattr(gm.graph._codegen, "_body_transformer", None)
     if current is None:
         gm.graph.on_generate_code(lambda _: direct_calls)
-    if recompile and current is None:
+    if recompile and current in (None, direct_calls):
         gm.recompile()
     return gm
 
