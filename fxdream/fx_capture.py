@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .capture import CaptureSession, run_once
-from .model_state import preserved_inputs, preserved_state
+from .model_state import preserved_inputs, preserved_state, tensor_version
 from .dynamo_glue import compile_with, graph_break_counts, new_graph_breaks
 
 
@@ -118,9 +118,10 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(0)
             with preserved_inputs(inputs):  # the traced run gets the inputs eager got
-                input_versions = [x._version for x in inputs]
+                input_versions = [tensor_version(x) for x in inputs]
                 expected = model(*inputs)
-                mutates_inputs = [x._version for x in inputs] != input_versions
+                mutates_inputs = [tensor_version(x) for x in inputs] != input_versions or (
+                    None in input_versions and torch.is_inference_mode_enabled())  # unknown: assume it may
             torch.manual_seed(0)
             values = list(traced(*inputs))
             actual = pytree.tree_unflatten(values, out_spec)
@@ -244,7 +245,7 @@ def _module_state(model: torch.nn.Module) -> list:
 def _state_versions(model: torch.nn.Module) -> list:
     """Version counters of the parameters and buffers: an in-place update (``self.steps += 1``)
     bumps them. A trace runs such an update once, at trace time, and records nothing."""
-    return [t._version for t in list(model.parameters()) + list(model.buffers())]
+    return [tensor_version(t) for t in list(model.parameters()) + list(model.buffers())]
 
 
 def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None, str | None]:

@@ -8,6 +8,12 @@ import contextlib
 import torch
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t._version`` (bumped by every in-place update); None for an inference tensor (made under
+    ``torch.inference_mode()``), which keeps no version counter and raises when asked."""
+    return None if t.is_inference() else t._version
+
+
 @contextlib.contextmanager
 def preserved_inputs(inputs):
     """Input tensors a forward updates in place (``x.mul_(2)``) get their values back afterwards,
@@ -16,15 +22,15 @@ def preserved_inputs(inputs):
     against eager)."""
     tensors = [t for t in torch.utils._pytree.tree_leaves(inputs)
                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
-    saved = [(t, t._version, t.detach().clone()) for t in tensors]
+    saved = [(t, tensor_version(t), t.detach().clone()) for t in tensors]
     grads = [(t, t.grad, None if t.grad is None else t.grad.clone()) for t in tensors if t.is_leaf and t.requires_grad]
     try:
         yield
     finally:
         with torch.no_grad():
             for tensor, version, copy in saved:
-                if tensor._version != version:
-                    tensor.copy_(copy)
+                if tensor_version(tensor) != version or (version is None and torch.is_inference_mode_enabled()):
+                    tensor.copy_(copy)  # (an inference tensor can change only in inference mode: copied back)
             for tensor, grad, values in grads:
                 if grad is not None and tensor.grad is grad:  # accumulated into in place: its values back
                     grad.copy_(values)

@@ -403,3 +403,18 @@ def test_an_rnn_in_training_runs_eagerly_between_captured_graphs():
     assert not fast.report.ran_eagerly and len(fast.report.graphs) == 2
     assert any("LSTM in training runs eagerly" in b for b in fast.report.graph_breaks)
     assert_step_matches(fast, model, reference, ids)
+
+
+def test_inference_tensors_and_builds_inside_inference_mode_work():
+    torch.manual_seed(0)
+    model = ConvBnNet().eval()
+    with torch.inference_mode():
+        x = torch.randn(2, 3, 8, 8)  # an inference tensor: it keeps no version counter
+        expected = model(x)
+    optimized = fxdream.optimize(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), expected)
+    with torch.inference_mode():  # the whole build inside (its own timing loops make inference tensors)
+        optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])
+        torch.testing.assert_close(optimized(x), expected)
+    assert optimized.report.passes[0].applied
