@@ -19,7 +19,7 @@ from .numerics import max_abs_diff
 from .pass_api import PassContext, available_passes, resolve_passes
 from .pass_pipeline import PassPipeline, copy_graph_module, failed_to_run  # noqa: F401  (copy_graph_module: public)
 from .predict import cost_model_for, predict, this_machine_device
-from .report import GraphReport, Report
+from .report import MEASURED_SLOWER, GraphReport, Report
 from .sim.cost import Profiled
 from .sim.profile_store import save_profile
 from .validate import check_flag, check_inputs, check_model, resolve_device
@@ -232,15 +232,18 @@ RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before
 
 
 def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
-    """What makes two calls alike for dynamo with static shapes: tensors' shapes, dtypes and
-    devices, other values as they are (their types, where they cannot be hashed), grad mode,
-    the train/eval flag and whether autocast is on."""
+    """What makes two calls alike for dynamo with static shapes: how the arguments are passed
+    (positional or by keyword), tensors' shapes, strides, dtypes and devices, other values as
+    they are (their types, where they cannot be hashed), grad mode, the train/eval flag and
+    whether autocast is on. (Without the strides and the keywords, a call with a channels_last
+    input and one by keyword were counted as recompiling calls alike, and a module running fine
+    went eager.)"""
     def leaf(x):
         if isinstance(x, torch.Tensor):
-            return (tuple(x.shape), x.dtype, x.device, x.requires_grad)
+            return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
         return x if isinstance(x, (int, float, bool, str, type(None))) else type(x)
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    return tuple(leaf(x) for x in leaves) + (grad, training, autocast_enabled())
+    leaves, structure = torch.utils._pytree.tree_flatten((args, kwargs))
+    return (structure, *(leaf(x) for x in leaves), grad, training, autocast_enabled())
 
 
 def beyond_rounding(diff: float, model, inputs) -> bool:
@@ -321,7 +324,7 @@ def _check_against_eager(model, module: OptimizedModule, inputs, training: bool,
                                  rounds=7, block=block, warmup=2, progress=False)  # ~0.2 s
     eager_ms, built_ms = times["eager"].median_ms, times["built"].median_ms
     if built_ms > EAGER_CHECK_TOLERANCE * eager_ms:
-        module._fall_back(f"measured slower than eager ({built_ms:.3f} vs {eager_ms:.3f} ms per call): "
+        module._fall_back(f"{MEASURED_SLOWER} ({built_ms:.3f} vs {eager_ms:.3f} ms per call): "
                           f"at this size the Python around and inside the captured graphs (aot_autograd's "
                           f"wrappers, one call per op) costs more than the passes save")
     return dict(measured_eager_ms=eager_ms, measured_built_ms=built_ms)

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field
 from .capture import Captured, _count_compute
 
 
+MEASURED_SLOWER = "measured slower than eager"  # the eager check's fallback reason starts so
+
+
 @dataclass(frozen=True)
 class GraphReport:
     """One captured dynamo subgraph."""
@@ -67,6 +70,11 @@ class Report:
     def ran_eagerly(self) -> bool:
         return self.fallback_reason is not None
 
+    @property
+    def ran_eagerly_as_measured_slower(self) -> bool:
+        """Whether the eager check (not a later call) sent the module to eager."""
+        return (self.fallback_reason or "").startswith(MEASURED_SLOWER)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -109,7 +117,7 @@ class Report:
             lines.append(f"Timed against eager: {self.measured_eager_ms:.3f} ms eager, "
                          f"{self.measured_built_ms:.3f} ms built "
                          f"({_pct(self.measured_built_ms, self.measured_eager_ms)}"
-                         f"{'; runs eagerly' if self.fallback_reason else ''}).")
+                         f"{'; runs eagerly' if self.ran_eagerly_as_measured_slower else ''}).")
         if self.verified_max_abs_diff is not None:
             flag = " **More than rounding: the module does not compute what eager does (see the notes).**" \
                 if self.verified_beyond_rounding else ""
