@@ -98,6 +98,28 @@ class ABResult:
         return "\n".join(lines)
 
 
+def user_build(function: Callable, device: str = "cpu", label: str | None = None) -> Callable:
+    """``function(batch)`` returning (model, inputs) or (model, inputs, loss_fn or None) as the
+    ``build(batch) -> (model, inputs tuple, loss_fn)`` an A/B runs, on ``device``; without a loss,
+    training sums the outputs (as the CLI's ``FILE.py:FUNCTION``)."""
+    from .capture import differentiable_scalar
+    name = getattr(function, "__name__", "build")
+    label = label or name
+
+    def build(batch: int):
+        built = function(batch)
+        if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
+            raise TypeError(f"{label}({batch}) must return (model, inputs) or (model, inputs, loss_fn), "
+                            f"got {type(built).__name__}" + (f" of {len(built)}" if isinstance(built, tuple) else ""))
+        model, inputs = built[:2]
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        inputs = torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
+        loss_fn = built[2] if len(built) == 3 and built[2] is not None else differentiable_scalar
+        return model.to(device), inputs, loss_fn
+    build.__name__ = name
+    return build
+
+
 def step_fn(module, inputs, loss_fn, training):
     """One inference call (no_grad), or one training step: grads cleared, forward, loss, backward."""
     if not training:
@@ -133,7 +155,8 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
        dtype: torch.dtype = torch.float32) -> ABResult:
     """For each batch: eager, baseline (no pass) and optimized timed side by side, plus predictions.
 
-    ``model`` is a zoo name or ``build(batch_size) -> (model, example_inputs, loss_fn)``.
+    ``model`` is a zoo name or ``build(batch_size)`` returning (model, example_inputs) or (model,
+    example_inputs, loss_fn): ``user_build``.
     """
     from . import models
     batch_sizes = (batch_sizes,) if isinstance(batch_sizes, int) else tuple(batch_sizes)
@@ -143,7 +166,8 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
         model_name = model
         build = lambda batch: models.build(model_name, batch, tiny=tiny, device=device, dtype=dtype)  # noqa: E731
     else:
-        build, model_name = model, getattr(model, "__name__", "model")
+        model_name = getattr(model, "__name__", "model")
+        build = user_build(model, device)
     selected = resolve_passes(passes)
     names = tuple(p.name for p in selected)
     spec = this_machine_device(device)

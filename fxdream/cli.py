@@ -48,19 +48,8 @@ def user_model(spec: str, device: str = "cpu", tiny: bool = False):
     function = getattr(module, name, None)
     if not callable(function):
         raise ValueError(f"model {spec!r}: {where} has no function {name!r}")
-
-    def build(batch: int):
-        from fxdream.capture import differentiable_scalar
-        built = function(batch)
-        if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
-            raise TypeError(f"model {spec!r}: {name}({batch}) must return (model, inputs) or "
-                            f"(model, inputs, loss_fn), got {type(built).__name__}")
-        model, inputs = built[:2]
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        inputs = torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
-        return model.to(device), inputs, built[2] if len(built) == 3 else differentiable_scalar
-    build.__name__ = name
-    return build
+    from fxdream.ab import user_build
+    return user_build(function, device, label=f"model {spec!r}: {name}")
 
 
 def cmd_capture(args) -> int:

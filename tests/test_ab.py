@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -104,3 +105,18 @@ def test_predictions_use_costs_profiled_between_the_timed_blocks(monkeypatch):
     assert calls.count(True) >= 4  # at least once per round (every call here: block=1)
     assert result.rows[0].predicted_at_build_ms is not None  # optimize()'s own, kept beside
     assert "at build: error" in result.to_markdown()
+
+
+def _mlp(batch):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), torch.randn(batch, 8)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_build_function_may_leave_out_the_loss_as_on_the_command_line(training):
+    for build in (_mlp, lambda batch: (*_mlp(batch), None)):
+        (row,) = ab(build, ["reinplace"], batch_sizes=(2,), training=training, rounds=1, block=1,
+                            progress=False).rows
+        assert row.max_abs_diff == 0.0
+    with pytest.raises(TypeError, match=r"must return \(model, inputs\) or \(model, inputs, loss_fn\), got tuple of 1"):
+        ab(lambda batch: (_mlp(batch)[0],), ["reinplace"], progress=False)
