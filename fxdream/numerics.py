@@ -2,9 +2,18 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+
+def _leaf_diff(actual, expected) -> float:
+    """Max |actual - expected|; inf where the two are not alike (shape, or not both tensors):
+    broadcasting made a 0-d output against eager's (3, 4) read as a small difference."""
+    if not isinstance(expected, torch.Tensor) or actual.shape != expected.shape:
+        return math.inf
+    return (actual.float() - expected.float()).abs().max().item()
 
 
 def _default_loss(output) -> torch.Tensor:
@@ -13,7 +22,8 @@ def _default_loss(output) -> torch.Tensor:
 
 def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tuple, training: bool,
                  loss_fn=None) -> float:
-    """Largest |optimized - eager| over outputs and, in training, every parameter's gradient.
+    """Largest |optimized - eager| over outputs and, in training, every parameter's gradient
+    (inf where an output's shape, or their number, differs).
 
     Runs on a deep copy of ``model`` with the RNG seeded alike for both, and leaves the
     optimized module's gradients cleared.
@@ -26,8 +36,10 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
     torch.manual_seed(0)
     with torch.set_grad_enabled(training):
         actual = optimized(*inputs)
-    diffs = [(a.float() - e.float()).abs().max().item() for a, e in zip(tree_leaves(actual), tree_leaves(expected))
+    diffs = [_leaf_diff(a, e) for a, e in zip(tree_leaves(actual), tree_leaves(expected))
              if isinstance(a, torch.Tensor) and a.numel()]
+    if len(tree_leaves(actual)) != len(tree_leaves(expected)):
+        diffs.append(math.inf)
     losses = (loss_fn(expected), loss_fn(actual)) if training else ()
     if losses and all(isinstance(loss, torch.Tensor) and loss.requires_grad for loss in losses):
         for m in (reference, optimized):

@@ -172,6 +172,9 @@ class PassPipeline:
             return gm, PassReport(p.name, index, ctx.phase, False, not_applicable)
         try:
             result: PassResult = p(copy_graph_module(gm), ctx)
+            if not isinstance(result, PassResult):
+                return gm, PassReport(p.name, index, ctx.phase, False, f"skipped: the pass returned "
+                                      f"{type(result).__name__}, not a PassResult(graph_module, modified, reason)")
             result.graph_module.graph.lint()
             result.graph_module.recompile()
         except Exception as error:  # a broken pass must never break the model

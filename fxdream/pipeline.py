@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import time
 from typing import Callable
 
@@ -173,7 +174,9 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
             module._extras["verified_max_abs_diff"] = diff = max_abs_diff(model, module, inputs, training)
             if beyond_rounding(diff, model, inputs):
                 module._extras["verified_beyond_rounding"] = True
-                module._session.notes.extend(_why_outputs_differ(model, training))
+                module._session.notes.extend(_why_outputs_differ(model, training) if diff != math.inf else [
+                    "an output's shape, or the number of outputs, differs from eager's: a pass changed what the "
+                    "graph returns (run with passes=() to tell which)"])
         if measure:
             module._extras.update(_measure_against_capture(model, module, inputs, training, target))
         if eager_check and module._fallback_reason is None:

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -114,6 +116,43 @@ def test_pass_that_raises_is_skipped_and_reported():
     assert folded.applied  # the next pass still runs on the unchanged graph
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
+
+
+class ReturnsNothing(Raises):
+    name = "returns_nothing"
+
+    def __call__(self, gm, ctx):
+        gm.graph.eliminate_dead_code()  # the author forgot the return
+
+
+def test_a_pass_returning_no_pass_result_is_skipped_with_what_it_must_return():
+    model, x, optimized = _run([ReturnsNothing(), FoldMulByOne()])
+    nothing, folded = optimized.report.passes
+    assert not nothing.applied and nothing.reason == ("skipped: the pass returned NoneType, not a "
+                                                      "PassResult(graph_module, modified, reason)")
+    assert folded.applied
+
+
+class SumsTheOutput(Raises):
+    """A wrong pass: the graph returns its first output summed (0-d where eager's is [n, 4])."""
+    name = "sums_the_output"
+
+    def __call__(self, gm, ctx):
+        output = gm.graph.output_node()
+        first, *rest = output.args[0]
+        with gm.graph.inserting_before(output):
+            summed = gm.graph.call_function(torch.ops.aten.sum.default, (first,))
+        output.args = ((summed, *rest),)
+        gm.recompile()
+        return PassResult(gm, True, "summed the output")
+
+
+def test_verify_calls_an_output_of_another_shape_a_difference_not_a_rounding():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), torch.randn(3, 8)
+    report = fxdream.optimize(model, (x,), passes=[SumsTheOutput()], cost=None, verify=True).report
+    assert report.verified_max_abs_diff == math.inf and report.verified_beyond_rounding
+    assert any(n.startswith("an output's shape, or the number of outputs, differs from eager's") for n in report.notes)
 
 
 def test_pass_that_breaks_the_graph_is_skipped():
