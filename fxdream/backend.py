@@ -19,8 +19,12 @@ from .pass_api import PassContext, resolve_passes
 OPTIONS = ("passes", "device", "cost", "on_report")
 
 
-def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict | None = None) -> Callable:
+def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict | None = None,
+                    mode: str | None = None) -> Callable:
     """A dynamo backend: aot_autograd into ATen graphs, then fxdream's passes."""
+    if mode is not None:  # torch.compile passes its ``mode`` on to the backend
+        raise ValueError(f"mode={mode!r} is inductor's; fxdream takes options={{'passes': ...}} (see "
+                         f"README, torch.compile), e.g. options={{'passes': 'auto'}} or ['cuda_graphs']")
     from .pass_pipeline import PassPipeline
     from .predict import cost_model_for, this_machine_device
     from .sim.profile_store import save_profile

@@ -23,7 +23,7 @@ from .predict import cost_model_for, predict, this_machine_device
 from .report import MEASURED_SLOWER, GraphReport, Report
 from .sim.cost import Profiled
 from .sim.profile_store import save_profile
-from .validate import check_flag, check_inputs, check_model, resolve_device
+from .validate import check_flag, check_inputs, check_memory_budget, check_model, resolve_device
 
 
 class OptimizedModule(torch.nn.Module):
@@ -153,6 +153,7 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     check_model(model)
     inputs = check_inputs(example_inputs)
     training = check_flag("training", training)
+    memory_budget = check_memory_budget(memory_budget)
     strict, verify, measure = (check_flag(n, v) for n, v in (("strict", strict), ("verify", verify),
                                                               ("measure", measure)))
     auto = isinstance(passes, str) and passes == "auto"

@@ -86,6 +86,13 @@ def check_flag(name: str, value) -> bool:
     return value
 
 
+def check_memory_budget(value) -> int | None:
+    """None, or a number of bytes ≥ 0 (``memory_budget``): else one clear line."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+        raise ValueError(f"memory_budget must be None or a number of bytes ≥ 0 (e.g. 2 * 2**30), got {value!r}")
+    return value
+
+
 def check_counts(**counts) -> None:
     """Each of ``counts`` an int ≥ 1, or a sequence of them (batch sizes): else one clear line."""
     for name, value in counts.items():

@@ -57,6 +57,12 @@ def test_unknown_backend_option_is_named():
         compiled(torch.randn(2, 4))
 
 
+def test_an_inductor_mode_is_named_as_such():
+    compiled = torch.compile(MulByOne(), backend="fxdream", mode="max-autotune")
+    with pytest.raises(Exception, match=r"mode='max-autotune' is inductor's; fxdream takes options="):
+        compiled(torch.randn(2, 4))
+
+
 class ScaledBySizedOnes(nn.Module):
     """A factory op sized by the batch: symbolic once dynamo recompiles for a second batch size."""
 

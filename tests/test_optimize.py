@@ -268,6 +268,8 @@ def test_many_optimized_copies_of_one_class_are_each_captured():
     (dict(device="meta"), ValueError, "device='meta' is not supported; valid here: cpu"),
     (dict(device="cuda"), ValueError, "CUDA is not available on this machine; valid here: cpu"),
     (dict(training="yes"), TypeError, "training must be True or False"),
+    (dict(memory_budget="1GB"), ValueError, "memory_budget must be None or a number of bytes ≥ 0"),
+    (dict(memory_budget=-5), ValueError, "memory_budget must be None or a number of bytes ≥ 0"),
 ])
 def test_bad_arguments_get_one_clear_line(kwargs, error, message):
     if kwargs.get("device") == "cuda" and torch.cuda.is_available():
