@@ -164,10 +164,24 @@ def cmd_whatif(args) -> int:
     return 0
 
 
+def _check_output_paths(args) -> None:
+    """Before any work: a file to write whose folder does not exist (found only at the end, it
+    cost a whole simulation and gave a traceback)."""
+    import os
+    for option in ("trace", "plot", "json", "out"):
+        path = getattr(args, option, None)
+        folder = os.path.dirname(path) if path else ""
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"--{option} {path}: no folder {folder!r}")
+
+
 def _load_plugins(paths) -> None:
     """Run user pass files (each registers its passes with @fxdream.register_pass)."""
     import importlib.util
+    import os
     for path in paths or ():
+        if not os.path.isfile(path):
+            raise ValueError(f"--load {path!r}: no such file")
         spec = importlib.util.spec_from_file_location(f"fxdream_plugin_{abs(hash(path))}", path)
         if spec is None or spec.loader is None:
             raise ValueError(f"--load {path!r}: not a Python file")
@@ -335,6 +349,7 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        _check_output_paths(args)
         return args.run(args)
     except (ValueError, TypeError, RuntimeError) as error:  # one line, not a dynamo traceback
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""

@@ -38,7 +38,8 @@ def build(name: str, batch_size: int, tiny: bool = False, device="cpu", dtype: t
     builds without allocating memory, e.g. to count parameters of the full models.
     """
     if name not in _FAMILIES:
-        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(NAMES)}")
+        hint = f" (a model of your own: {name}:FUNCTION)" if name.endswith(".py") else ""
+        raise ValueError(f"unknown model {name!r}{hint}; valid names: {', '.join(NAMES)}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r} "
                          f"(for model {name!r}; valid names: {', '.join(NAMES)})")

@@ -43,6 +43,10 @@ def test_explain_for_a_gpu_lists_each_pass(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "resnet1000"], "unknown model 'resnet1000'"),
+    (["ab", "mynet.py", "--pass", "reinplace"], "unknown model 'mynet.py' (a model of your own: mynet.py:FUNCTION)"),
+    (["ab", "mnist_convnet", "--tiny", "--pass", "x", "--load", "/no/such/passes.py"],
+     "--load '/no/such/passes.py': no such file"),
+    (["simulate", "mnist_convnet", "--tiny", "--trace", "/no/such/folder/t.json"], "no folder '/no/such/folder'"),
     (["simulate", "mnist_convnet", "--tiny", "--device", "tpu9"], "unknown device 'tpu9'"),
     (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_everything"], "fuse_everything"),
     (["ab", "mnist_convnet", "--tiny", "--pass", "cuda_graphs", "--device", "h100"], "an A/B measures on this machine"),
