@@ -69,7 +69,7 @@ def preserved_modes(model: torch.nn.Module):
 def preserved_state(model: torch.nn.Module):
     """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
     grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = [(b, tensor_version(b), b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index for p in model.parameters()
                       if p.device.type == "cuda" and p.device.index is not None})
     with torch.random.fork_rng(devices=devices):
@@ -77,8 +77,9 @@ def preserved_state(model: torch.nn.Module):
             yield
         finally:
             with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+                for buffer, version, saved in buffers:  # only those changed: an inference module
+                    if version is None or tensor_version(buffer) != version:  # watches the versions
+                        buffer.copy_(saved)
             for p, saved in grads.items():
                 p.grad = saved
             _refresh_rnn_weights(model)

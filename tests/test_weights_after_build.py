@@ -1,0 +1,46 @@
+"""An inference module whose weights change in place after the build runs its graphs as captured
+(reading the weights live) instead of the rewritten ones, which hold folded and packed copies."""
+import pytest
+import torch
+
+import fxdream
+from conftest import ConvBnNet
+
+CHANGED = "the model's weights changed in place after the build"
+
+
+def _built(passes=("fuse_conv_bias_act",)):
+    torch.manual_seed(0)
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 8, 8)
+    return model, x, fxdream.optimize(model, (x,), passes=list(passes))
+
+
+def _changed(report) -> bool:
+    return any(CHANGED in note for note in report.notes)
+
+
+def test_calls_after_the_build_run_the_rewritten_graphs():
+    model, x, optimized = _built()
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(optimized(x), model(x))
+    assert optimized.report.passes[0].applied and not _changed(optimized.report)
+
+
+@pytest.mark.parametrize("change", ["optimizer step", "load_state_dict", "batchnorm statistics in train mode"])
+def test_weights_changed_in_place_are_seen(change):
+    model, x, optimized = _built()
+    if change == "optimizer step":
+        model.conv.weight.grad = torch.ones_like(model.conv.weight)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    elif change == "load_state_dict":
+        state = {k: v + 0.25 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+    else:  # calls in train mode update the running statistics BatchNorm was folded from
+        optimized.train()
+        with torch.no_grad():
+            optimized(x * 3 + 1)
+        optimized.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+    assert _changed(optimized.report)
