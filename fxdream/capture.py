@@ -23,9 +23,10 @@ from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_ba
 from .dynamo_glue import compiling_code, describe_error, graph_break_counts, new_graph_breaks
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
 from .dead_copies import drop_dead_copies
+from .graph_guards import captured_if_rewrite_raises, same_state_or, weights_as_built_or
 from .direct_calls import call_ops_directly
 from .rnn_op import keep_ops_whole, outside_keep_ops_whole
-from .model_state import preserved_inputs, preserved_modes, preserved_state, switch_to_build_mode, tensor_version
+from .model_state import preserved_inputs, preserved_modes, preserved_state, switch_to_build_mode
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
@@ -167,10 +168,14 @@ class CaptureSession:
         self.clock = SubgraphClock()  # time-stamps graph calls while host gaps are measured
         self.notes: list[str] = []    # what the report should say about the capture itself
         self.state_names: dict[int, str] = {}  # a shared tensor keeps its first name
+        # BatchNorm's kernel updates its running statistics without bumping their version; each
+        # train-mode call bumps its count (which an eval graph does not take): watched with them
+        self.batches_tracked: list[torch.Tensor] = []
         if model is not None:
             for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
                     list(model.named_buffers(remove_duplicate=False)):
                 self.state_names.setdefault(id(tensor), name)
+            self.batches_tracked = [b for name, b in model.named_buffers() if name.endswith("num_batches_tracked")]
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
@@ -207,13 +212,13 @@ class CaptureSession:
                 fw.recompile()  # it runs: its own code calls ops directly too
             record.compile_seconds += time.perf_counter() - started
             frozen = runnable is not fw and not record.training  # inference: state may be constants
-            run = _same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
+            run = same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
             if frozen:
-                run = _weights_as_built_or(run, fw.forward, state, lambda: self.notes.append(
+                run = weights_as_built_or(run, fw.forward, state + self.batches_tracked, lambda: self.notes.append(
                     f"graph {record.index}: the model's weights changed in place after the build (load_state_dict, "
                     f"an optimizer step, BatchNorm statistics from a call in train mode): it runs as captured from "
                     f"then on, reading them as they are; rebuild to fold and pack them again"))
-                run = _captured_if_rewrite_raises(run, fw.forward, lambda error: self._rewrite_failed(record, error))
+                run = captured_if_rewrite_raises(run, fw.forward, lambda error: self._rewrite_failed(record, error))
             return self.clock.wrap(make_boxed_func(run), f"g{record.index}.fw")
 
         @outside_keep_ops_whole()
@@ -245,64 +250,6 @@ class CaptureSession:
 
     def captured(self) -> tuple[Captured, ...]:
         return tuple(r.freeze() for r in self.records if r.forward is not None)
-
-
-def _same_state_or(rewritten: Callable, original: Callable, state: list, own: int) -> Callable:
-    """Run ``rewritten`` while the model state dynamo passes in is what it was rewritten for.
-
-    dynamo lifts a module's parameters to graph inputs, so one graph serves every instance of a
-    class (two blocks of the same type, called in a loop dynamo gave up on). A rewrite that took
-    them as constants (BatchNorm folded, weights prepacked) is right for the first instance
-    only: for any other state, the graph as captured runs instead."""
-    lifted = tuple((i, t) for i, t in enumerate(state) if i >= own and t is not None)
-    if not lifted:
-        return rewritten
-
-    def run(*args):
-        if all(args[i] is t for i, t in lifted):
-            return rewritten(*args)
-        return original(*args)
-    return run
-
-
-def _weights_as_built_or(rewritten: Callable, original: Callable, state: list, changed: Callable) -> Callable:
-    """Run ``rewritten`` while the model tensors it may hold as constants (BatchNorm folded,
-    weights packed) are as they were built from; once one was updated in place, ``original``
-    (the graph as captured, which reads them at every call), and ``changed()`` says so.
-    Asking every tensor's version costs ~65 ns each per call (ResNet-50's 320: ~20 µs)."""
-    watched = [t for t in state if t is not None and tensor_version(t) is not None]
-    built_from = [t._version for t in watched]
-    stale = []
-
-    def run(*args):
-        if not stale:
-            if [t._version for t in watched] == built_from:
-                return rewritten(*args)
-            stale.append(True)
-            changed()
-        return original(*args)
-    return run
-
-
-def _captured_if_rewrite_raises(rewritten: Callable, original: Callable, failed: Callable) -> Callable:
-    """Run ``rewritten`` until a call raises where ``original`` (the graph as captured) does not;
-    from then on ``original``, and ``failed(error)`` says why. For inference graphs: they write
-    no input (aot_autograd applies input mutations after the graph), so a call that raised
-    halfway can run again. Under ``torch.compile(backend="fxdream")`` nothing else stands
-    between a broken rewrite and the user's call."""
-    broken = []
-
-    def run(*args):
-        if not broken:
-            try:
-                return rewritten(*args)
-            except Exception as error:
-                out = original(*args)  # raises here where the call itself is wrong
-                broken.append(error)
-                failed(error)
-                return out
-        return original(*args)
-    return run
 
 
 def _state_names_from_sources(gm: fx.GraphModule, example_inputs: Sequence) -> dict[int, str]:

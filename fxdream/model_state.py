@@ -77,12 +77,19 @@ def preserved_state(model: torch.nn.Module):
             yield
         finally:
             with torch.no_grad():
-                for buffer, version, saved in buffers:  # only those changed: an inference module
-                    if version is None or tensor_version(buffer) != version:  # watches the versions
+                for buffer, version, saved in buffers:  # only those changed (an inference module
+                    if _changed(buffer, version, saved):  # watches the versions of the others)
                         buffer.copy_(saved)
             for p, saved in grads.items():
                 p.grad = saved
             _refresh_rnn_weights(model)
+
+
+def _changed(buffer: torch.Tensor, version: int | None, saved: torch.Tensor) -> bool:
+    """Whether ``buffer`` is not ``saved`` any more: BatchNorm's kernel updates its running
+    statistics without bumping their version, so the values are compared too."""
+    return version is None or tensor_version(buffer) != version or buffer.device.type == "meta" \
+        or not torch.equal(buffer, saved)
 
 
 def _refresh_rnn_weights(model: torch.nn.Module) -> None:

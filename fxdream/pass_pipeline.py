@@ -260,7 +260,7 @@ class PassPipeline:
 
     def rewrite_failed(self, index: int, phase: str, error: Exception) -> None:
         """Graph ``index``'s rewrite raised when run where the graph as captured did not: that
-        graph runs as captured from now on (``capture._captured_if_rewrite_raises``), and its
+        graph runs as captured from now on (``graph_guards.captured_if_rewrite_raises``), and its
         applied rows say so (and are reported again to ``on_row``)."""
         self.rewritten.pop((index, phase), None)
         for i, row in enumerate(self.rows):

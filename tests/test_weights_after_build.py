@@ -44,3 +44,24 @@ def test_weights_changed_in_place_are_seen(change):
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
     assert _changed(optimized.report)
+
+
+class ConvBnNetWithKwargs(ConvBnNet):
+    """**kwargs keep torch.fx off: the dynamo path, whose eval graphs do not take BN's batch count."""
+    def forward(self, x, **unused):
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("cls", [ConvBnNet, ConvBnNetWithKwargs], ids=["torch.fx", "dynamo"])
+def test_batchnorm_statistics_updated_by_eager_train_mode_calls_are_seen(cls):
+    # BatchNorm's kernel updates running_mean/var without bumping their version: its count tells
+    torch.manual_seed(0)
+    model, x = cls().eval(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])
+    model.train()
+    with torch.no_grad():
+        model(x * 3 + 1)  # eager: recalibrates the statistics
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+    assert _changed(optimized.report)
