@@ -47,6 +47,17 @@ def test_packs_every_linear_and_fuses_its_activation_without_measured_costs():
         torch.testing.assert_close(optimized(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+def test_the_packed_weights_count_in_the_predicted_peak_memory():
+    # they live beside the model's own weights: memory_budget must see them
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(2, 5, 16)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost="analytic")
+    (row,) = optimized.report.passes
+    packed = [b for name, b in optimized.rewritten_graphs[(0, "fw")].named_buffers() if name.endswith("packed_weight")]
+    assert row.applied and len(packed) == 3
+    assert row.predicted_delta_peak_bytes >= sum(b.numel() * b.element_size() for b in packed) > 0
+
+
 def test_one_row_is_left_alone_without_measured_costs_and_the_reason_says_so():
     model, x = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval(), torch.randn(1, 8)
     optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)

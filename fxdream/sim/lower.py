@@ -182,6 +182,8 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
             if node.op == "output":
                 buffers.output(node, graph_index)
                 continue
+            if node.op == "get_attr" and phase == "fw":  # a pass's constant (packed, folded weights):
+                static += tensor_bytes(node.meta.get("val"))  # alive beside the model's own
             if node.op != "call_function":
                 continue
             name = f"{label}:{node.name}"
