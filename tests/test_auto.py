@@ -225,6 +225,31 @@ def test_auto_runs_eagerly_when_the_built_module_is_measured_slower(monkeypatch)
         assert torch.equal(optimized(x), model(x))
 
 
+class CountsCalls(nn.Module):
+    """A Python int the forward increments: dynamo guards on it and compiles every call again."""
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(64, 8), 0
+
+    def forward(self, x, **unused):  # **unused: the dynamo path
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_the_eager_check_line_blames_itself_only_for_its_own_fallback(monkeypatch):
+    import fxdream.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=0.9))  # the check keeps them
+    model, x = CountsCalls().eval(), torch.randn(8, 64)
+    optimized = fxdream.optimize(model, (x,), passes="auto")
+    for _ in range(6):
+        with torch.no_grad():
+            optimized(x)  # recompiles every call: runs eagerly after a few
+    report = optimized.report
+    assert report.ran_eagerly and "compiled calls with the same input shapes" in report.fallback_reason
+    assert not report.ran_eagerly_as_measured_slower
+    assert "Timed against eager: 1.000 ms eager, 0.900 ms built (-10.0 %)." in report.to_markdown()
+
+
 def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off(monkeypatch):
     import fxdream.pipeline as pipeline
     monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=1.04))  # within 5 %

