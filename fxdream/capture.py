@@ -26,6 +26,7 @@ from .dead_copies import drop_dead_copies
 from .graph_guards import captured_if_rewrite_raises, same_state_or, weights_as_built_or
 from .direct_calls import call_ops_directly
 from .rnn_op import keep_ops_whole, outside_keep_ops_whole
+from .sim.op_keys import size_hint
 from .model_state import preserved_inputs, preserved_modes, preserved_state, switch_to_build_mode
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
@@ -189,8 +190,8 @@ class CaptureSession:
         own = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
                *dict(gm.named_buffers(remove_duplicate=False)).values()]
         state = own + [x if id(x) in names else None for x in example_inputs]
-        record.example_inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else x
-                                      for x in own + list(example_inputs))
+        record.example_inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else size_hint(x)  # a dynamic
+                                      for x in own + list(example_inputs))  # size: its value (timed runs take it)
         record.state_positions = frozenset(i for i, x in enumerate(state) if x is not None)
         parameter_positions = frozenset(range(len(own))) | {i for i, x in enumerate(state)
                                                             if isinstance(x, torch.nn.Parameter)}

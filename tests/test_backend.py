@@ -89,3 +89,19 @@ def test_dynamic_shapes_are_costed_at_their_example_sizes():
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         assert_step_matches(compiled, model, eager, x)
+
+
+def test_a_dynamic_inference_graph_is_timed_on_its_example_sizes_without_tracebacks(capfd):
+    # dynamo hands the backend its symbolic sizes as SymInt inputs: the timed runs take their values
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 4)).eval()
+    rows = []
+    options = {"passes": ["fuse_conv_bias_act"], "on_report": rows.append}
+    compiled = torch.compile(model, backend="fxdream", options=options)
+    with torch.no_grad():
+        for batch in (2, 5, 7):
+            x = torch.randn(batch, 3, 16, 16)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(rows) >= 2 and all(r.applied for r in rows)  # from the second graph on: a symbolic batch
+    assert "SymIntArrayRef" not in capfd.readouterr().err
