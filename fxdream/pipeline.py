@@ -74,6 +74,11 @@ class OptimizedModule(torch.nn.Module):
         cannot be copied; a copy of the graphs would read the original's weights or fail."""
         return self._rebuild(copy.deepcopy(self.model, memo))
 
+    def __reduce__(self):
+        raise TypeError("an fxdream OptimizedModule cannot be pickled (its graphs are compiled code bound to "
+                        "this process): save the model (torch.save(optimized.model.state_dict())) and build "
+                        "again after loading it")
+
     def _count_compilation(self, key: tuple, records: list) -> None:
         """Run eagerly once dynamo has compiled calls of one kind (``key``: ``call_kind``)
         ``RECOMPILE_LIMIT`` times: a guard on something that changes every call (a counter the

@@ -86,7 +86,10 @@ class Report:
         lines = [f"## fxdream report: {self.model} ({mode}, {self.device})", ""]
         if self.fallback_reason:
             lines += [f"**Runs eagerly**: {self.fallback_reason}", ""]
-        lines.append(f"Captured {len(self.graphs)} subgraph(s) by {self.capture}; built in {self.build_seconds:.2f} s.")
+        later = " (the build's; later calls of other kinds by dynamo)" \
+            if len(self.graphs) > 1 and self.capture.startswith("torch.fx") else ""
+        lines.append(f"Captured {len(self.graphs)} subgraph(s) by {self.capture}{later}; "
+                     f"built in {self.build_seconds:.2f} s.")
         if self.graph_breaks:
             lines += ["", f"Graph breaks ({len(self.graph_breaks)}):"]
             lines += [f"- {reason}" for reason in self.graph_breaks]

@@ -472,3 +472,12 @@ def test_a_verified_difference_beyond_rounding_is_flagged_with_its_known_cause()
     assert "eager-only fast path" in text
     close = fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),), verify=True, cost=None)
     assert "More than rounding" not in close.report.to_markdown()
+
+
+def test_pickling_says_what_to_save_instead():
+    import io
+    import pickle
+    optimized = fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),))
+    for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"cannot be pickled .* torch.save\(optimized.model.state_dict\(\)\)"):
+            save(optimized)
