@@ -437,3 +437,24 @@ def test_two_rounds_that_agree_end_the_timing_of_a_graph_that_is_not_short(monke
     monkeypatch.setattr(in_context, "AGREED_ROUNDS_S", 0.05)
     monkeypatch.setattr(in_context, "AGREED", 0.0)  # never agree exactly: four rounds
     assert runs() == 4
+
+
+def test_the_pipeline_predicts_a_copy_of_a_graph_from_the_first_prediction(monkeypatch):
+    # a pass keeping a copy of its input to compare against asks for a graph predicted already
+    import fxdream.pass_pipeline as pipeline_module
+    calls = []
+    real = pipeline_module.graph_prediction
+    monkeypatch.setattr(pipeline_module, "graph_prediction", lambda *a: calls.append(a) or real(*a))
+    captured = fxdream.capture(Small().eval(), (torch.randn(2, 3, 8, 8),))
+    analytic = cost_model_for("cpu", "analytic")
+    pipeline = pipeline_module.PassPipeline((), PassContext(device="cpu", cost_model=analytic))
+    gm = captured.forward
+    first = pipeline.predict(gm, "fw")
+    assert pipeline.predict(pipeline_module.copy_graph_module(gm), "fw") == first and len(calls) == 1
+    changed = pipeline_module.copy_graph_module(gm)
+    relu = next(n for n in changed.graph.nodes if n.target is torch.ops.aten.relu.default)
+    with changed.graph.inserting_after(relu):
+        doubled = changed.graph.call_function(torch.ops.aten.mul.Tensor, (relu, 2.0))
+    doubled.meta.update(relu.meta)
+    relu.replace_all_uses_with(doubled, delete_user_cb=lambda user: user is not doubled)
+    assert pipeline.predict(changed, "fw") != first and len(calls) == 2  # other nodes: simulated
