@@ -38,10 +38,6 @@ class RewriteFailed(RuntimeError):
     """A pass's rewritten graph raised when run on real inputs the graph before it ran on."""
 
 
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [""])[0][:200]
-
-
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy whose graph a pass may rewrite freely (attributes are shared, not cloned).
 
@@ -147,7 +143,7 @@ class PassPipeline:
                                        raise_errors=(index, phase) in self._ran_alone)
                 except Exception as error:
                     raise RewriteFailed(f"the rewritten graph raised when run on the example inputs, where the "
-                                        f"graph before it ran: {type(error).__name__}: {_first_line(error)}") from error
+                                        f"graph before it ran: {describe_error(error)}") from error
 
     # --- the transform -----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict, inputs=None) -> fx.GraphModule:
@@ -276,8 +272,8 @@ class PassPipeline:
                 self.rows[i] = failed_to_run(row, error)
                 if self.on_row is not None:  # the backend's on_report hears of it too
                     self.on_row(self.rows[i])
-        log.warning("graph %d/%s: the rewritten graph raised (%s: %s); it runs as captured",
-                    index, phase, type(error).__name__, _first_line(error))
+        log.warning("graph %d/%s: the rewritten graph raised (%s); it runs as captured",
+                    index, phase, describe_error(error))
 
     def _add(self, row: PassReport) -> None:
         self.rows.append(row)

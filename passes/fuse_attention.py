@@ -19,9 +19,9 @@ query row the mask excludes entirely (filled, or -inf added) gives 0 where eager
 NaN: a block whose mask is a constant of the model that does so is left as it is, and where the
 mask is only known at the call the pass's notes say so (a causal mask never excludes a whole
 row). An add with ``alpha`` (mask weighted) is not SDPA's and is not matched. SDPA's output
-follows q's layout ([b, s, h, d] in memory on CPU) where the bmm's was contiguous: the values downstream are
-re-derived, and where the difference would show (a returned tensor's strides, a ``view`` that
-needs the old ones) a clone makes it contiguous again.
+follows q's layout ([b, s, h, d] in memory on CPU) where the bmm's was contiguous: the values
+downstream are re-derived, and where the difference would show (a returned tensor's strides, a
+``view`` that needs the old ones) a clone makes it contiguous again.
 Training is left alone: its backward graph holds the unfused gradients.
 """
 from __future__ import annotations
