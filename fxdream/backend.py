@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from .capture import CaptureSession
+from .heap import older_objects_frozen
 from .pass_api import PassContext, resolve_passes
 
 OPTIONS = ("passes", "device", "cost", "on_report")
@@ -40,6 +41,7 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
     cost_model = cost_model_for(this_machine_device(device), cost, reuse=True) if passes and cost else None
     pipeline = PassPipeline(passes, PassContext(device=device.type, training=training, cost_model=cost_model),
                             auto=options.get("passes") == "auto", on_row=options.get("on_report"))
-    compiled = CaptureSession(None, transform=pipeline if passes else None)(gm, example_inputs)
+    with older_objects_frozen():
+        compiled = CaptureSession(None, transform=pipeline if passes else None)(gm, example_inputs)
     save_profile(cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     return compiled

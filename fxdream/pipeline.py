@@ -13,6 +13,7 @@ from .capture import CaptureError, CaptureSession, one_step, run_once
 from .dynamo_glue import describe_error, graph_break_counts, new_graph_breaks
 from .blockwise import capture_after_nothing
 from .fx_capture import autocast_enabled, compile_model
+from .heap import older_objects_frozen
 from .host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from .measure import time_interleaved
 from .model_state import preserved_inputs, preserved_state, switch_to_build_mode
@@ -168,7 +169,8 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     target = resolve_device(device, model, inputs)
     switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
-    with preserved_state(model), preserved_inputs(inputs):  # the user's RNG, BN statistics, grads, inputs
+    # the user's RNG, BN statistics, grads, inputs
+    with preserved_state(model), preserved_inputs(inputs), older_objects_frozen():
         started = time.perf_counter()
         module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
         module._build_seconds = time.perf_counter() - started
