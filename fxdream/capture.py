@@ -23,6 +23,7 @@ from .annotate import (LAYER, PARAMETER_GRADIENTS, ROOT_LAYER_LABEL, annotate_ba
 from .dynamo_glue import compiling_code, describe_error, graph_break_counts, new_graph_breaks
 from .host_gaps import SubgraphClock, describe_gaps, measure_model_gaps, worth_measuring
 from .dead_copies import drop_dead_copies
+from .inference_trace import boxed_caller, inference_graph
 from .graph_guards import captured_if_rewrite_raises, same_state_or, weights_as_built_or
 from .direct_calls import call_ops_directly
 from .rnn_op import keep_ops_whole, outside_keep_ops_whole
@@ -178,7 +179,9 @@ class CaptureSession:
                 self.state_names.setdefault(id(tensor), name)
             self.batches_tracked = [b for name, b in model.named_buffers() if name.endswith("num_batches_tracked")]
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> Callable:
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence, one_trace: bool = False) -> Callable:
+        """Compile ``gm`` (a backend's call). ``one_trace``: in inference, for a graph whose inputs
+        are plain tensors, trace it once (``inference_trace``) instead of through aot_autograd."""
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
                                  _user_input_shapes(gm, example_inputs))
         record.code = compiling_code()
@@ -236,6 +239,9 @@ class CaptureSession:
             return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
 
         with keep_ops_whole(gm):
+            fw = inference_graph(gm, own, example_inputs) if one_trace and not record.training else None
+            if fw is not None:
+                return boxed_caller(compile_forward(fw, None), own)
             return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
                                          bw_compiler=compile_backward)
 

@@ -138,7 +138,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
     if not _same(expected, actual):
         return None, "the torch.fx trace's output differs from eager on the example"
     try:
-        compiled = session(traced, list(inputs))
+        compiled = session(traced, list(inputs), one_trace=True)
     except Exception as error:
         return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
     return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=mutates_inputs), None

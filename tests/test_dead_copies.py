@@ -50,16 +50,34 @@ def test_a_clone_goes_only_where_nothing_else_sees_its_input(name):
     torch.testing.assert_close(gm(*inputs), expected, rtol=0, atol=0)
 
 
-def test_bert_inference_drops_its_dropout_copies_and_stays_bit_identical():
+def test_bert_inference_through_dynamo_drops_its_dropout_copies_and_stays_bit_identical(monkeypatch):
+    monkeypatch.setattr(fxdream.pipeline, "compile_model", _through_dynamo)  # aot_autograd makes the copies
     model, inputs, _ = models.build("bert_base", 1, tiny=True)
     model.eval()
     with torch.no_grad():
         optimized = fxdream.optimize(model, inputs, passes=[], cost=None)
         torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=0, atol=0)
+    assert optimized.report.capture.startswith("dynamo")
     (note,) = [n for n in optimized.report.notes if "copies of intermediates" in n]
     assert "dropped 8 copies" in note  # 2 layers x (attention probabilities, 2 hidden) + embeddings + pooler
     forward = optimized.captured[0].forward
     assert all(c.kwargs.get("memory_format") == torch.contiguous_format for c in _clones(forward))
+
+
+def test_bert_inference_traced_once_has_no_dropout_copies_to_drop():
+    model, inputs, _ = models.build("bert_base", 1, tiny=True)
+    model.eval()
+    with torch.no_grad():
+        optimized = fxdream.optimize(model, inputs, passes=[], cost=None)
+        torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=0, atol=0)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    clones = _clones(optimized.captured[0].forward)
+    assert len(clones) == 2 and all(c.args[0].target is aten.permute.default for c in clones)  # reshape's
+    assert not [n for n in optimized.report.notes if "copies of intermediates" in n]
+
+
+def _through_dynamo(model, inputs, session, training):
+    return fxdream.fx_capture.compile_with(model, session), "dynamo (test)"
 
 
 def test_a_training_capture_keeps_them():
