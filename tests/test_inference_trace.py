@@ -1,4 +1,5 @@
 """Inference graphs traced once (fxdream.inference_trace) are aot_autograd's graphs, or None."""
+import sys
 from collections import Counter
 
 import pytest
@@ -108,3 +109,16 @@ def test_optimize_equals_eager_whichever_trace_it_took(model):
     for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(built_input, eager_input)  # an input updated in place: updated once
+
+
+def test_a_trace_that_raises_leaves_the_graph_to_aot_autograd(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no fake kernel")
+    monkeypatch.setattr(sys.modules["fxdream.capture"], "inference_graph", broken)
+    model, x = ConvBlock().eval(), torch.randn(2, 3, 6, 6)
+    optimized = fxdream.optimize(model, (x,), cost=None)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    assert any("dropped 1 copies" in note for note in optimized.report.notes)  # aot's, of the dropout's input
+    with torch.no_grad():
+        for got, want in zip(optimized(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
