@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import re
 import sys
 import time
@@ -290,6 +292,7 @@ def _zoo_names() -> tuple[str, ...]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fxdream", description=__doc__)
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="optimize ResNet-50 with passes=\"auto\", show the report, time it against eager")
@@ -350,11 +353,31 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         _check_output_paths(args)
-        return args.run(args)
+        with _progress_on_stderr(not args.quiet):
+            return args.run(args)
     except (ValueError, TypeError, RuntimeError) as error:  # one line, not a dynamo traceback
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(f"fxdream {args.command}: error: {type(error).__name__}: {first}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def _progress_on_stderr(enabled: bool):
+    """The "fxdream" logger's INFO lines (a build's start, each pass's decision, its end) on
+    stderr while a command runs: a VGG-19 bs8 build took ~36 s here, silent otherwise."""
+    log = logging.getLogger("fxdream")
+    if not enabled or log.isEnabledFor(logging.INFO):  # the user's own logging config stands
+        yield
+        return
+    handler, level = logging.StreamHandler(sys.stderr), log.level
+    handler.setFormatter(logging.Formatter("fxdream: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 if __name__ == "__main__":

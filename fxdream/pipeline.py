@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import math
 import time
 from typing import Callable
@@ -25,6 +26,8 @@ from .report import MEASURED_SLOWER, GraphReport, Report
 from .sim.cost import Profiled
 from .sim.profile_store import save_profile
 from .validate import check_flag, check_inputs, check_memory_budget, check_model, resolve_device
+
+log = logging.getLogger("fxdream")  # INFO: a build's progress (each pass's row as it is decided)
 
 
 class OptimizedModule(torch.nn.Module):
@@ -172,6 +175,8 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     # the user's RNG, BN statistics, grads, inputs
     with preserved_state(model), preserved_inputs(inputs), older_objects_frozen():
         started = time.perf_counter()
+        log.info("building %s (%s, %s, passes: %s) ...", type(model).__name__, "training" if training else "inference",
+                 target, "auto" if auto else ", ".join(p.name for p in selected) or "none")
         module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
         module._build_seconds = time.perf_counter() - started
         if switched:
@@ -190,6 +195,8 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
         if eager_check and module._fallback_reason is None:
             module._extras.update(_check_against_eager(model, module, inputs, training,
                                                        module._extras.get("predicted_baseline_ms")))
+        log.info("built %s in %.1f s (%s)%s", type(model).__name__, time.perf_counter() - started, module._capture,
+                 f"; runs eagerly: {module._fallback_reason}" if module._fallback_reason else "")
     save_profile(module._pipeline.base_context.cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     module._rebuild = functools.partial(optimize, example_inputs=inputs, passes=passes, training=training,
                                         device=device, strict=strict, cost=cost, memory_budget=memory_budget,

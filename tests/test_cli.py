@@ -89,11 +89,29 @@ def test_a_model_spec_becomes_a_plain_file_name(spec, stem):
 
 def test_demo_on_a_tiny_model_reports_and_times(capsys):
     assert main(["demo", "--model", "mnist_convnet", "--tiny", "--rounds", "1", "--block", "1"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "## fxdream report" in out and "| auto |" in out
+    assert "fxdream: building MnistConvNet (inference, cpu, passes: auto) ..." in err  # progress, on stderr
+    assert "fxdream: pass fuse_conv_bias_act on 0/fw:" in err and "fxdream: built MnistConvNet in" in err
+    assert "fxdream:" not in out
     assert "fxdream, auto" in out and "rebuilt in" in out
     diff = float(out.split("max abs diff of the outputs vs eager: ")[1].split(")")[0])
     assert diff < 1e-4
+
+
+def test_quiet_leaves_stderr_without_progress_lines_and_the_logger_as_it_was(capsys):
+    import logging
+    log = logging.getLogger("fxdream")
+    handlers, level = list(log.handlers), log.level
+    assert main(["-q", "capture", "mnist_convnet", "--tiny"]) == 0
+    assert main(["ab", "mnist_convnet", "--tiny", "--pass", "reinplace", "--batch", "1", "--rounds", "1",
+                 "--block", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "fxdream: building" in err
+    assert main(["-q", "ab", "mnist_convnet", "--tiny", "--pass", "reinplace", "--batch", "1", "--rounds", "1",
+                 "--block", "1"]) == 0
+    assert "fxdream: building" not in capsys.readouterr().err
+    assert log.handlers == handlers and log.level == level
 
 
 USER_MODEL = '''

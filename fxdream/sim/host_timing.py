@@ -2,6 +2,7 @@
 for ``Profiled`` (the Python of generated FX code; entering a captured module)."""
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -69,7 +70,12 @@ def measure_graph_call_us(device: torch.device) -> float:
             return x + 1
 
     x = torch.zeros(1, device=device)
-    module = optimize(AddOne(), (x,), cost=None)
+    log = logging.getLogger("fxdream")
+    disabled, log.disabled = log.disabled, True  # a probe, not the user's build: no progress lines
+    try:
+        module = optimize(AddOne(), (x,), cost=None)
+    finally:
+        log.disabled = disabled
     cuda = device.type == "cuda"
     with torch.no_grad():
         through_graph = _time_calls(lambda: module(x), OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US, cuda=cuda)
