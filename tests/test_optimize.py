@@ -1,5 +1,4 @@
 import copy
-import logging
 
 import pytest
 import torch
@@ -482,30 +481,3 @@ def test_pickling_says_what_to_save_instead():
     for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
         with pytest.raises(TypeError, match=r"cannot be pickled .*\(torch\.save\(optimized\.model\.state_dict\(\)\)\)"):
             save(optimized)
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-def test_a_build_logs_its_progress_at_info_and_its_probes_do_not():
-    from fxdream.sim.host_timing import measure_graph_call_us
-    log, lines = logging.getLogger("fxdream"), _Lines()
-    level = log.level
-    log.addHandler(lines)
-    log.setLevel(logging.INFO)
-    try:
-        fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),), passes=["reinplace"], cost=None)
-        measure_graph_call_us(torch.device("cpu"))  # builds a one-op module of its own
-    finally:
-        log.removeHandler(lines)
-        log.setLevel(level)
-    assert lines.lines[0] == "building Small (inference, cpu, passes: reinplace) ..."
-    assert lines.lines[1].startswith("pass reinplace on 0/fw: ")
-    assert lines.lines[2].startswith("built Small in ") and "(torch.fx symbolic_trace)" in lines.lines[2]
-    assert len(lines.lines) == 3  # nothing from the probe's build
