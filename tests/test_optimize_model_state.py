@@ -1,0 +1,138 @@
+"""What a build leaves as it was (RNG, statistics, grads, modes), copies, pickling, and the
+known causes of a verified difference."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from conftest import assert_same_training_step
+from test_optimize import Small
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_optimize_leaves_the_users_rng_bn_statistics_and_grads_as_they_were(training):
+    """Profiling draws random inputs and verify/eager_check run steps: none of it may show."""
+    model = Small().train(training)
+    x = torch.randn(2, 3, 8, 8)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1234)
+    expected_next = torch.rand(3)
+    torch.manual_seed(1234)
+    fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], training=training, verify=True,
+                     eager_check=True)
+    assert torch.equal(torch.rand(3), expected_next)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _frozen_bn(model):
+    """Fine-tuning with a frozen BatchNorm: the model trains, its BN uses and keeps running stats."""
+    model.train()
+    model.bn.eval()
+    for p in model.bn.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    return model
+
+
+@pytest.mark.parametrize("passes", [[], "auto"])
+def test_a_training_build_keeps_a_frozen_batch_norm_in_eval(passes):
+    torch.manual_seed(0)
+    model, x = _frozen_bn(Small()), torch.randn(4, 3, 8, 8)
+    reference = _frozen_bn(Small())
+    reference.load_state_dict(model.state_dict())
+    optimized = fxdream.optimize(model, (x,), passes=passes, training=True, eager_check=False)
+    assert model.training and not model.bn.training  # as the user left them
+    assert not any("mode" in note for note in optimized.report.notes)
+    assert_same_training_step(reference, optimized, (x,))
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean, rtol=0, atol=0)
+
+
+def test_an_inference_build_keeps_dropout_left_on_in_an_eval_model():
+    # MC dropout: model.eval() with its dropout switched back on; the build must not switch it off
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 2)).eval()
+    model[2].train()
+    x = torch.randn(4, 8)
+    optimized = fxdream.optimize(model, (x,), eager_check=False)
+    assert not model.training and model[2].training
+    with torch.no_grad():
+        samples = torch.stack([optimized(x) for _ in range(8)])
+    assert samples.std(0).max() > 0  # dropout draws a new mask every call
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_model_in_the_other_mode_is_switched_whole_and_the_report_says_so(training):
+    model, x = Small().train(not training), torch.randn(2, 3, 8, 8)
+    model.bn.train(training)  # a submodule already in the build's mode: switched with the rest
+    optimized = fxdream.optimize(model, (x,), training=training, eager_check=False)
+    assert all(m.training == training for m in model.modules())
+    mode = "train" if training else "eval"
+    assert optimized.report.notes[0] == (
+        f"Small was in {'eval' if training else 'train'} mode: the {'training' if training else 'inference'} "
+        f"build switched it and every submodule to {mode} mode (model.train({training})); it stays in that mode")
+
+
+def test_capture_leaves_every_submodules_mode_as_it_was():
+    model = _frozen_bn(Small())
+    fxdream.capture(model, (torch.randn(2, 3, 8, 8),), training=False)  # switched during the capture only
+    assert model.training and not model.bn.training and model.conv.training
+
+
+@pytest.mark.parametrize("training, passes", [(False, []), (False, ["fuse_conv_bias_act"]), (True, [])])
+def test_a_deep_copy_is_built_again_for_a_copy_of_the_model(training, passes):
+    # the graphs run on the model's own tensors (and on oneDNN-packed weights, which cannot be
+    # copied): a copy must run on its own model's weights, not the original's
+    torch.manual_seed(0)
+    model, x = Small().train(training), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), passes=passes, training=training, eager_check=False)
+    copied = copy.deepcopy(optimized)
+    applied = lambda m: [(row.name, row.applied) for row in m.report.passes]  # noqa: E731
+    assert copied.model is not model and applied(copied) == applied(optimized)
+    with torch.no_grad():
+        copied.model.fc.bias.add_(1.0)  # only the copy's model changes
+    with torch.set_grad_enabled(training):
+        torch.testing.assert_close(optimized(x), model(x))
+        torch.testing.assert_close(copied(x), copied.model(x))
+        assert not torch.allclose(copied(x), optimized(x))
+
+
+class PaddedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1)
+
+    def forward(self, x, mask):
+        return self.enc(x, src_key_padding_mask=mask)
+
+
+def test_a_verified_difference_beyond_rounding_is_flagged_with_its_known_cause():
+    """Eager's TransformerEncoder fast path zeroes padded positions; graphs (torch.compile's too)
+    take the standard path. Unpadded positions agree; the report says why the rest differs."""
+    torch.manual_seed(0)
+    model, x = PaddedEncoder().eval(), torch.randn(2, 6, 16)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, 4:] = True
+    optimized = fxdream.optimize(model, (x, mask), verify=True, cost=None)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x, mask)[~mask], model(x, mask)[~mask], atol=1e-5, rtol=1e-4)
+    text = optimized.report.to_markdown()
+    assert optimized.report.verified_max_abs_diff > 1e-2 and "More than rounding" in text
+    assert "eager-only fast path" in text
+    close = fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),), verify=True, cost=None)
+    assert "More than rounding" not in close.report.to_markdown()
+
+
+def test_pickling_says_what_to_save_instead():
+    import io
+    import pickle
+    optimized = fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),))
+    for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"cannot be pickled .*\(torch\.save\(optimized\.model\.state_dict\(\)\)\)"):
+            save(optimized)
