@@ -239,7 +239,7 @@ class CaptureSession:
             return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
 
         with keep_ops_whole(gm):
-            fw = _traced_once(gm, own, example_inputs) if one_trace and not record.training else None
+            fw = _traced_once(gm, example_inputs) if one_trace and not record.training else None
             if fw is not None:
                 return boxed_caller(compile_forward(fw, None), own)
             return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
@@ -259,10 +259,10 @@ class CaptureSession:
         return tuple(r.freeze() for r in self.records if r.forward is not None)
 
 
-def _traced_once(gm: fx.GraphModule, own: list, example_inputs: Sequence) -> fx.GraphModule | None:
+def _traced_once(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule | None:
     """``inference_graph``, or None (aot_autograd traces it) where that trace raised."""
     try:
-        return inference_graph(gm, own, example_inputs)
+        return inference_graph(gm, example_inputs)
     except Exception:  # an optimization of the capture: aot_autograd's trace is the reference
         return None
 

@@ -22,21 +22,18 @@ from torch.nn.utils.stateless import _reparametrize_module
 _MUTATING = "_"  # aten's in-place overloads end their name with it (add_, copy_)
 
 
-def inference_graph(gm: fx.GraphModule, state: Sequence[torch.Tensor],
-                    inputs: Sequence) -> fx.GraphModule | None:
-    """``gm``'s ATen inference graph (returning a tuple) taking ``state`` (its own parameters
-    and buffers, in ``named_parameters``, ``named_buffers`` order, duplicates kept) then
-    ``inputs``; or None where aot_autograd must trace it: an input that is not a plain dense
-    tensor (a subclass, a symbolic size), a graph that still updates an input in place after
-    functionalization (its mutation would have to be copied back), or one with a value known
-    only at run time (``.item()``, ``nonzero``: aot_autograd refuses those, and dynamo breaks
-    the graph there, as before). Call under ``torch.no_grad()``."""
+def inference_graph(gm: fx.GraphModule, inputs: Sequence) -> fx.GraphModule | None:
+    """``gm``'s ATen inference graph (returning a tuple) taking its own parameters and buffers
+    (in ``named_parameters``, ``named_buffers`` order, duplicates kept, as aot_autograd lifts
+    them) then ``inputs``; or None where aot_autograd must trace it: an input that is not a
+    plain dense tensor (a subclass, a symbolic size), a graph that still updates an input in
+    place after functionalization (its mutation would have to be copied back), or one with a
+    value known only at run time (``.item()``, ``nonzero``: aot_autograd refuses those, and
+    dynamo breaks the graph there, as before). Call under ``torch.no_grad()``."""
+    own = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    names, state = [name for name, _ in own], [tensor for _, tensor in own]
     plain = all(type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided for x in [*state, *inputs])
     if torch.is_grad_enabled() or not plain:
-        return None
-    names = [name for name, _ in gm.named_parameters(remove_duplicate=False)] + \
-            [name for name, _ in gm.named_buffers(remove_duplicate=False)]
-    if len(names) != len(state):
         return None
 
     def run(*args):

@@ -55,7 +55,7 @@ def test_the_graph_is_aot_autograds_and_runs_as_eager():
     model, x = ConvBlock().eval(), torch.randn(2, 3, 6, 6)
     gm = _traced(model)
     with torch.no_grad():
-        ours = inference_graph(gm, _state(gm), [x])
+        ours = inference_graph(gm, [x])
         graphs = []
         aot_module_simplified(gm, [x], fw_compiler=lambda g, _: graphs.append(g) or g.forward)
         assert drop_dead_copies(graphs[0])  # aot_autograd's copy of the eval-mode dropout's input
@@ -75,7 +75,7 @@ def test_tied_weights_stay_one_placeholder_each():
     model[1].weight = model[0].weight
     gm, x = _traced(model), torch.randn(3, 4)
     with torch.no_grad():
-        graph = inference_graph(gm, _state(gm), [x])
+        graph = inference_graph(gm, [x])
         torch.testing.assert_close(graph(*_state(gm), x)[0], model(x), rtol=0, atol=0)
     assert len([n for n in graph.graph.nodes if n.op == "placeholder"]) == len(_state(gm)) + 1
 
@@ -84,14 +84,14 @@ def test_tied_weights_stay_one_placeholder_each():
 def test_graphs_aot_autograd_must_trace_are_refused(model, why):
     gm, x = _traced(model), torch.randn(3, 4)
     with torch.no_grad():
-        assert inference_graph(gm, _state(gm), [x]) is None, why
+        assert inference_graph(gm, [x]) is None, why
 
 
 def test_grad_mode_and_tensor_subclasses_are_refused():
     gm, x = _traced(ConvBlock().eval()), torch.randn(2, 3, 6, 6)
-    assert inference_graph(gm, _state(gm), [x]) is None  # grad enabled: not an inference graph
+    assert inference_graph(gm, [x]) is None  # grad enabled: not an inference graph
     with torch.no_grad():
-        assert inference_graph(gm, _state(gm), [x.as_subclass(SubTensor)]) is None
+        assert inference_graph(gm, [x.as_subclass(SubTensor)]) is None
 
 
 class SubTensor(torch.Tensor):
