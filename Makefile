@@ -1,4 +1,5 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv first.
+# `make test` runs the tests, then installs the built wheel alone and runs its entry points.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -6,7 +7,7 @@ PY := $(VENV)/bin/python
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml scripts/bootstrap.sh
+$(VENV)/.installed: setup.cfg setup.py pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh $(VENV)
 
 demo: venv
@@ -14,6 +15,7 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests were collected (pytest exit 5)"; exit 1; fi; exit $$rc
+	bash scripts/wheel_smoke.sh $(VENV)
 
 test-all: venv
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow"

@@ -26,11 +26,11 @@ import torch
 
 import fxdream
 from fxdream.ab import PROFILING, interleaved_profiler, measured_step, step_fn
-from fxdream.capture import one_step
+from fxdream.capturing.steps import one_step
 from fxdream.cli import build_model
 from fxdream.measure import time_interleaved
 from fxdream.numerics import max_abs_diff
-from fxdream.predict import predict
+from fxdream.sim.prediction import predict
 
 PEERS = ("eager", "fxdream", "inductor", "inductor_freezing", "optimize_for_inference")
 INFERENCE_ONLY = ("inductor_freezing", "optimize_for_inference")
@@ -70,7 +70,7 @@ def compile_inductor(model, inputs, freezing: bool, training: bool = False):
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
-    from fxdream.dynamo_glue import _raise_recompile_limit
+    from fxdream.capturing.dynamo import _raise_recompile_limit
     _raise_recompile_limit(256)
     compiled = []
 

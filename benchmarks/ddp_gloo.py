@@ -4,7 +4,7 @@ Two processes (torch.multiprocessing spawn, MASTER_ADDR=127.0.0.1, a free port),
 each, train an MLP with ~10 MB of gradients under DistributedDataParallel (SGD, momentum,
 DDP's default buckets). Each process, in parallel (so profiling sees the load of the run):
   1. captures the model + loss (one training step) for profiled CPU costs
-     (fxdream.predict.cost_model_for("cpu", "profiled")) and the measured host time outside
+     (fxdream.build.cost_model_for("cpu", "profiled")) and the measured host time outside
      the captured graphs (fxdream.host_gaps: autograd's engine and gradient accumulation);
   2. per round: gloo allreduce of 1-12 MiB (this machine's "network"), a block of plain
      steps, a block of DDP steps (each block after one untimed step: steady state), and one in-context profiling run of the captured step
@@ -119,7 +119,7 @@ def _capture_and_profile(model, inputs, loss_fn) -> tuple:
     """The captured step (an fxdream module, passes-free) and a profiled cost model, warmed up
     (more samples come per round)."""
     import fxdream
-    from fxdream.predict import cost_model_for
+    from fxdream.build import cost_model_for
     module = fxdream.optimize(WithLoss(copy.deepcopy(model), loss_fn), inputs, training=True, cost=None)
     cost = cost_model_for("cpu", "profiled")
     cost.profile_in_context(module.captured, rounds=1, warmup=3)
@@ -129,14 +129,14 @@ def _capture_and_profile(model, inputs, loss_fn) -> tuple:
 def _sample_host_gaps(module, inputs, samples: list) -> None:
     """One step of the captured module with its graph calls time-stamped: the host time outside
     the graphs (autograd's engine and gradient accumulation), as optimize() measures it."""
-    from fxdream.host_gaps import measure_model_gaps
+    from fxdream.capturing.host_gaps import measure_model_gaps
     samples.append(measure_model_gaps(module, module.model, inputs, True, module._session.clock,
                                       rounds=1, warmup=0))
 
 
 def _predict_local(captured, cost, step_samples: list):
-    from fxdream.host_gaps import StepCalls
-    from fxdream.predict import predict
+    from fxdream.capturing.host_gaps import StepCalls
+    from fxdream.sim.prediction import predict
     from fxdream.sim.lower import SGD
     return predict(captured, cost, True, SGD, step=StepCalls.median(step_samples) if step_samples else None)
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fxdream  # noqa: E402
 from fxdream import models  # noqa: E402
-from fxdream.cuda_graph_runner import cuda_graph_memory_bytes, describe_runners  # noqa: E402
+from fxdream.runtime.cuda_graph_runner import cuda_graph_memory_bytes, describe_runners  # noqa: E402
 from fxdream.measure import time_interleaved  # noqa: E402
 from gpu_overhead import runner_overhead  # noqa: E402
 from isolated import run_isolated  # noqa: E402
@@ -138,7 +138,7 @@ def build_runner(name: str, model, inputs, dtype):
 def _analytic_prediction(fn) -> dict:
     """The analytic model of this GPU on the captured forward graph (no measurement)."""
     from fxdream.passes.cuda_graphs import predict_cuda_graph_gain
-    from fxdream.predict import this_machine_device
+    from fxdream.sim.prediction import this_machine_device
     device = this_machine_device("cuda")
     rows = []
     for captured in fn.captured:

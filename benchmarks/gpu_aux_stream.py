@@ -5,7 +5,7 @@ with no pass (baseline) and with ``aux_stream_backward`` forced, timed interleav
 ``fxdream.measure.time_interleaved`` (median ms per step over rounds of blocks). A step is
 forward + ``loss.backward()`` with the gradients reset to None first; no optimizer step
 (the predictions leave it out too). Beside each measurement: the predicted step time
-(``fxdream.predict.predict`` with the cost model the pass judges with: analytic roofline +
+(``fxdream.sim.prediction.predict`` with the cost model the pass judges with: analytic roofline +
 the fill model of ``fxdream.sim.occupancy``, and the plain analytic model for reference),
 the pass's automatic decision (``AuxStreamBackward(force=False)``: the "auto" time is the
 baseline's when it declines), peak memory (``torch.cuda.max_memory_allocated`` over a few
@@ -32,15 +32,16 @@ import time
 import torch
 
 import fxdream
-from fxdream import models, streams
+from fxdream import models
+from fxdream.runtime import streams
 from fxdream.measure import time_interleaved
 from fxdream.pass_api import PassContext
-from fxdream.pass_pipeline import copy_graph_module
+from fxdream.ir.graphs import copy_graph_module
 from fxdream.passes.aux_stream_backward import AuxStreamBackward
-from fxdream.predict import predict, this_machine_device
-from fxdream.sim.cost import Analytic
-from fxdream.sim.devices import get_device
-from fxdream.sim.occupancy import EVENT_HOST_US, STREAM_SWITCH_HOST_US, OccupancyAware
+from fxdream.sim.prediction import predict, this_machine_device
+from fxdream.sim.cost.analytic import Analytic
+from fxdream.sim.cost.devices import get_device
+from fxdream.sim.cost.occupancy import EVENT_HOST_US, STREAM_SWITCH_HOST_US, OccupancyAware
 
 PASS = "aux_stream_backward"
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -12,7 +12,7 @@ import time
 import torch
 
 import fxdream
-from fxdream.cuda_graph_runner import CudaGraphRunner, describe_runners
+from fxdream.runtime.cuda_graph_runner import CudaGraphRunner, describe_runners
 
 
 class _Tiny(torch.nn.Module):

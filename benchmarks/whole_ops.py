@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fxdream  # noqa: E402
-from fxdream import rnn_op  # noqa: E402
+from fxdream.ops import keep_whole  # noqa: E402
 from fxdream.measure import time_interleaved  # noqa: E402
 
 
@@ -54,15 +54,15 @@ class _Call(nn.Module):
 @contextlib.contextmanager
 def _decomposed():
     """The capture as before the ops were kept whole: no redirections."""
-    saved = dict(rnn_op._REDIRECTS)
-    rnn_op._REDIRECTS.clear()
-    original = rnn_op.upsample_calls_redirected
-    rnn_op.upsample_calls_redirected = contextlib.nullcontext
+    saved = dict(keep_whole._REDIRECTS)
+    keep_whole._REDIRECTS.clear()
+    original = keep_whole.upsample_calls_redirected
+    keep_whole.upsample_calls_redirected = contextlib.nullcontext
     try:
         yield
     finally:
-        rnn_op._REDIRECTS.update(saved)
-        rnn_op.upsample_calls_redirected = original
+        keep_whole._REDIRECTS.update(saved)
+        keep_whole.upsample_calls_redirected = original
 
 
 def main(argv=None) -> None:

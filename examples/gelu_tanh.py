@@ -6,20 +6,14 @@ A/B run answers: ``python -m fxdream ab bert_base --load examples/gelu_tanh.py -
 """
 import torch
 
-import fxdream
-from fxdream.annotate import op_name
-from fxdream.pass_api import PassContext, PassResult
-
-aten = torch.ops.aten
+from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, op_name, register_pass
 
 
-@fxdream.register_pass
-class GeluTanh:
+@register_pass
+class GeluTanh(PassBase):
     name = "gelu_tanh"
-
-    def applies_to(self, ctx: PassContext):
-        # the backward graph holds gelu_backward, which we leave exact
-        return None if ctx.phase == "fw" else "rewrites forward graphs only"
+    phases = ("fw",)  # the backward graph holds gelu_backward, which we leave exact
+    why_not = {"phase": "rewrites forward graphs only"}
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         changed = []
@@ -28,8 +22,7 @@ class GeluTanh:
                 if ctx.training:
                     continue  # the saved-for-backward value must stay the one autograd traced
                 node.kwargs = {**node.kwargs, "approximate": "tanh"}
-                changed.append(node.meta.get("layer", node.name))
+                changed.append(node.meta.get(LAYER, node.name))
         if not changed:
-            return PassResult(gm, False, "no exact GELU in inference forward graphs")
-        return PassResult(gm, True, f"{len(changed)} GELU(s) now use the tanh form",
-                          notes=tuple(changed))
+            return PassResult.unchanged(gm, "no exact GELU in inference forward graphs")
+        return PassResult.changed(gm, f"{len(changed)} GELU(s) now use the tanh form", changed)

@@ -21,15 +21,19 @@ from typing import Callable
 
 import torch
 
-from .model_state import preserved_state
-from .host_gaps import StepCalls, measure_host_gaps, worth_measuring
-from .measure import Measurement, time_interleaved
-from .numerics import max_abs_diff
-from .pass_api import resolve_passes
-from .pipeline import optimize
-from .predict import cost_model_for, predict, this_machine_device
-from .sim.cost import Profiled
-from .validate import check_counts
+from fxdream.capturing.model_state import preserved_state
+from fxdream.capturing.host_gaps import StepCalls, measure_host_gaps, worth_measuring
+from fxdream.measure import Measurement, time_interleaved
+from fxdream.numerics import max_abs_diff
+from fxdream.pass_registry import resolve_passes
+from fxdream.build import optimize
+from fxdream.sim.prediction import predict, this_machine_device
+from fxdream.build import cost_model_for
+from fxdream.sim.cost.profiled import Profiled
+from fxdream.capturing.arguments import check_counts
+from fxdream.capturing.steps import differentiable_scalar
+from fxdream import models
+from fxdream.sim.trace import _figure_api
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,6 @@ def user_build(function: Callable, device: str = "cpu", label: str | None = None
     """``function(batch)`` returning (model, inputs) or (model, inputs, loss_fn or None) as the
     ``build(batch) -> (model, inputs tuple, loss_fn)`` an A/B runs, on ``device``; without a loss,
     training sums the outputs (as the CLI's ``FILE.py:FUNCTION``)."""
-    from .capture import differentiable_scalar
     name = getattr(function, "__name__", "build")
     label = label or name
 
@@ -158,7 +161,6 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
     ``model`` is a zoo name or ``build(batch_size)`` returning (model, example_inputs) or (model,
     example_inputs, loss_fn): ``user_build``.
     """
-    from . import models
     batch_sizes = (batch_sizes,) if isinstance(batch_sizes, int) else tuple(batch_sizes)
     check_counts(batch_sizes=batch_sizes, rounds=rounds, block=block)
     check_device_here(device)
@@ -223,7 +225,6 @@ def measured_step(module, model, inputs, loss_fn, training, cost) -> StepCalls |
 
 def plot_ab(result: ABResult, path: str) -> None:
     """Measured vs predicted Δ% per row, as grouped bars."""
-    from .sim.trace import _figure_api
     Figure, Canvas = _figure_api()
     labels = [f"{r.model}\nbs{r.batch} {'train' if r.training else 'infer'}" for r in result.rows]
     xs = range(len(result.rows))

@@ -13,9 +13,14 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .capture import CaptureSession
-from .heap import older_objects_frozen
-from .pass_api import PassContext, resolve_passes
+from fxdream.capturing.session import CaptureSession
+from fxdream.capturing.gc_freeze import older_objects_frozen
+from fxdream.pass_api import PassContext
+from fxdream.pass_registry import resolve_passes
+from fxdream.pass_runner import PassPipeline
+from fxdream.sim.prediction import this_machine_device
+from fxdream.build import cost_model_for
+from fxdream.sim.profile.store import save_profile
 
 OPTIONS = ("passes", "device", "cost", "on_report")
 
@@ -26,9 +31,6 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
     if mode is not None:  # torch.compile passes its ``mode`` on to the backend
         raise ValueError(f"mode={mode!r} is inductor's; fxdream takes options={{'passes': ...}} (see "
                          f"README, torch.compile), e.g. options={{'passes': 'auto'}} or ['cuda_graphs']")
-    from .pass_pipeline import PassPipeline
-    from .predict import cost_model_for, this_machine_device
-    from .sim.profile_store import save_profile
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:

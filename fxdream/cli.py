@@ -9,6 +9,27 @@ import sys
 import time
 
 import torch
+from fxdream import models
+import importlib
+import importlib.util
+import os
+from fxdream.ab import user_build
+import fxdream
+from fxdream.measure import time_interleaved
+from fxdream.sim.profile.store import PROFILE_DIR_ENV
+from fxdream.simulation import simulate
+from fxdream.sim.trace import plot_timeline, write_chrome_trace
+import json
+from fxdream import whatif
+from fxdream.capturing.capture_model import capture
+from fxdream.sim.prediction import predict
+from fxdream.build import cost_model_for
+from fxdream.sim.lower import OPTIMIZERS
+from fxdream.ab import ab, check_device_here, plot_ab
+from fxdream.plan import plan
+from fxdream.sim.trace import plot_comparison
+from fxdream.explain import crossover
+from fxdream.models import NAMES
 
 
 def build_model(name: str, batch: int, tiny: bool = False, training: bool = False):
@@ -17,7 +38,6 @@ def build_model(name: str, batch: int, tiny: bool = False, training: bool = Fals
     if user is not None:
         model, inputs, loss_fn = user(batch)
     else:
-        from fxdream import models
         model, inputs, loss_fn = models.build(name, batch, tiny=tiny)
     model.train(training)
     return model, inputs, loss_fn
@@ -27,9 +47,6 @@ def user_model(spec: str, device: str = "cpu", tiny: bool = False):
     """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` → ``build(batch) -> (model, inputs, loss_fn)``
     on ``device``; None for a zoo name. FUNCTION(batch_size) returns (model, inputs) or (model,
     inputs, loss_fn); inputs a tensor or a tuple; without a loss, training sums the outputs."""
-    import importlib
-    import importlib.util
-    import os
     where, colon, name = spec.rpartition(":")
     if not colon:
         return None
@@ -50,12 +67,10 @@ def user_model(spec: str, device: str = "cpu", tiny: bool = False):
     function = getattr(module, name, None)
     if not callable(function):
         raise ValueError(f"model {spec!r}: {where} has no function {name!r}")
-    from fxdream.ab import user_build
     return user_build(function, device, label=f"model {spec!r}: {name}")
 
 
 def cmd_capture(args) -> int:
-    import fxdream
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     started = time.perf_counter()
     captured = fxdream.capture(model, inputs, training=args.training)
@@ -69,9 +84,6 @@ def cmd_capture(args) -> int:
 def cmd_demo(args) -> int:
     """The product in one run: optimize(passes="auto") on ResNet-50, its report, then eager vs
     the capture without passes vs the optimized module measured side by side."""
-    import fxdream
-    from fxdream.measure import time_interleaved
-    from fxdream.sim.profile_store import PROFILE_DIR_ENV
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, training=False)
     model.eval()
     print(f"fxdream demo: {args.model} batch {args.batch}, inference on this CPU (torch {torch.__version__}, "
@@ -104,8 +116,6 @@ def cmd_demo(args) -> int:
 
 def cmd_simulate(args) -> int:
     """Predict one iteration of a zoo model on a device; write a Perfetto trace and a PNG."""
-    from fxdream.predict import simulate
-    from fxdream.sim.trace import plot_timeline, write_chrome_trace
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"simulating {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} with {args.cost} costs ...", flush=True)
@@ -125,12 +135,7 @@ def cmd_simulate(args) -> int:
 
 def cmd_whatif(args) -> int:
     """One training step of a zoo model, then each what-if of the Daydream paper on it (predicted)."""
-    import json
 
-    from fxdream import whatif
-    from fxdream.capture import capture
-    from fxdream.predict import cost_model_for, predict
-    from fxdream.sim.lower import OPTIMIZERS
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, True)
     print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
     captured = capture(model, inputs, training=True)
@@ -169,7 +174,6 @@ def cmd_whatif(args) -> int:
 def _check_output_paths(args) -> None:
     """Before any work: a file to write whose folder does not exist (found only at the end, it
     cost a whole simulation and gave a traceback)."""
-    import os
     for option in ("trace", "plot", "json", "out"):
         path = getattr(args, option, None)
         folder = os.path.dirname(path) if path else ""
@@ -179,8 +183,6 @@ def _check_output_paths(args) -> None:
 
 def _load_plugins(paths) -> None:
     """Run user pass files (each registers its passes with @fxdream.register_pass)."""
-    import importlib.util
-    import os
     for path in paths or ():
         if not os.path.isfile(path):
             raise ValueError(f"--load {path!r}: no such file")
@@ -192,7 +194,6 @@ def _load_plugins(paths) -> None:
 
 def cmd_ab(args) -> int:
     """Per-pass A/B: measured and predicted, side by side, one row per batch size."""
-    from fxdream.ab import ab, check_device_here, plot_ab
     _load_plugins(args.load)
     check_device_here(args.device)
     model = user_model(args.model, args.device, args.tiny) or args.model
@@ -214,9 +215,6 @@ def cmd_ab(args) -> int:
 
 def cmd_explain(args) -> int:
     """Where the time goes, what each pass would do and why, before/after trace and PNG."""
-    import fxdream
-    from fxdream.plan import plan
-    from fxdream.sim.trace import plot_comparison, write_chrome_trace
     _load_plugins(args.load)
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
@@ -240,10 +238,6 @@ def cmd_explain(args) -> int:
 
 
 def _print_crossover(captured, args) -> None:
-    try:
-        from fxdream.explain import crossover
-    except ImportError:
-        return
     expression, bound, text = crossover(captured, device=args.device)
     print(f"\naux_stream_backward crossover (predicted): {text}\n  gain(b) = {expression}")
 
@@ -286,7 +280,6 @@ MODEL_HELP = ("a zoo model ({}), or your own: FILE.py:FUNCTION or MODULE:FUNCTIO
 
 
 def _zoo_names() -> tuple[str, ...]:
-    from fxdream.models import NAMES
     return NAMES
 
 

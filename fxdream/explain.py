@@ -40,11 +40,18 @@ import torch
 import torch.fx as fx
 from sympy.utilities.lambdify import implemented_function
 
-from .annotate import node_flops, op_name
-from .sim.cost import Analytic, is_view, node_dtype
-from .sim.devices import DeviceSpec, get_device
-from .sim.occupancy import BLOCKS_PER_SM, SPLIT_K_MIN, TILE, OccupancyAware
-from .streams import is_event_node
+from fxdream.ir.flops import node_flops
+from fxdream.ir.nodes import op_name
+from fxdream.sim.cost.analytic import Analytic
+from fxdream.ir.nodes import is_view, node_dtype
+from fxdream.sim.cost.devices import DeviceSpec, get_device
+from fxdream.sim.cost.occupancy import BLOCKS_PER_SM, SPLIT_K_MIN, TILE, OccupancyAware
+from fxdream.runtime.streams import is_event_node
+from fxdream import models
+from fxdream.capturing import capture
+from fxdream.ir.graphs import copy_graph_module
+from fxdream.passes.aux_stream_backward import split
+from fxdream.sim.prediction import graph_prediction
 
 b = sp.Symbol("b", positive=True, integer=True)
 MAX_BATCH = 1024
@@ -222,8 +229,6 @@ def _captured_batch(captured) -> int:
 
 def model_terms(graphs: list[fx.GraphModule], device: DeviceSpec, b0: int, join: str = "next") -> dict:
     """The formula's pieces for these backward graphs: C, dC, M (µs), G(b), O(b), sites."""
-    from fxdream.pass_pipeline import copy_graph_module
-    from fxdream.passes.aux_stream_backward import split
     sym = _Symbolic(device, b0)
     host = lambda gm: sum(sym.host(n) for n in gm.graph.nodes if n.op == "call_function")  # noqa: E731
     C = dC = M = 0.0
@@ -280,7 +285,6 @@ def crossover(model, device: str | DeviceSpec = "h100", batch: int = 32, max_bat
         raise ValueError(f"aux_stream_backward's crossover needs a GPU DeviceSpec (streams), got {spec.name!r}")
     name = model if isinstance(model, str) else None
     if name is not None:
-        from fxdream import capture, models
         net, inputs, _ = models.build(name, batch, device="meta", dtype=dtype)
         captured = capture(net, inputs, training=True)
     else:
@@ -329,9 +333,6 @@ def crossover_of_graphs(graphs: list[fx.GraphModule], device: DeviceSpec, b0: in
 
 
 def _simulated(graphs, spec: DeviceSpec, join: str) -> str:
-    from fxdream.pass_pipeline import copy_graph_module
-    from fxdream.passes.aux_stream_backward import split
-    from fxdream.predict import graph_prediction
     cost = OccupancyAware(Analytic(spec))
     before = after = 0.0
     for gm in graphs:

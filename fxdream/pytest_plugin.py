@@ -21,6 +21,7 @@ import json
 import re
 
 import pytest
+from fxdream.ab import ab
 
 AB_ONLY = "an A/B timing test: run it with `pytest -m ab`"
 _RESULTS = pytest.StashKey[list]()
@@ -52,7 +53,6 @@ def fxdream_ab(request):
 
     ``model`` is a zoo name or ``build(batch_size) -> (model, example_inputs, loss_fn)``;
     ``passes`` are names or Pass objects (register a pass before naming it)."""
-    from .ab import ab
 
     def run(model, passes, batch_sizes=(1,), training: bool = False, device: str = "cpu",
             tiny: bool = False, rounds: int = 5, block: int = 10, atol: float = 1e-3):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from .capture import Captured, _count_compute
+from fxdream.capturing.captured import Captured, _count_compute
 
 
 MEASURED_SLOWER = "measured slower than eager"  # the eager check's fallback reason starts so

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import bert, densenet, gnmt, mnist, resnet, vgg
+from fxdream.models import bert, densenet, gnmt, mnist, resnet, vgg
 
 NAMES = ("resnet18", "resnet50", "vgg19", "densenet121", "mnist_convnet", "bert_base", "gnmt")
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .images import image_batch
+from fxdream.models.images import image_batch
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .images import image_batch
+from fxdream.models.images import image_batch
 
 
 @dataclass(frozen=True)

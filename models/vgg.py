@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .images import image_batch
+from fxdream.models.images import image_batch
 
 POOL = "M"
 

@@ -82,17 +82,20 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+from types import MappingProxyType
+
 import torch
 import torch.fx as fx
 
-from fxdream import streams
-from fxdream.annotate import LAYER, PHASE
-from fxdream.pass_api import PassContext, PassResult, register_pass
-from fxdream.pass_pipeline import copy_graph_module
-from fxdream.predict import graph_prediction
-from fxdream.sim.cost import Analytic, is_view
-from fxdream.sim.devices import get_device
-from fxdream.sim.occupancy import occupancy, occupancy_aware
+from fxdream.runtime import streams
+
+from fxdream.pass_api import LAYER, PHASE, PassBase, PassContext, PassResult, copy_graph_module, register_pass
+
+from fxdream.sim.prediction import graph_prediction
+from fxdream.sim.cost.analytic import Analytic
+from fxdream.ir.nodes import is_view
+from fxdream.sim.cost.devices import get_device
+from fxdream.sim.cost.occupancy import occupancy, occupancy_aware
 
 aten = torch.ops.aten
 CONV_BW = aten.convolution_backward.default
@@ -153,6 +156,7 @@ def _event_meta(node: fx.Node, like: fx.Node, stream: int) -> None:
     node.meta[LAYER] = like.meta.get(LAYER, "")
     node.meta[PHASE] = like.meta.get(PHASE, "bw")
     node.meta[STREAM] = stream
+    node.meta["val"] = None  # an event returns nothing
 
 
 def split(gm: fx.GraphModule, join: str = "next", stream: int = AUX) -> tuple[fx.GraphModule, list[Site], list[str]]:
@@ -231,10 +235,16 @@ def _place_waits(graph: fx.Graph, sites: list[Site], join: str, stream: int) -> 
         _event_meta(site.wait, site.wgrad, 0)
 
 
+_BACKWARD_ONLY = "rewrites backward graphs (convolution_backward); forward graphs are left as they are"
+
+
 @register_pass
-class AuxStreamBackward:
+class AuxStreamBackward(PassBase):
     """See the module docstring."""
     name = "aux_stream_backward"
+    modes, phases = ("training",), ("bw",)
+    why_not = MappingProxyType({"mode": _BACKWARD_ONLY, "phase": _BACKWARD_ONLY,
+                                "device": "no streams on device {device!r}"})
     order = 10  # schedules the final graph's kernels: after the passes that rewrite it
 
     def __init__(self, force: bool | None = None, join: str = "next", min_gain_pct: float = 1.0,
@@ -244,13 +254,6 @@ class AuxStreamBackward:
         self.force, self.join = force, join
         self.min_gain_pct, self.min_gain_us = float(min_gain_pct), float(min_gain_us)
         self.gpu = gpu
-
-    def applies_to(self, ctx: PassContext) -> str | None:
-        if ctx.phase != "bw" or not ctx.training:
-            return "rewrites backward graphs (convolution_backward); forward graphs are left as they are"
-        if ctx.device not in ("cpu", "cuda"):
-            return f"no streams on device {ctx.device!r}"
-        return None
 
     # --- prediction ---------------------------------------------------------------------------
     def _cost(self, ctx: PassContext):

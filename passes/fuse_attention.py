@@ -28,15 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from types import MappingProxyType
+
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
+from fxdream.pass_api import (LAYER, PassBase, PassContext, PassResult, choose, copy_graph_module, fake_value,
+                              real_tensors, register_pass)
 
-import fxdream
-from fxdream.annotate import LAYER
-from fxdream.pass_api import PassContext, PassResult
-from fxdream.pass_pipeline import copy_graph_module
-from fxdream.sim.op_keys import real_tensors
+
 
 aten = torch.ops.aten
 _FLATTEN = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
@@ -203,17 +202,17 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
         with graph.inserting_before(site.output):
             if site.excludes:
                 mask = graph.call_function(aten.logical_not.default, (mask,))
-                mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(mask)})
+                mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(mask)})
             fused = graph.call_function(aten.scaled_dot_product_attention.default,
                                         (query, key, value, mask, 0.0, False), {"scale": site.scale})
-        fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": _fake_run(fused)})
+        fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(fused)})
         site.output.replace_all_uses_with(fused)
         if not _settle_layout(graph, fused):  # SDPA's output follows q's layout, the bmm's is contiguous
             with graph.inserting_after(fused):
                 restored = graph.call_function(aten.clone.default, (fused,),
                                                {"memory_format": torch.contiguous_format})
             fused.replace_all_uses_with(restored, delete_user_cb=lambda user: user is not restored)
-            restored.meta.update({LAYER: fused.meta[LAYER], "val": _fake_run(restored)})
+            restored.meta.update({LAYER: fused.meta[LAYER], "val": fake_value(restored)})
             fused = restored
         now[site.output] = fused
         for node in (site.output, *reversed(site.replaced)):
@@ -235,7 +234,7 @@ def _settle_layout(graph: fx.Graph, fused: fx.Node) -> bool:
         settled = node.op == "call_function" and not (  # else the output (or anything) sees new strides
             node.target in _FLATTEN and 1 in getattr(node.args[0].meta.get("val"), "shape", (1,)))
         try:  # (a reshape reads a size-1 dim's stride, where SDPA's fake and real kernels differ)
-            val = _fake_run(node) if settled else None
+            val = fake_value(node) if settled else None
         except Exception:  # noqa: BLE001 - e.g. view: "size is not compatible with ... stride"
             val = None
         if val is None:
@@ -256,24 +255,14 @@ def _same_layout(a, b) -> bool:
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
 
 
-def _fake_run(node: fx.Node):
-    vals = [a.meta.get("val") for a in node.all_input_nodes]
-    mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
-    if mode is None:
-        return None
-    args, kwargs = tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
-    with mode:
-        return node.target(*args, **kwargs)
+_INFERENCE_ONLY = "inference forward graphs only (a training graph's backward holds the unfused gradients)"
 
 
-@fxdream.register_pass
-class FuseAttention:
+@register_pass
+class FuseAttention(PassBase):
     name = "fuse_attention"
-
-    def applies_to(self, ctx: PassContext):
-        if ctx.training or ctx.phase != "fw":
-            return "inference forward graphs only (a training graph's backward holds the unfused gradients)"
-        return None
+    modes, phases = ("inference",), ("fw",)
+    why_not = MappingProxyType({"mode": _INFERENCE_ONLY, "phase": _INFERENCE_ONLY})
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         judged = not ctx.forced and ctx.predict_us is not None
@@ -294,10 +283,11 @@ class FuseAttention:
         layers = tuple(dict.fromkeys(s.output.meta.get(LAYER) or s.output.name for s in sites))
         fuse(fused, sites)
         if judged:
-            before, after = ctx.predict_us(gm), ctx.predict_us(fused)
-            if after >= before:
-                return PassResult(gm, False, f"{len(sites)} attention block(s) found; fusing them is "
-                                  f"predicted slower ({before:.0f} → {after:.0f} µs)", notes=layers)
+            choice = choose(ctx, gm, {"fused": fused})
+            if choice.chosen is None:
+                return PassResult.unchanged(gm, f"{len(sites)} attention block(s) found; fusing them is predicted "
+                                            f"slower ({choice.baseline_us:.0f} → {choice.predicted_us['fused']:.0f} µs)",
+                                            layers)
         if any(rows_masked[s] is None for s in sites):
             layers += (FULLY_MASKED_ROWS,)
         left = f"; {unmatched} more left as they are (not in the form SDPA computes: {_FORM})" if unmatched else ""

@@ -21,15 +21,17 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from types import MappingProxyType
+
 import torch
 import torch.fx as fx
 
-from fxdream import ops
-from fxdream.annotate import LAYER
-from fxdream.pass_api import PassContext, PassResult, register_pass
-from fxdream.pass_pipeline import copy_graph_module
-from fxdream.sim.cost import Profiled
-from fxdream.sim.op_keys import real_tensors
+from fxdream.ops import fused_conv as ops
+
+from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, choose, copy_graph_module, real_tensors, register_pass
+
+from fxdream.sim.cost.profiled import Profiled
+
 
 aten = torch.ops.aten
 ADDMM, MM, T = aten.addmm.default, aten.mm.default, aten.t.default
@@ -216,15 +218,17 @@ def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
     return keep, notes
 
 
-@register_pass
-class PrepackLinear:
-    name = "prepack_linear"
+_FROZEN_ONLY = "inference forward graphs only (the weights must be constants)"
 
-    def applies_to(self, ctx: PassContext) -> str | None:
-        if ctx.device != "cpu":
-            return "CPU only (oneDNN's packed linear)"
-        if not ctx.frozen:
-            return "inference forward graphs only (the weights must be constants)"
+
+@register_pass
+class PrepackLinear(PassBase):
+    name = "prepack_linear"
+    devices, modes, phases = ("cpu",), ("inference",), ("fw",)
+    why_not = MappingProxyType({"device": "CPU only (oneDNN's packed linear)",
+                                "mode": _FROZEN_ONLY, "phase": _FROZEN_ONLY})
+
+    def requires(self, ctx: PassContext) -> str | None:
         if not torch.backends.mkldnn.is_available() or LINEAR is None:
             return "this torch has no oneDNN (its packed linear)"
         return None
@@ -249,10 +253,10 @@ class PrepackLinear:
                 + (f", {acts} with the activation fused" if acts else ""))
         if ctx.predict_us is None:
             return PassResult(gm, True, what, tuple(notes))
-        before, after = ctx.predict_us(original), ctx.predict_us(gm)
-        listing = f"predicted: {before / 1e3:.3f} → {after / 1e3:.3f} ms"
-        if after >= before and not ctx.forced:
-            return PassResult(original, False, f"not faster in context ({listing})", tuple(notes))
-        if after >= before:
+        choice = choose(ctx, original, {"packed": gm})
+        listing = f"predicted: {choice.baseline_us / 1e3:.3f} → {choice.predicted_us['packed'] / 1e3:.3f} ms"
+        if choice.chosen is None:
+            return PassResult.unchanged(original, f"not faster in context ({listing})", notes)
+        if choice.forced:
             listing += ", forced: not faster"
-        return PassResult(gm, True, f"{what} ({listing})", tuple(notes))
+        return PassResult.changed(gm, f"{what} ({listing})", notes)

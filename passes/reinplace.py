@@ -36,12 +36,13 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-import fxdream
-from fxdream import streams
-from fxdream.annotate import LAYER, schema_arguments
-from fxdream.pass_api import PassContext, PassResult
+from fxdream.runtime import streams
+from fxdream.ir.nodes import schema_arguments
+from fxdream.pass_api import LAYER, Note, PassBase, PassContext, PassResult, register_pass
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION
-from fxdream.sim.op_keys import UNKNOWN, aliased_input, is_view, same_layout
+from fxdream.ir.aliasing import UNKNOWN, aliased_input
+from fxdream.ir.nodes import is_view
+from fxdream.ir.tensors import same_layout
 
 aten = torch.ops.aten
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
@@ -126,8 +127,8 @@ class _Buffers:
                 self.family[new_base].append(member)
 
 
-def reinplace_graph(gm: fx.GraphModule) -> list[str]:
-    """Rewrite ``gm`` in place; return ``layer: op`` for each op now run in place."""
+def reinplace_graph(gm: fx.GraphModule) -> list[Note]:
+    """Rewrite ``gm`` in place; return a note (layer, op) for each op now run in place."""
     buffers = _Buffers(gm.graph)
     changed = []
     for node in list(gm.graph.nodes):
@@ -150,18 +151,15 @@ def reinplace_graph(gm: fx.GraphModule) -> list[str]:
         node.replace_all_uses_with(replacement)
         gm.graph.erase_node(node)
         buffers.replaced(node, replacement, args[0])
-        changed.append(f"{node.meta.get(LAYER) or node.name}: {twin.overloadpacket.__name__}")
+        changed.append(Note(node.meta.get(LAYER) or node.name, twin.overloadpacket.__name__))
     return changed
 
 
-@fxdream.register_pass
-class Reinplace:
+@register_pass
+class Reinplace(PassBase):
     name = "reinplace"
     order = 20   # after the passes that rewrite or schedule the graph: it sees their final ops
     final = True  # under auto: once, on the chosen subset's graph
-
-    def applies_to(self, ctx: PassContext) -> str | None:
-        return None
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         changed = reinplace_graph(gm)
@@ -170,6 +168,6 @@ class Reinplace:
         if any(streams.node_stream(n) for n in gm.graph.nodes):  # the stream checker agrees, or no rewrite
             streams.require_stream_order(gm)
         gm.recompile()
-        counts = Counter(entry.rsplit(": ", 1)[1] for entry in changed)
+        counts = Counter(note.detail for note in changed)
         summary = ", ".join(f"{n} {op}" for op, n in sorted(counts.items()))
         return PassResult(gm, True, f"{len(changed)} op(s) now in place ({summary})", notes=tuple(changed))

@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
 def fresh_dynamo(monkeypatch):
     """Each test compiles and profiles from scratch: no cache entries, counters or measured
     costs left by another test, and no profile directory from the environment."""
-    from fxdream.sim.profile_store import PROFILE_DIR_ENV, forget_profiles
+    from fxdream.sim.profile.store import PROFILE_DIR_ENV, forget_profiles
     torch._dynamo.reset()
     forget_profiles()
     monkeypatch.delenv(PROFILE_DIR_ENV, raising=False)

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from fxdream.ab import ab, plot_ab
-from fxdream.annotate import op_name
+from fxdream.ir.nodes import op_name
 from fxdream.pass_api import PassResult
 
 
@@ -72,7 +72,7 @@ def test_ab_training_checks_gradients_too():
 def test_training_predictions_include_the_measured_host_gaps_and_inference_runs_without_grad():
     import fxdream
     from fxdream.ab import measured_step, step_fn
-    from fxdream.predict import cost_model_for
+    from fxdream.build import cost_model_for
     model, inputs, loss_fn = build(2)
     cost = cost_model_for("cpu", "profiled")
     inference = fxdream.optimize(model.eval(), inputs)
@@ -93,7 +93,7 @@ def test_a_pass_that_changes_nothing_is_predicted_to_change_nothing_in_training(
 
 def test_predictions_use_costs_profiled_between_the_timed_blocks(monkeypatch):
     # the costs come from the same minutes as the measurements, not from the build's
-    from fxdream.sim.cost import Profiled
+    from fxdream.sim.cost.profiled import Profiled
     calls = []
     original = Profiled.profile_in_context
 

@@ -6,13 +6,14 @@ import torch
 import torch.nn as nn
 
 import fxdream
-from fxdream.annotate import op_name
-from fxdream.capture import CaptureSession, run_once
-from fxdream.capture import one_step as pipeline_one_step
-from fxdream.dynamo_glue import compile_with
+from fxdream.ir.nodes import op_name
+from fxdream.capturing.session import CaptureSession
+from fxdream.capturing.steps import run_once
+from fxdream.capturing.steps import one_step as pipeline_one_step
+from fxdream.capturing.dynamo import compile_with
 from fxdream.pass_api import PassContext, PassResult
-from fxdream.pass_pipeline import PassPipeline
-from fxdream.predict import cost_model_for
+from fxdream.pass_runner import PassPipeline
+from fxdream.build import cost_model_for
 
 
 class Net(nn.Module):
@@ -211,7 +212,7 @@ def _timed(eager_ms, built_ms):
 
 
 def test_auto_runs_eagerly_when_the_built_module_is_measured_slower(monkeypatch):
-    import fxdream.pipeline as pipeline
+    import fxdream.build as pipeline
     monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=1.2))
     model, x = Net().eval(), torch.randn(8, 64)
     optimized = fxdream.optimize(model, (x,), passes="auto")
@@ -237,7 +238,7 @@ class CountsCalls(nn.Module):
 
 
 def test_the_eager_check_line_blames_itself_only_for_its_own_fallback(monkeypatch):
-    import fxdream.pipeline as pipeline
+    import fxdream.build as pipeline
     monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=0.9))  # the check keeps them
     model, x = CountsCalls().eval(), torch.randn(8, 64)
     optimized = fxdream.optimize(model, (x,), passes="auto")
@@ -251,7 +252,7 @@ def test_the_eager_check_line_blames_itself_only_for_its_own_fallback(monkeypatc
 
 
 def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off(monkeypatch):
-    import fxdream.pipeline as pipeline
+    import fxdream.build as pipeline
     monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=1.04))  # within 5 %
     model, x = Net().eval(), torch.randn(8, 64)
     kept = fxdream.optimize(model, (x,), passes="auto")
@@ -269,7 +270,7 @@ def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off
 
 
 def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
-    import fxdream.pipeline as pipeline
+    import fxdream.build as pipeline
     # the graphs' ops: ~0.03 ms predicted here (12 ms on a loaded machine), far under 2x the limit
     monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 40.0)
     model, calls = Net().eval(), []
@@ -288,7 +289,7 @@ def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
 
 
 def test_eager_check_skips_eager_calls_where_the_graphs_alone_predict_a_long_call(monkeypatch):
-    import fxdream.pipeline as pipeline
+    import fxdream.build as pipeline
     model, calls = Net().eval(), []
     monkeypatch.setattr(pipeline, "one_step", lambda m, *args: calls.append(m) or pipeline_one_step(m, *args))
     predicted = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto").report.predicted_baseline_ms

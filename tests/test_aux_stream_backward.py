@@ -10,15 +10,17 @@ import torch
 import torch.fx as fx
 
 import fxdream
-from fxdream import models, streams
+from fxdream import models
+from fxdream.runtime import streams
 from fxdream.explain import b as B
 from fxdream.explain import crossover, crossover_of_graphs, formula, model_terms
-from fxdream.pass_api import PassContext, available_passes
-from fxdream.pass_pipeline import copy_graph_module
+from fxdream.pass_api import PassContext
+from fxdream.pass_registry import available_passes
+from fxdream.ir.graphs import copy_graph_module
 from fxdream.passes import aux_stream_backward as aux
-from fxdream.sim import occupancy
-from fxdream.sim.cost import is_view
-from fxdream.sim.devices import DeviceSpec
+from fxdream.sim.cost import occupancy
+from fxdream.ir.nodes import is_view
+from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.lower import lower
 from fxdream.sim.simulate import Contention, simulate
 

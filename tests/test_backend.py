@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 from conftest import assert_step_matches
 
-from fxdream.annotate import op_name
+from fxdream.ir.nodes import op_name
 from fxdream.pass_api import PassResult, register_pass
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fxdream.passes import conv_sites
+from fxdream.passes.fuse_conv_bias_act import sites as conv_sites
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -94,7 +94,8 @@ def test_fidelity_fails_when_every_case_is_skipped(tmp_path, capsys):
 def test_a_peer_that_dynamo_ran_eagerly_is_an_error_not_a_row(monkeypatch):
     """Past dynamo's recompile limit a compiled copy runs eagerly, silently: cpu_ab must say so."""
     import torch
-    from fxdream import dynamo_glue, models
+    from fxdream.capturing import dynamo as dynamo_glue
+    from fxdream import models
     cpu_ab = _script("cpu_ab")
     model, inputs, _ = models.build("mnist_convnet", 1, tiny=True)
     model.eval()
@@ -175,7 +176,7 @@ def test_gpu_ab_runs_each_case_in_a_child_and_records_a_crash(tmp_path, monkeypa
 def test_whole_ops_times_each_op_eager_captured_and_decomposed(tmp_path, monkeypatch):
     import torch
     import torch.nn.functional as F
-    from fxdream import rnn_op
+    from fxdream.ops import keep_whole as rnn_op
     whole_ops = _script("whole_ops")
     small = {"bilinear 2x": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), torch.randn(1, 2, 4, 4)),
              "max_pool1d 3/2": (lambda x: F.max_pool1d(x, 3, 2), torch.randn(1, 2, 9))}

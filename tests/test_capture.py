@@ -3,7 +3,8 @@ import torch
 import torch.nn as nn
 
 import fxdream
-from fxdream.annotate import LAYER, is_compute, op_name, qualified_name
+from fxdream.ir.nodes import LAYER, is_compute, op_name
+from fxdream.capturing.layers import qualified_name
 
 
 class Block(nn.Module):

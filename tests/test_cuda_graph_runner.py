@@ -10,9 +10,8 @@ import torch.fx as fx
 
 import fxdream
 from fxdream import models
-from fxdream.cuda_graph_partition import RunnerOptions, partition, replace_regions
-from fxdream.cuda_graph_runner import (CudaGraphFallback, CudaGraphOutputOverwritten, CudaGraphRunner,
-                                       clone_outputs, cuda_graph_memory_bytes, describe_runners, runners)
+from fxdream.passes.cuda_graphs.partition import RunnerOptions, partition, replace_regions
+from fxdream.runtime.cuda_graph_runner import CudaGraphFallback, CudaGraphOutputOverwritten, CudaGraphRunner, clone_outputs, cuda_graph_memory_bytes, describe_runners, runners
 from fxdream.pass_api import PassContext
 from fxdream.passes.cuda_graphs import NEEDS_CUDA, CudaGraphs
 from fxdream.passes.mark_incompatible import mark_incompatible
@@ -179,7 +178,7 @@ def test_a_failed_capture_runs_the_region_eagerly_once_per_call_with_the_reason(
 def test_while_a_graph_is_timed_in_context_its_regions_run_as_they_are():
     """Timed in context, a graph runs on copies of its buffers: a capture there would hold the
     copies' addresses, and the first real call would capture every region again."""
-    from fxdream.sim.in_context import time_graph
+    from fxdream.sim.profile.in_context import time_graph
     region = graph_with_values(_elementwise, (8,), (8,))
     runner = _SimulatedRunner(region, 0, (False, True))
     graph = fx.Graph()

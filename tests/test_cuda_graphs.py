@@ -9,14 +9,15 @@ import torch
 import torch.fx as fx
 
 from fxdream import models
-from fxdream.capture import capture
+from fxdream.capturing.capture_model import capture
 from fxdream.pass_api import PassContext
-from fxdream.cuda_graph_partition import RunnerOptions, partition, replace_regions
+from fxdream.passes.cuda_graphs.partition import RunnerOptions, partition, replace_regions
 from fxdream.passes.cuda_graphs import NEEDS_CUDA, CudaGraphs, annotate_regions, plan, predict_cuda_graph_gain
 from fxdream.passes.mark_incompatible import mark_incompatible
-from fxdream.predict import graph_prediction
-from fxdream.sim.cost import Analytic, is_view
-from fxdream.sim.devices import DeviceSpec, get_device
+from fxdream.sim.prediction import graph_prediction
+from fxdream.sim.cost.analytic import Analytic
+from fxdream.ir.nodes import is_view
+from fxdream.sim.cost.devices import DeviceSpec, get_device
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, CUDA_GRAPH_STATIC, inline_cuda_graph_runners
 from fxdream.sim.lower import lower
 from fxdream.sim.simulate import simulate
@@ -185,9 +186,9 @@ def test_a_region_lowers_to_one_graph_launch_and_its_kernels():
 def test_measured_costs_replay_a_graph_s_kernels_closer_together():
     """Profiled on a GPU: a region's kernels take their measured time less the per-kernel saving
     of a graph replay (measured once per device), never below the device's smallest kernel."""
-    from fxdream.sim.cost import Profiled
-    from fxdream.sim.in_context import HOST
-    from fxdream.sim.op_keys import profile_key
+    from fxdream.sim.cost.profiled import Profiled
+    from fxdream.sim.profile.in_context import HOST
+    from fxdream.sim.profile.op_keys import profile_key
     cost = Profiled(get_device("h200"), "cuda")
     gm = _regioned(static_input=True)
     kernels = {"relu": 3.0, "neg": 1.0, "add": 40.0}

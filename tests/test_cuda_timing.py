@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.fx as fx
 
-from fxdream.sim import cuda_timing, in_context
-from fxdream.sim.cost import Profiled
-from fxdream.sim.devices import get_device
-from fxdream.sim.in_context import HOST
+from fxdream.sim.profile import cuda_timing, in_context
+from fxdream.sim.cost.profiled import Profiled
+from fxdream.sim.cost.devices import get_device
+from fxdream.sim.profile.in_context import HOST
 
 aten = torch.ops.aten
 

@@ -6,7 +6,8 @@ import torch
 
 import fxdream
 from fxdream import models
-from fxdream.dead_copies import drop_dead_copies
+from fxdream.capturing.dead_copies import drop_dead_copies
+from fxdream.capturing.dynamo import compile_with
 from conftest import graph_with_values
 
 aten = torch.ops.aten
@@ -51,7 +52,7 @@ def test_a_clone_goes_only_where_nothing_else_sees_its_input(name):
 
 
 def test_bert_inference_through_dynamo_drops_its_dropout_copies_and_stays_bit_identical(monkeypatch):
-    monkeypatch.setattr(fxdream.pipeline, "compile_model", _through_dynamo)  # aot_autograd makes the copies
+    monkeypatch.setattr(fxdream.build, "compile_model", _through_dynamo)  # aot_autograd makes the copies
     model, inputs, _ = models.build("bert_base", 1, tiny=True)
     model.eval()
     with torch.no_grad():
@@ -77,7 +78,7 @@ def test_bert_inference_traced_once_has_no_dropout_copies_to_drop():
 
 
 def _through_dynamo(model, inputs, session, training):
-    return fxdream.fx_capture.compile_with(model, session), "dynamo (test)"
+    return compile_with(model, session), "dynamo (test)"
 
 
 def test_a_training_capture_keeps_them():

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import fxdream
 from conftest import ConvBnNet
-from fxdream.direct_calls import call_ops_directly, direct, direct_calls
+from fxdream.runtime.direct_calls import call_ops_directly, direct, direct_calls
 
 
 def _graph_module() -> fx.GraphModule:

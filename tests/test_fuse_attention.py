@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import fxdream
 from fxdream import models
-from fxdream.annotate import node_flops
+from fxdream.ir.flops import node_flops
 from fxdream.passes.fuse_attention import FULLY_MASKED_ROWS
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default

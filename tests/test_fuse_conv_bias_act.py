@@ -7,9 +7,12 @@ import torch
 from torch import nn
 
 import fxdream
-from fxdream import models, ops
-from fxdream.pass_api import PassContext, resolve_passes
-from fxdream.passes import conv_sites, fuse_conv_bias_act as fuse
+from fxdream import models
+from fxdream.ops import fused_conv as ops
+from fxdream.pass_api import PassContext
+from fxdream.pass_registry import resolve_passes
+from fxdream.passes.fuse_conv_bias_act import sites as conv_sites
+from fxdream.passes import fuse_conv_bias_act as fuse
 
 from conftest import assert_same_training_step
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import fxdream
-from fxdream import ops
+from fxdream.ops import fused_conv as ops
 from fxdream.passes import fuse_conv_bias_act as fuse
 
 from conftest import assert_same_training_step

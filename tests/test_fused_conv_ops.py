@@ -3,7 +3,7 @@ registered correctly (torch.library.opcheck), counted as convolutions by the flo
 import pytest
 import torch
 
-from fxdream import ops
+from fxdream.ops import fused_conv as ops
 
 S, P, D = [1, 1], [1, 1], [1, 1]
 

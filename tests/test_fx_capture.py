@@ -7,8 +7,8 @@ import torch.nn as nn
 
 import fxdream
 from conftest import ConvBnNet, assert_step_matches
-from fxdream.capture import CaptureSession
-from fxdream.fx_capture import trace_and_compile
+from fxdream.capturing.session import CaptureSession
+from fxdream.capturing.torch_fx import trace_and_compile
 
 
 class IsinstanceBranch(nn.Module):
@@ -324,7 +324,7 @@ def test_integer_and_bool_outputs_are_compared_exactly():
 
 
 def test_anything_failing_on_the_fx_path_falls_back_to_dynamo(monkeypatch):
-    import fxdream.fx_capture as fx_capture
+    import fxdream.capturing.torch_fx as fx_capture
 
     def broken(*args):
         raise RuntimeError("simulated bug")

@@ -4,7 +4,7 @@ import gc
 import torch
 
 import fxdream
-from fxdream.heap import older_objects_frozen
+from fxdream.capturing.gc_freeze import older_objects_frozen
 
 
 def test_objects_are_frozen_in_the_body_and_unfrozen_after():
@@ -40,8 +40,8 @@ def test_nothing_is_frozen_while_the_collector_is_off():
 
 def test_optimize_freezes_while_it_builds_and_leaves_nothing_frozen(monkeypatch):
     seen = []
-    build = fxdream.pipeline._build
-    monkeypatch.setattr(fxdream.pipeline, "_build", lambda *a: seen.append(gc.get_freeze_count()) or build(*a))
+    build = fxdream.build._build
+    monkeypatch.setattr(fxdream.build, "_build", lambda *a: seen.append(gc.get_freeze_count()) or build(*a))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
     x = torch.randn(2, 4)
     out = fxdream.optimize(model, (x,), cost=None)(x)

@@ -6,9 +6,10 @@ import torch
 import torch.nn as nn
 
 import fxdream
-from fxdream.capture import capture_with_host_gaps
-from fxdream.host_gaps import END, StepCalls, SubgraphClock, measure_host_gaps, step_calls
-from fxdream.predict import cost_model_for, predict
+from fxdream.capturing.capture_model import capture_with_host_gaps
+from fxdream.capturing.host_gaps import END, StepCalls, SubgraphClock, measure_host_gaps, step_calls
+from fxdream.sim.prediction import predict
+from fxdream.build import cost_model_for
 from fxdream.sim.lower import SGD, lower
 from fxdream.sim.simulate import simulate
 from conftest import graph_with_values
@@ -117,7 +118,7 @@ def test_optimize_reports_the_gaps_of_a_training_step():
 
 
 def test_the_note_names_the_causes_and_graphs_run_twice():
-    from fxdream.host_gaps import describe_gaps
+    from fxdream.capturing.host_gaps import describe_gaps
     step = StepCalls(("g0.fw", "g0.fw", "g0.bw"), (1000.0, 500.0, 0.0), 500.0)
     one, twice = describe_gaps(step, 1, True)
     assert one == "measured host time outside the graphs (autograd): 2.000 ms per step, simulated as host tasks"

@@ -8,8 +8,8 @@ import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
 
 import fxdream
-from fxdream.dead_copies import drop_dead_copies
-from fxdream.inference_trace import inference_graph
+from fxdream.capturing.dead_copies import drop_dead_copies
+from fxdream.capturing.inference_trace import inference_graph
 
 aten = torch.ops.aten
 
@@ -114,7 +114,7 @@ def test_optimize_equals_eager_whichever_trace_it_took(model):
 def test_a_trace_that_raises_leaves_the_graph_to_aot_autograd(monkeypatch):
     def broken(*args):
         raise RuntimeError("no fake kernel")
-    monkeypatch.setattr(sys.modules["fxdream.capture"], "inference_graph", broken)
+    monkeypatch.setattr(sys.modules["fxdream.capturing.session"], "inference_graph", broken)
     model, x = ConvBlock().eval(), torch.randn(2, 3, 6, 6)
     optimized = fxdream.optimize(model, (x,), cost=None)
     assert optimized.report.capture == "torch.fx symbolic_trace"

@@ -8,11 +8,10 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import fxdream
 from fxdream import models
-from fxdream.annotate import LAYER
-from fxdream.capture import capture
+from fxdream.ir.nodes import LAYER
+from fxdream.capturing.capture_model import capture
 from fxdream.pass_api import PassContext
-from fxdream.passes.mark_incompatible import (CUDA_GRAPH, MarkIncompatible, cuda_graph_compatible,
-                                              cuda_graph_incompatible, forget_cuda_graph_op, mark_incompatible)
+from fxdream.passes.mark_incompatible import CUDA_GRAPH, MarkIncompatible, cuda_graph_compatible, cuda_graph_incompatible, forget_cuda_graph_op, mark_incompatible
 
 aten = torch.ops.aten
 EVAL = PassContext(device="cuda")

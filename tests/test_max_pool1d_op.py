@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxdream
-from fxdream.max_pool1d_op import max_pool1d_inference
+from fxdream.ops.max_pool1d import max_pool1d_inference
 
 CASES = [dict(kernel_size=3), dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=4, stride=3, ceil_mode=True),
          dict(kernel_size=2, dilation=2, padding=1, ceil_mode=True), dict(kernel_size=(5,), stride=(1,))]

@@ -2,7 +2,7 @@
 import torch
 import torch.fx as fx
 
-from fxdream.onednn_direct import TrialTensor, _runs_on_real_tensors, trial_layouts
+from fxdream.runtime.onednn_direct import TrialTensor, _runs_on_real_tensors, trial_layouts
 
 CL = torch.channels_last
 

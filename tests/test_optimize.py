@@ -333,7 +333,7 @@ def test_a_training_step_with_no_differentiable_output_is_built_verified_and_tim
 
 
 def test_a_full_dynamo_cache_for_the_models_forward_is_cleared_and_said(monkeypatch):
-    from fxdream import dynamo_glue
+    from fxdream.capturing import dynamo as dynamo_glue
 
     class Fresh(nn.Module):  # a class of its own: no cache entries from other tests
         def __init__(self):

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxdream
-from fxdream.pad_op import pad_inference
+from fxdream.ops.pad import pad_inference
 
 
 class Pad(nn.Module):

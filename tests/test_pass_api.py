@@ -5,8 +5,9 @@ import torch
 import torch.nn as nn
 
 import fxdream
-from fxdream.annotate import op_name
-from fxdream.pass_api import PassContext, PassResult, available_passes, resolve_passes
+from fxdream.ir.nodes import op_name
+from fxdream.pass_api import PassContext, PassResult
+from fxdream.pass_registry import available_passes, resolve_passes
 
 
 class ScaledLinear(nn.Module):
@@ -266,7 +267,7 @@ def test_pass_context_is_frozen_in_inference_forward_only():
 def test_auto_runs_the_rewriting_passes_before_those_that_schedule_kernels():
     """cuda_graphs marks regions of the final kernels: run before a fusion, its regions broke
     (the fusion's channels_last variant could not be predicted on a GPU)."""
-    names = fxdream.pass_api.available_passes()
+    names = fxdream.pass_registry.available_passes()
     rewrites = [names.index(n) for n in ("fuse_conv_bias_act", "fuse_attention")]
     schedules = [names.index(n) for n in ("cuda_graphs", "aux_stream_backward")]
     assert max(rewrites) < min(schedules)

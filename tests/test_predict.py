@@ -6,8 +6,13 @@ import torch.nn as nn
 
 import fxdream
 from fxdream.pass_api import PassContext, PassResult
-from fxdream.predict import cost_model_for, predict, simulate
-from fxdream.sim.cost import Analytic, Profiled, is_view, profile_key
+from fxdream.sim.prediction import predict
+from fxdream.build import cost_model_for
+from fxdream.simulation import simulate
+from fxdream.sim.cost.analytic import Analytic
+from fxdream.sim.cost.profiled import Profiled
+from fxdream.ir.nodes import is_view
+from fxdream.sim.profile.op_keys import profile_key
 
 
 class Small(nn.Module):
@@ -28,7 +33,7 @@ def test_simulate_on_this_cpu_and_on_a_gpu_spec():
     assert {t.phase for t in here.task_graph.tasks} >= {"fw", "bw", "optim"}
     assert "conv" in dict(here.top_layers(10))
     h100 = simulate(model, (x,), device="h100", training=False)
-    assert isinstance(h100, fxdream.predict.Prediction)
+    assert isinstance(h100, fxdream.Prediction)
     assert any(t.resource == "stream:0" for t in h100.task_graph.tasks)
     assert "predicted inference on h100" in h100.summary()
 
@@ -71,7 +76,7 @@ def test_graphs_a_pipeline_timed_already_are_not_profiled_again():
     assert {k: len(v) for k, v in cost.samples.items()} == counts
 
 def test_profiling_a_graph_stops_after_its_time_budget_but_not_before_three_rounds():
-    from fxdream.sim.cost import MIN_ROUNDS
+    from fxdream.sim.profile.in_context import MIN_ROUNDS
     model, x = Small().eval(), torch.randn(2, 3, 8, 8)
     captured = fxdream.capture(model, (x,))
     counts = {}
@@ -96,7 +101,7 @@ def _slow_relu(x):
 def _time_slow_graph(samples: dict, **kwargs) -> int:
     """Runs of a one-op graph ``time_graph`` made (its samples land in ``samples``)."""
     import torch.fx as fx
-    import fxdream.sim.in_context as in_context
+    import fxdream.sim.profile.in_context as in_context
     graph = fx.Graph()
     graph.output(graph.call_function(_slow_relu, (graph.placeholder("x"),)))
     _RUNS.clear()
@@ -106,7 +111,7 @@ def _time_slow_graph(samples: dict, **kwargs) -> int:
 
 
 def test_a_long_graph_is_timed_twice_not_three_times_and_keeps_the_warm_run(monkeypatch):
-    import fxdream.sim.in_context as in_context
+    import fxdream.sim.profile.in_context as in_context
     monkeypatch.setattr(in_context, "LONG_ROUNDS_S", 0.05)  # two rounds (~100 ms): "long"
     samples = {}
     assert _time_slow_graph(samples, rounds=6) == 2
@@ -126,7 +131,7 @@ def test_a_graph_slower_than_a_bound_in_its_first_two_rounds_is_timed_twice():
 
 
 def test_a_pass_candidate_is_timed_against_the_best_prediction_before_it(monkeypatch):
-    import fxdream.pass_pipeline as pipeline_module
+    import fxdream.pass_runner as pipeline_module
     model, x = Small().eval(), torch.randn(2, 3, 8, 8)
     captured = fxdream.capture(model, (x,))
     rounds = []
@@ -162,7 +167,7 @@ def test_a_pass_candidate_is_timed_against_the_best_prediction_before_it(monkeyp
 
 def test_a_rewrites_profile_adds_only_its_new_ops():
     # a rewrite's run must not move the medians the prediction before it used
-    from fxdream.pass_pipeline import copy_graph_module
+    from fxdream.ir.graphs import copy_graph_module
     model, x = Small().eval(), torch.randn(2, 3, 8, 8)
     captured = fxdream.capture(model, (x,))
     cost = cost_model_for("cpu", "profiled")
@@ -178,8 +183,8 @@ def test_a_rewrites_profile_adds_only_its_new_ops():
 
 
 def test_new_ops_under_one_percent_of_the_graph_are_not_worth_timed_runs_of_it():
-    from fxdream.pass_pipeline import copy_graph_module
-    from fxdream.sim.cost import FEW_NEW_OPS, MIN_SHARE
+    from fxdream.ir.graphs import copy_graph_module
+    from fxdream.sim.cost.profiled import FEW_NEW_OPS, MIN_SHARE
     model, x = Small().eval(), torch.randn(2, 3, 8, 8)
     captured = fxdream.capture(model, (x,))
     cost = cost_model_for("cpu", "profiled")
@@ -265,8 +270,8 @@ def test_symbolic_sizes_are_costed_and_materialized_at_their_traced_sizes():
     """dynamo's dynamic shapes give graphs whose sizes are SymInts: costs, profile keys and the
     stand-in tensors profiling builds use the sizes the graph was traced at."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from fxdream.sim.cost import tensor_bytes
-    from fxdream.sim.in_context import ones_like
+    from fxdream.ir.tensors import tensor_bytes
+    from fxdream.sim.profile.in_context import ones_like
     gm = make_fx(lambda x: torch.relu(x) * torch.ones(x.shape[0], 1), tracing_mode="symbolic")(torch.randn(3, 4))
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert any(isinstance(n.meta["val"].shape[0], torch.SymInt) for n in nodes)
@@ -318,7 +323,7 @@ def test_ops_are_timed_by_clock_reads_in_a_copy_of_the_generated_code():
     # 462 µs summed vs 258 µs a run); the copy gives the same outputs and times every compute op
     import gc
     import weakref
-    from fxdream.sim.in_context import _STAMPS, compute_keys, timed_copy
+    from fxdream.sim.profile.in_context import _STAMPS, compute_keys, timed_copy
     model, x = Small().eval(), torch.randn(2, 3, 8, 8)
     captured = fxdream.capture(model, (x,))
     gm = captured.forward
@@ -345,13 +350,14 @@ def test_ops_are_timed_by_clock_reads_in_a_copy_of_the_generated_code():
 
 def test_host_overheads_are_measured_before_the_capture_not_inside_it(monkeypatch):
     """Inside aot_autograd's compiler callback a compiled graph's call cost read ~4x too high."""
-    from fxdream import pass_pipeline
-    from fxdream.sim import cost as cost_module, profile_store
+    from fxdream import pass_runner as pass_pipeline
+    from fxdream.sim.cost import profiled as cost_module
+    from fxdream.sim.profile import store as profile_store
     monkeypatch.setattr(profile_store, "_STORES", {})  # a store that has measured nothing yet
     events = []
     measure = cost_module.measure_graph_call_us
     monkeypatch.setattr(cost_module, "measure_graph_call_us",
-                        lambda device: events.append("graph call measured") or measure(device))
+                        lambda device, build: events.append("graph call measured") or measure(device, build))
     transform = pass_pipeline.PassPipeline.__call__
     monkeypatch.setattr(pass_pipeline.PassPipeline, "__call__",
                         lambda self, *a, **k: events.append("capture") or transform(self, *a, **k))
@@ -364,7 +370,7 @@ def test_host_overheads_are_measured_before_the_capture_not_inside_it(monkeypatc
 def test_ops_are_timed_without_the_python_dispatcher_aot_turns_on(monkeypatch):
     # a training capture (dynamo: aot has a shape env) runs its compiler callbacks under the
     # Python dispatcher; timed there, every op paid a trip through Python (a GRU: 5x)
-    import fxdream.sim.cost as cost_module
+    import fxdream.sim.cost.profiled as cost_module
     key, seen, time_graph = torch._C.DispatchKey.PythonDispatcher, [], cost_module.time_graph
 
     def recording(*args, **kwargs):
@@ -380,8 +386,8 @@ def test_timed_runs_copy_only_the_inputs_the_graph_writes():
     # cloning every buffer (ResNet-50: 106 BN statistics) cost 20 ms per timed graph; the copy
     # must still cover a write through a view, and anything the check cannot see into
     import torch.fx as fx
-    from fxdream.sim.in_context import owned_copies
-    from fxdream.sim.op_keys import written_inputs
+    from fxdream.sim.profile.in_context import owned_copies
+    from fxdream.ir.aliasing import written_inputs
     aten = torch.ops.aten
 
     def graph_of(build):
@@ -421,7 +427,7 @@ def test_two_rounds_that_agree_end_the_timing_of_a_graph_that_is_not_short(monke
     # a third round cannot move the median of three further than the first two differ; ResNet-50
     # bs1's unfused graph ran 34.8 and 34.3 ms, and its third run cost ~70 ms of the build
     import torch.fx as fx
-    import fxdream.sim.in_context as in_context
+    import fxdream.sim.profile.in_context as in_context
     graph = fx.Graph()
     graph.output(graph.call_function(_steady_relu, (graph.placeholder("x"),)))
     gm = fx.GraphModule(torch.nn.Module(), graph)
@@ -441,7 +447,7 @@ def test_two_rounds_that_agree_end_the_timing_of_a_graph_that_is_not_short(monke
 
 def test_the_pipeline_predicts_a_copy_of_a_graph_from_the_first_prediction(monkeypatch):
     # a pass keeping a copy of its input to compare against asks for a graph predicted already
-    import fxdream.pass_pipeline as pipeline_module
+    import fxdream.pass_runner as pipeline_module
     calls = []
     real = pipeline_module.graph_prediction
     monkeypatch.setattr(pipeline_module, "graph_prediction", lambda *a: calls.append(a) or real(*a))

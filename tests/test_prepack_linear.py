@@ -6,11 +6,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxdream
+from fxdream.ir.graphs import copy_graph_module
 from fxdream import models
-from fxdream.pass_api import PassContext, resolve_passes
+from fxdream.pass_api import PassContext
+from fxdream.pass_registry import resolve_passes
 from fxdream.passes import prepack_linear as pack
-from fxdream.sim.cost import Profiled
-from fxdream.sim.devices import DEVICES
+from fxdream.sim.cost.profiled import Profiled
+from fxdream.sim.cost.devices import DEVICES
 
 PASS = "prepack_linear"
 
@@ -88,7 +90,7 @@ def run_pass(model, x, cost_model, predicted: list, forced: bool = False):
     answers = iter(predicted)
     ctx = PassContext(device="cpu", params=params, cost_model=cost_model, predict_us=lambda gm: next(answers),
                       forced=forced)
-    return captured, resolve_passes([PASS])[0](fxdream.pipeline.copy_graph_module(captured.forward), ctx)
+    return captured, resolve_passes([PASS])[0](copy_graph_module(captured.forward), ctx)
 
 
 @pytest.mark.parametrize("packed_us,applied", [(1.0, True), (10.0, False)])

@@ -4,7 +4,8 @@ import logging
 import torch
 
 import fxdream
-from fxdream.sim.host_timing import measure_graph_call_us
+from fxdream.build import built_by_fxdream
+from fxdream.sim.profile.host_timing import measure_graph_call_us
 from test_optimize import Small
 
 
@@ -24,7 +25,7 @@ def test_a_build_logs_its_progress_at_info_and_its_probes_do_not():
     log.setLevel(logging.INFO)
     try:
         fxdream.optimize(Small().eval(), (torch.randn(2, 3, 8, 8),), passes=["reinplace"], cost=None)
-        measure_graph_call_us(torch.device("cpu"))  # builds a one-op module of its own
+        measure_graph_call_us(torch.device("cpu"), built_by_fxdream)  # builds a one-op module of its own
     finally:
         log.removeHandler(lines)
         log.setLevel(level)

@@ -8,7 +8,7 @@ AB_TESTS = '''
 import pytest
 import torch
 import fxdream
-from fxdream.annotate import op_name
+from fxdream.ir.nodes import op_name
 from fxdream.pass_api import PassResult
 
 

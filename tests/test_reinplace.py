@@ -7,7 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxdream
 from fxdream import models
-from fxdream.annotate import op_name
+from fxdream.ir.nodes import op_name
 from fxdream.passes.reinplace import in_place_twin, reinplace_graph
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION
 
@@ -167,7 +167,7 @@ def test_zoo_training_is_bit_identical_with_the_pass_forced(name):
 
 
 def test_after_aux_stream_backward_nothing_an_aux_stream_reads_is_overwritten():
-    from fxdream import streams
+    from fxdream.runtime import streams
     model, inputs, loss_fn = models.build("resnet18", 2, tiny=True)
     optimized = fxdream.optimize(model, inputs, passes=["aux_stream_backward", "reinplace"], training=True,
                                  cost=None)

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 import fxdream
-from fxdream.rnn_cell_op import rnn_cell_inference
+from fxdream.ops.rnn_cell import rnn_cell_inference
 
 
 class Decoder(nn.Module):

@@ -4,8 +4,8 @@ import torch
 import torch.nn as nn
 
 import fxdream
-from fxdream.annotate import node_flops
-from fxdream.rnn_op import rnn_inference
+from fxdream.ir.flops import node_flops
+from fxdream.ops.rnn import rnn_inference
 from conftest import assert_same_training_step
 
 
@@ -114,9 +114,9 @@ def test_a_batch_first_output_used_whole_is_captured_and_exact():
 
 
 def test_the_analytic_cost_of_a_recurrence_is_at_least_its_steps_in_sequence():
-    from fxdream.annotate import rnn_sequential_steps
-    from fxdream.sim.cost import Analytic
-    from fxdream.sim.devices import get_device
+    from fxdream.ir.flops import rnn_sequential_steps
+    from fxdream.sim.cost.analytic import Analytic
+    from fxdream.sim.cost.devices import get_device
     model, x = Recurrent("gru").eval(), torch.randn(3, 16, 6)
     captured = fxdream.capture(model, (x,))
     (rnn,) = [n for n in captured.forward.graph.nodes if n.target is rnn_inference]
@@ -128,8 +128,9 @@ def test_the_analytic_cost_of_a_recurrence_is_at_least_its_steps_in_sequence():
 
 def test_passes_and_profiling_run_outside_the_tracing_mode():
     # the mode's Python hook on every torch call would be counted as op time by the profile
-    from fxdream.capture import CaptureSession, run_once
-    from fxdream.fx_capture import trace_and_compile
+    from fxdream.capturing.session import CaptureSession
+    from fxdream.capturing.steps import run_once
+    from fxdream.capturing.torch_fx import trace_and_compile
     seen = []
 
     def transform(gm, phase, index, params, inputs):
@@ -161,7 +162,7 @@ def test_the_tracing_mode_is_entered_only_for_graphs_that_may_need_it():
     unknown Python gets it."""
     import torch.fx as fx
     import torch.nn.functional as F
-    from fxdream.rnn_op import may_call_whole_ops
+    from fxdream.ops.keep_whole import may_call_whole_ops
 
     class Attend(torch.nn.Module):
         def forward(self, q):
@@ -214,7 +215,7 @@ class ProjectedLSTMWithKwargs(ProjectedLSTM):
 def test_an_lstm_with_projections_is_one_op_on_cpu_and_exact(batch_first, cls):
     # oneDNN does not take projections: eager runs ATen's C++ loop, which a trace unrolled into
     # ops per time step (256 wide, 50 steps: 1218 nodes, 1.7x eager's time)
-    from fxdream.rnn_op import lstm_inference
+    from fxdream.ops.rnn import lstm_inference
     torch.manual_seed(0)
     model, x = cls(batch_first).eval(), torch.randn(3, 5, 6)
     with torch.no_grad():
@@ -228,7 +229,7 @@ def test_an_lstm_with_projections_is_one_op_on_cpu_and_exact(batch_first, cls):
 
 
 def test_an_lstm_without_projections_keeps_onednns_layer():
-    from fxdream.rnn_op import lstm_inference
+    from fxdream.ops.rnn import lstm_inference
     model, x = ProjectedLSTM(True).eval(), torch.randn(3, 5, 6)
     model.lstm = torch.nn.LSTM(6, 8, batch_first=True)
     optimized = fxdream.optimize(model, (x,), cost=None)

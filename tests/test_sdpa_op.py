@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import fxdream
-from fxdream import rnn_op
-from fxdream.sdpa_op import attention_inference, redirect_attention
+from fxdream.ops import keep_whole as rnn_op
+from fxdream.ops.sdpa import attention_inference, redirect_attention
 
 
 class Attention(torch.nn.Module):

@@ -56,7 +56,7 @@ def test_calibrate_cpu_is_fast_and_cached():
 
 
 def test_the_host_spec_calibrates_when_a_number_is_read(monkeypatch):
-    from fxdream.sim import devices
+    from fxdream.sim.cost import devices
     monkeypatch.setattr(devices, "_CPU_CACHE", {})
     host = get_device("cpu")
     assert (host.name, host.kind, host.num_sms, host.launch_overhead_us) == ("cpu", "cpu", None, 0.0)

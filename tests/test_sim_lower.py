@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from fxdream.sim.cost import is_view
-from fxdream.sim.devices import DeviceSpec
+from fxdream.ir.nodes import is_view
+from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.lower import STREAM, OptimizerModel, lower
 from fxdream.sim.simulate import Contention, simulate
 from fxdream.sim.taskgraph import DepKind, TaskKind
@@ -125,8 +125,8 @@ def test_optimizer_step_follows_the_backward_as_its_own_tasks():
 
 def test_optimizer_updates_the_parameters_of_every_subgraph():
     import fxdream
-    from fxdream.sim.cost import Analytic
-    from fxdream.sim.devices import get_device
+    from fxdream.sim.cost.analytic import Analytic
+    from fxdream.sim.cost.devices import get_device
     from fxdream.sim.lower import SGD, lower_captured
 
     captured = fxdream.capture(TwoSubgraphs(), (torch.randn(3, 4),), training=True)

@@ -4,8 +4,7 @@ import sys
 
 import pytest
 
-from fxdream.sim import (DepKind, Task, TaskGraph, plot_comparison, plot_timeline, simulate,
-                         to_chrome_trace, write_chrome_trace)
+from fxdream.sim import DepKind, Task, TaskGraph, plot_comparison, plot_timeline, simulate, to_chrome_trace, write_chrome_trace
 
 
 def two_stream_graph():

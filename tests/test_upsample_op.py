@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxdream
-from fxdream.upsample_op import upsample
+from fxdream.ops.upsample import upsample
 
 # (input dims, F.interpolate keywords): every mode F.interpolate sends to a torch._C._nn function
 CASES = [
@@ -142,8 +142,8 @@ def test_the_op_passes_opcheck():
 @pytest.mark.cuda
 @pytest.mark.parametrize("training", [False, True])
 def test_on_a_gpu_the_ops_equal_eager(training):
-    from fxdream.max_pool1d_op import max_pool1d_inference
-    from fxdream.pad_op import pad_inference
+    from fxdream.ops.max_pool1d import max_pool1d_inference
+    from fxdream.ops.pad import pad_inference
     torch.manual_seed(0)
 
     class Mixed(nn.Module):

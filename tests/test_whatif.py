@@ -7,9 +7,9 @@ from torch import nn
 
 import fxdream
 from fxdream import whatif as W
-from fxdream.predict import Prediction, predict
+from fxdream.sim.prediction import Prediction, predict
 from fxdream.sim import DepKind, Task, TaskGraph, get_device
-from fxdream.sim.cost import Analytic
+from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.lower import ADAM, SGD
 from conftest import TwoSubgraphs
 
@@ -109,7 +109,7 @@ def test_amp_rederives_conv_kernels_from_flops_and_bytes(captured_conv):
     w = W.amp(base, captured=captured)   # device: the prediction's (h100)
     conv = next(n for n in captured.forward.graph.nodes if "convolution" in str(n.target))
     name = f"g0.fw:{conv.name}:k"
-    flops = fxdream.annotate.node_flops(conv)
+    flops = fxdream.ir.flops.node_flops(conv)
     x, wt, b = (a.meta["val"] for a in conv.args[:3])
     out = conv.meta["val"]
     fp32_bytes = 4 * (x.numel() + wt.numel() + b.numel() + out.numel())

@@ -4,7 +4,8 @@ import torch
 
 import fxdream
 from fxdream import models
-from fxdream.annotate import LAYER, node_flops, op_name
+from fxdream.ir.nodes import LAYER, op_name
+from fxdream.ir.flops import node_flops
 from conftest import assert_same_training_step
 
 HEAVY_OPS = ("aten.convolution", "aten.convolution_backward", "aten.addmm", "aten.mm", "aten.bmm")

@@ -13,18 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .cost import is_view, tensor_bytes
+from fxdream.ir.nodes import is_view
+from fxdream.ir.tensors import tensor_bytes
+from fxdream.ir.aliasing import aliases_input
 
 CUDA_GRAPH_REGION = "fxdream.cuda_graph_region"  # node.meta key: id of a captured region
 CUDA_GRAPH_STATIC = "fxdream.cuda_graph_static"  # node.meta key: value at a fixed address
 # (a parameter, buffer or constant): a graph reads it in place instead of copying it in
-
-
-def aliases_input(node: fx.Node) -> bool:
-    """In-place and out= ops return an input: no new memory."""
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema and any(r.alias_info is not None for r in schema.returns))
-
 
 
 @dataclass(frozen=True)
@@ -98,7 +93,6 @@ def _peak_bytes(nodes: list[fx.Node], inside: set, outputs: list[fx.Node]) -> in
                 frees[end] = frees.get(end, 0) + size
         live -= frees.pop(i, 0)
     return peak
-
 
 
 def inline_cuda_graph_runners(gm: fx.GraphModule) -> fx.GraphModule:

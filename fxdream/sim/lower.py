@@ -29,13 +29,15 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from ..annotate import LAYER, PARAMETER_GRADIENTS, op_name
-from ..host_gaps import END, StepCalls
-from .cost import CostModel, is_view, tensor_bytes
-from .op_keys import HOST_SYNC_OPS
-from .graph_regions import (CUDA_GRAPH_REGION, GraphRegion, aliases_input, cuda_graph_regions,  # noqa: F401
-                            inline_cuda_graph_runners)
-from .taskgraph import DepKind, Task, TaskGraph, TaskKind
+from fxdream.ir.nodes import LAYER, PARAMETER_GRADIENTS, op_name
+from fxdream.capturing.host_gaps import END, StepCalls
+from fxdream.sim.cost.model import CostModel
+from fxdream.ir.nodes import is_view
+from fxdream.ir.tensors import tensor_bytes
+from fxdream.sim.profile.op_keys import HOST_SYNC_OPS
+from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph_regions, inline_cuda_graph_runners
+from fxdream.ir.aliasing import aliases_input
+from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
 
 STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on
 # Host cost of one graph launch beyond the CUDA launch itself: the runner's Python (shape key,

@@ -38,8 +38,8 @@ from heapq import heappop, heappush
 from types import MappingProxyType
 from typing import Mapping
 
-from .task_arrays import TaskArrays
-from .taskgraph import TaskGraph, TaskKind
+from fxdream.sim.task_arrays import TaskArrays
+from fxdream.sim.taskgraph import TaskGraph, TaskKind
 
 
 @dataclass(frozen=True)

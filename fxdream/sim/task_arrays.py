@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from .task import Task, TaskKind
+from fxdream.sim.task import Task, TaskKind
 
 
 class TaskArrays:

@@ -15,9 +15,8 @@ from typing import Callable, Iterable
 
 import networkx as nx
 
-from .task import (SEQUENTIAL_DEPS, Dep, DepKind, Task, TaskKind,  # noqa: F401  (re-exported)
-                   infer_dep_kind)
-from .task_arrays import TaskArrays
+from fxdream.sim.task import SEQUENTIAL_DEPS, Dep, DepKind, Task, TaskKind, infer_dep_kind
+from fxdream.sim.task_arrays import TaskArrays
 
 
 def _names(names) -> tuple[str, ...]:

@@ -11,8 +11,8 @@ import json
 import os
 from collections.abc import Sequence
 
-from .simulate import Timeline
-from .taskgraph import DepKind, TaskGraph, TaskKind
+from fxdream.sim.simulate import Timeline
+from fxdream.sim.taskgraph import DepKind, TaskGraph, TaskKind
 
 _PROCESSES = (("cpu", "host"), ("stream", "gpu"), ("comm", "comm"))
 _KIND_COLORS = {TaskKind.CPU: "#4c72b0", TaskKind.GPU: "#55a868", TaskKind.COMM: "#c44e52",

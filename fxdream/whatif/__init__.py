@@ -13,19 +13,18 @@ kept in its own type, where this machine can run the scenario.
     ddp(p, Cluster(machines=2, gpus_per_machine=8, network_gbps=10), captured=captured)
     p3(p, Cluster(4, 1, network_gbps=10), captured=captured)
 
-``captured`` (the :class:`~fxdream.capture.Captured` the prediction was lowered from) lets a
+``captured`` (the :class:`~fxdream.capturing.Captured` the prediction was lowered from) lets a
 what-if read FLOPs, bytes and gradient sizes from the FX graphs; without it the what-ifs that
 can fall back on ratios do so.  Each module's docstring states its model and simplifications.
 Module names differ from the function names so that ``fxdream.whatif.amp`` is the function.
 """
-from .core import Measured, WhatIf, faster_gpu
-from .data_parallel import MiB  # noqa: F401  (public in the single-module whatif.py)
-from .data_parallel import (Cluster, Gradient, ddp, ddp_buckets, expected_max_of_normals, gradients,
-                            ring_allreduce_us)
-from .measure_cpu import measure_amp_cpu, measure_fused_adam_cpu
-from .mixed_precision import COMPUTE_OPS, FP32_OPS, amp, cpu_flops
-from .optimizer import fused_optimizer
-from .priority import ddp_period, p3
+from fxdream.whatif.core import Measured, WhatIf, faster_gpu
+from fxdream.whatif.data_parallel import MiB  # noqa: F401  (public in the single-module whatif.py)
+from fxdream.whatif.data_parallel import Cluster, Gradient, ddp, ddp_buckets, expected_max_of_normals, gradients, ring_allreduce_us
+from fxdream.whatif.measure_cpu import measure_amp_cpu, measure_fused_adam_cpu
+from fxdream.whatif.mixed_precision import COMPUTE_OPS, FP32_OPS, amp, cpu_flops
+from fxdream.whatif.optimizer import fused_optimizer
+from fxdream.whatif.priority import ddp_period, p3
 
 __all__ = ["WhatIf", "Measured", "Cluster", "Gradient", "amp", "fused_optimizer", "faster_gpu",
            "ddp", "ddp_period", "p3", "ring_allreduce_us", "gradients", "ddp_buckets", "expected_max_of_normals",

@@ -14,11 +14,11 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
-from ..predict import Prediction
-from ..sim.cost import is_view
-from ..sim.devices import DeviceSpec, get_device
-from ..sim.simulate import Contention, simulate
-from ..sim.taskgraph import TaskGraph
+from fxdream.sim.prediction import Prediction
+from fxdream.ir.nodes import is_view
+from fxdream.sim.cost.devices import DeviceSpec, get_device
+from fxdream.sim.simulate import Contention, simulate
+from fxdream.sim.taskgraph import TaskGraph
 
 
 # ---- results ---------------------------------------------------------------------------------

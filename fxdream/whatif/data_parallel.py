@@ -29,12 +29,12 @@ from typing import Mapping, Sequence
 
 import torch.fx as fx
 
-from ..sim.cost import is_view, tensor_bytes
-from ..sim.devices import DeviceSpec
-from ..sim.lower import gradient_outputs
-from ..sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
-from .core import (WhatIf, _finish, _graphs_by_label, _items, _prediction, _Start, _start,
-                   _through_views)
+from fxdream.ir.nodes import is_view
+from fxdream.ir.tensors import tensor_bytes
+from fxdream.sim.cost.devices import DeviceSpec
+from fxdream.sim.lower import gradient_outputs
+from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
+from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _items, _prediction, _Start, _start, _through_views
 
 MiB = 2 ** 20
 

@@ -8,9 +8,9 @@ from typing import Any, Mapping
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..measure import time_interleaved
-from .core import Measured
-from .mixed_precision import _DTYPES
+from fxdream.measure import time_interleaved
+from fxdream.whatif.core import Measured
+from fxdream.whatif.mixed_precision import _DTYPES
 
 
 def _interleaved(runners: Mapping[str, Any], rounds: int, block: int) -> dict[str, float]:

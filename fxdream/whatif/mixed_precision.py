@@ -27,11 +27,15 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..annotate import VIEW_OPS, node_flops
-from ..sim.devices import DeviceSpec
-from ..sim.taskgraph import Task, TaskKind
-from .core import (_UNSPECIFIED, WhatIf, _finish, _graphs_by_label, _spec, _start,
-                   _through_views, _with_durations)
+from fxdream.ir.nodes import VIEW_OPS
+from fxdream.ir.flops import node_flops
+from fxdream.sim.cost.devices import DeviceSpec
+from fxdream.sim.taskgraph import Task, TaskKind
+from fxdream.whatif.core import _UNSPECIFIED, WhatIf, _finish, _graphs_by_label, _spec, _start, _through_views, _with_durations
+from fxdream.sim.cost.profiled import _materialize
+from fxdream.sim.profile.host_timing import _time_calls
+from fxdream.sim.profile.op_keys import profile_key
+from fxdream.ir.tensors import real_tensors
 
 # ops that autocast runs in fp16/bf16 on tensor cores: re-derived at the low-precision rate
 COMPUTE_OPS = frozenset({
@@ -147,7 +151,6 @@ def _measured_ratio(node: fx.Node, dtype: torch.dtype, cache: dict) -> float | N
     """time(op with its float32 tensors in ``dtype``) / time(op in float32), both micro-
     benchmarked here at the node's shapes; None if the op does not run that way."""
     # cost.py's private helpers (materialise fake tensors, time blocks of calls): isolated here
-    from ..sim.cost import _materialize, _time_calls, profile_key, real_tensors
     key = (profile_key(node, "cpu"), str(dtype))
     if key in cache:
         return cache[key]

@@ -4,10 +4,10 @@ into one launch and one kernel moving one pass over the optimizer state
 """
 from __future__ import annotations
 
-from ..sim.cost import tensor_bytes
-from ..sim.lower import OPTIMIZERS, gradient_values
-from ..sim.taskgraph import TaskKind
-from .core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations
+from fxdream.ir.tensors import tensor_bytes
+from fxdream.sim.lower import OPTIMIZERS, gradient_values
+from fxdream.sim.taskgraph import TaskKind
+from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations
 
 def fused_optimizer(x, *, captured=None, graphs=None, device=None,
                     contention: bool | None = None) -> WhatIf:

@@ -49,8 +49,8 @@ from hypothesis.errors import InvalidArgument
 from torch.utils._pytree import tree_leaves, tree_map
 
 import fxdream
-from fxdream import pass_api
-from fxdream.annotate import op_name
+from fxdream import pass_api, pass_registry
+from fxdream.ir.nodes import op_name
 from fxdream.pass_api import PassResult
 
 from .nets import L, NetSpec, nets
@@ -76,7 +76,7 @@ def builtin_passes() -> tuple[str, ...]:
     """Registered passes defined in the fxdream.passes package (whatever has landed)."""
     names = []
     for name in fxdream.available_passes():
-        (p,) = pass_api.resolve_passes([name])
+        (p,) = pass_registry.resolve_passes([name])
         if type(p).__module__.startswith("fxdream.passes"):
             names.append(name)
     return tuple(names)

@@ -1,0 +1,278 @@
+"""optimize(): capture → passes → executable module, as an explicit list of steps."""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from typing import Callable
+
+import torch
+
+from fxdream.capturing.captured import CaptureError
+from fxdream.capturing.session import CaptureSession
+from fxdream.capturing.steps import one_step, run_once
+from fxdream.capturing.dynamo import describe_error, graph_break_counts, new_graph_breaks
+from fxdream.capturing.blockwise import capture_after_nothing
+from fxdream.capturing.torch_fx import compile_model
+from fxdream.capturing.gc_freeze import older_objects_frozen
+from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
+from fxdream.measure import time_interleaved
+from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
+from fxdream.numerics import max_abs_diff
+from fxdream.pass_api import PassContext
+from fxdream.pass_registry import available_passes, resolve_passes
+from fxdream.pass_runner import PassPipeline, failed_to_run
+from fxdream.sim.prediction import predict, this_machine_device
+from fxdream.report import MEASURED_SLOWER
+from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
+from fxdream.sim.profile.store import save_profile, shared_profile
+from fxdream.capturing.arguments import check_flag, check_inputs, check_memory_budget, check_model, resolve_device
+from fxdream.optimized_module import OptimizedModule, call_kind
+
+log = logging.getLogger("fxdream")  # INFO: a build's progress (each pass's row as it is decided)
+
+
+def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool = False,
+             device=None, strict: bool = False, cost: str | None = "auto",
+             memory_budget: int | None = None, verify: bool = False, measure: bool = False,
+             eager_check: bool | None = None) -> OptimizedModule:
+    """Capture ``model`` at ``example_inputs``, apply ``passes``, and return a module equal to eager.
+
+    The module runs through the captured graphs (with ``training=False`` always under
+    ``torch.no_grad()``: folded weights are constants); ``.report`` tells what was captured,
+    where dynamo broke the graph, and what each pass did. When dynamo cannot trace the
+    model it runs eagerly and the report says why; ``strict=True`` raises instead
+    (also on graph breaks, where parts of the model would run eagerly). A model whose own
+    train/eval flag is not ``training`` is switched to it, every submodule with it, and left so
+    (the report says so); otherwise each submodule keeps its flag (BatchNorm frozen in eval
+    while the rest trains, dropout left on for MC dropout).
+
+    ``passes``: names or Pass objects, applied in order and forced; or "auto": every
+    registered pass is considered, every subset simulated, and the best predicted one
+    under ``memory_budget`` (bytes of predicted peak) applied. ``cost`` is the cost model
+    passes are judged with: "auto" (measured on this machine), "profiled", "analytic",
+    or None for no predictions. ``verify`` runs the module once against eager and
+    reports the max error; ``measure`` times it against the passes-free capture.
+
+    ``eager_check`` (default: with ``passes="auto"``, measured costs, not ``strict``) times the
+    built module against eager when one eager call is short (≤ 20 ms: there the wrappers around
+    the graphs can cost more than the passes save; no eager call where the graphs' measured ops
+    predict more than twice that); measured more than 5 % slower, it runs
+    eagerly and the report says so, with both times.
+    """
+    check_model(model)
+    inputs = check_inputs(example_inputs)
+    training = check_flag("training", training)
+    memory_budget = check_memory_budget(memory_budget)
+    strict, verify, measure = (check_flag(n, v) for n, v in (("strict", strict), ("verify", verify),
+                                                              ("measure", measure)))
+    auto = isinstance(passes, str) and passes == "auto"
+    eager_check = (auto and cost == "auto" and not strict) if eager_check is None \
+        else check_flag("eager_check", eager_check)
+    selected = resolve_passes(available_passes() if auto else passes)
+    target = resolve_device(device, model, inputs)
+    switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
+
+    # the user's RNG, BN statistics, grads, inputs
+    with preserved_state(model), preserved_inputs(inputs), older_objects_frozen():
+        started = time.perf_counter()
+        log.info("building %s (%s, %s, passes: %s) ...", type(model).__name__, "training" if training else "inference",
+                 target, "auto" if auto else ", ".join(p.name for p in selected) or "none")
+        module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
+        module._build_seconds = time.perf_counter() - started
+        if switched:
+            module._session.notes.insert(0, f"{switched}; it stays in that mode")
+        if module._fallback_reason is None and module._pipeline.base_context.cost_model is not None:
+            module._extras.update(_whole_model_prediction(module, model, inputs, training))
+        if verify:
+            module._extras["verified_max_abs_diff"] = diff = max_abs_diff(model, module, inputs, training)
+            if beyond_rounding(diff, model, inputs):
+                module._extras["verified_beyond_rounding"] = True
+                module._session.notes.extend(_why_outputs_differ(model, training) if diff != math.inf else [
+                    "an output's shape, or the number of outputs, differs from eager's: a pass changed what the "
+                    "graph returns (run with passes=() to tell which)"])
+        if measure:
+            module._extras.update(_measure_against_capture(model, module, inputs, training, target))
+        if eager_check and module._fallback_reason is None:
+            module._extras.update(_check_against_eager(model, module, inputs, training,
+                                                       module._extras.get("predicted_baseline_ms")))
+        log.info("built %s in %.1f s (%s)%s", type(model).__name__, time.perf_counter() - started, module._capture,
+                 f"; runs eagerly: {module._fallback_reason}" if module._fallback_reason else "")
+    save_profile(module._pipeline.base_context.cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
+    module._rebuild = functools.partial(optimize, example_inputs=inputs, passes=passes, training=training,
+                                        device=device, strict=strict, cost=cost, memory_budget=memory_budget,
+                                        verify=verify, measure=measure, eager_check=eager_check)
+    return module
+
+
+def _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget) -> OptimizedModule:
+    """Capture (one throw-away step) with the pass pipeline as the graph transform."""
+    cost_model = cost_model_for(this_machine_device(target), cost, reuse=True) if selected and cost else None
+    if isinstance(cost_model, Profiled):
+        cost_model.measure_overheads()  # before the capture: inside it they read several times higher
+    pipeline = PassPipeline(selected, PassContext(device=target.type, training=training,
+                                                  cost_model=cost_model, memory_budget=memory_budget), auto=auto)
+    session = CaptureSession(model, transform=pipeline if selected else None)
+    breaks_before = graph_break_counts()
+    runner, how = compile_model(model, inputs, session, training)
+    module = OptimizedModule(model, runner, session, pipeline, training, target, strict)
+    module._capture = how
+    try:
+        run_once(module._runner, model, inputs, training)
+    except Exception as error:
+        if strict:
+            raise CaptureError(f"strict=True: capture of {type(model).__name__} failed: "
+                               f"{describe_error(error)}") from error
+        if any(row.applied for row in pipeline.rows):  # the rewrites' fault, not the capture's
+            without = _build(model, inputs, (), auto, training, target, strict, cost, memory_budget)
+            if without._fallback_reason is None:
+                # none of the rewrites is kept (the graphs run as captured): each applied row says so
+                without._pipeline.rows[:] = [failed_to_run(r, error) for r in pipeline.rows]
+                return without
+        run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
+        module._fall_back(f"the model's capture ({how}) failed: {describe_error(error)}")
+    module._graph_breaks = new_graph_breaks(breaks_before)
+    if module._fallback_reason is None and not session.captured():  # second and last chances
+        retried = capture_after_nothing(model, inputs, session, training, module._graph_breaks)
+        if retried is not None:
+            module.__dict__["_runner"], module._capture, module._graph_breaks = retried
+    if session.records:  # the build's compilation counts
+        module._count_compilation(call_kind(inputs, {}, training, training), session.records)
+    if module._fallback_reason is None and not session.captured():
+        module._fall_back("dynamo captured no graph"
+                          + (": " + "; ".join(module._graph_breaks) if module._graph_breaks else ""))
+    if strict and (module._fallback_reason or module._graph_breaks):
+        raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
+                           + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
+    return module
+
+
+def beyond_rounding(diff: float, model, inputs) -> bool:
+    """Whether a verified max abs difference is more than float32 kernels' rounding (1e-2), or
+    half precision's (1e-1) where the model or its inputs are in half precision."""
+    tensors = list(model.parameters()) + [x for x in inputs if isinstance(x, torch.Tensor)]
+    half = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
+    return not diff <= (1e-1 if half else 1e-2)
+
+
+def _why_outputs_differ(model, training: bool) -> list[str]:
+    """Known causes of a verified difference, where the model has them."""
+    notes = []
+    if not training and any(isinstance(m, torch.nn.TransformerEncoderLayer) for m in model.modules()):
+        notes.append("nn.TransformerEncoderLayer in eval has an eager-only fast path (nested tensors for a "
+                     "padding mask: padded positions come out as zeros); captured graphs, like torch.compile's, "
+                     "take the standard path, where padded positions hold values")
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) and training:
+        notes.append("dropout draws its mask from the RNG: the graphs may draw it in another order than eager")
+    return notes or ["the outputs differ from eager's by more than rounding; run with strict=True or "
+                     "passes=() to find the cause, and please report it"]
+
+
+def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bool) -> dict:
+    """Predicted iteration time with and without the passes, and where the time goes.
+
+    With costs measured here, a training step or a model with graph breaks also gets the host
+    time outside its graphs (eager code between subgraphs, autograd), measured on a few steps."""
+    cost = module._pipeline.base_context.cost_model
+    step, notes = None, ()
+    if isinstance(cost, Profiled) and worth_measuring(training, len(module.captured)):
+        step = measure_model_gaps(module, model, inputs, training, module._session.clock)
+        notes = describe_gaps(step, len(module.captured), training)
+    before = predict(module.captured, cost, training, step=step)
+    after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)
+    return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,
+                predicted_peak_delta_bytes=after.peak_memory_bytes - before.peak_memory_bytes,
+                top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)), notes=notes)
+
+
+EAGER_CHECK_MAX_CALL_MS = 20.0
+EAGER_CHECK_TOLERANCE = 1.05
+
+
+def _step(m, inputs, training: bool) -> Callable[[], object]:
+    return lambda: one_step(m, inputs, training)
+
+
+def _check_against_eager(model, module: OptimizedModule, inputs, training: bool,
+                         predicted_ms: float | None = None) -> dict:
+    """Time the module against eager (short calls only); run eagerly where eager is faster.
+
+    Not even one eager call where the captured graphs' ops, timed in context, predict a call of
+    more than twice the limit (``predicted_ms``): ResNet-50's two eager calls cost ~0.13 s."""
+    measured_costs = isinstance(module._pipeline.base_context.cost_model, Profiled)
+    if measured_costs and predicted_ms is not None and predicted_ms > 2 * EAGER_CHECK_MAX_CALL_MS:
+        module._session.notes.append(
+            f"not timed against eager: the captured graphs' ops alone take {predicted_ms:.1f} ms (predicted from "
+            f"their times measured here), and the check times calls of ≤ {EAGER_CHECK_MAX_CALL_MS:g} ms")
+        return {}
+    eager = _step(model, inputs, training)
+    with preserved_state(model), torch.set_grad_enabled(training):
+        call_ms = []
+        for _ in range(2):  # the faster of two: a first call can be cold, but not 5x the limit
+            started = time.perf_counter()
+            eager()
+            call_ms.append((time.perf_counter() - started) * 1e3)
+            if call_ms[0] > 5 * EAGER_CHECK_MAX_CALL_MS:  # ResNet-50 bs8: a second call was ~0.5 s more
+                break
+        one_call_ms = min(call_ms)
+        if one_call_ms > EAGER_CHECK_MAX_CALL_MS:
+            module._session.notes.append(
+                f"not timed against eager: an eager call takes {one_call_ms:.1f} ms, and the check times calls of "
+                f"≤ {EAGER_CHECK_MAX_CALL_MS:g} ms (where the graphs' Python overhead can outweigh the passes)")
+            return {}
+        block = max(1, min(20, int(10.0 / max(one_call_ms, 1e-3))))  # ~10 ms per block
+        times = time_interleaved({"eager": eager, "built": _step(module, inputs, training)},
+                                 rounds=7, block=block, warmup=2, progress=False)  # ~0.2 s
+    eager_ms, built_ms = times["eager"].median_ms, times["built"].median_ms
+    if built_ms > EAGER_CHECK_TOLERANCE * eager_ms:
+        module._fall_back(f"{MEASURED_SLOWER} ({built_ms:.3f} vs {eager_ms:.3f} ms per call): "
+                          f"at this size the Python around and inside the captured graphs (aot_autograd's "
+                          f"wrappers, one call per op) costs more than the passes save")
+    return dict(measured_eager_ms=eager_ms, measured_built_ms=built_ms)
+
+
+def _measure_against_capture(model, module, inputs, training, target) -> dict:
+    """Time the optimized module against the same capture without passes, interleaved."""
+    baseline = _build(model, inputs, (), False, training, target, False, None, None)
+    with preserved_state(model):
+        times = time_interleaved({"baseline": _step(baseline, inputs, training),
+                                  "optimized": _step(module, inputs, training)}, desc="measure")
+    return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms)
+
+
+def built_by_fxdream(module: torch.nn.Module, example_inputs: tuple) -> torch.nn.Module:
+    """``module`` built by ``optimize`` with no passes and no cost model, its progress lines
+    silenced: a probe, not the user's build."""
+    log = logging.getLogger("fxdream")
+    disabled, log.disabled = log.disabled, True
+    try:
+        return optimize(module, example_inputs, cost=None)
+    finally:
+        log.disabled = disabled
+
+
+def cost_model_for(device: str | DeviceSpec, cost: str = "auto", reuse: bool = False) -> CostModel:
+    """``profiled`` measures on this machine (needs the device here); ``analytic`` works for any.
+
+    ``reuse``: a profiled model shares the process's measurements (``sim.profile_store``), so
+    a rebuild does not time again what an earlier build timed; without it, it starts empty."""
+    spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    runnable_here = spec.kind == "cpu" or (torch.cuda.is_available() and _is_this_gpu(spec))
+    if cost == "auto":
+        cost = "profiled" if runnable_here else "analytic"
+    if cost == "analytic":
+        return Analytic(spec)
+    if cost == "profiled":
+        if not runnable_here:
+            raise ValueError(f"cost='profiled' measures on this machine, which has no {spec.name}; "
+                             "use cost='analytic' (valid: 'profiled', 'analytic', 'auto')")
+        torch_device = "cuda" if spec.kind == "cuda" else "cpu"
+        return (shared_profile(spec, torch_device, built_by_fxdream) if reuse
+                else Profiled(spec, torch_device, build_module=built_by_fxdream))
+    raise ValueError(f"cost={cost!r} is not a cost model; valid: 'profiled', 'analytic', 'auto'")
+
+
+def _is_this_gpu(spec: DeviceSpec) -> bool:
+    name = torch.cuda.get_device_name().lower()
+    return spec.name.lower() in name

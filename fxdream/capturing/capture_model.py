@@ -1,0 +1,58 @@
+"""capture(): a model's ATen graphs by the first path that takes it (torch.fx, dynamo, blocks)."""
+from __future__ import annotations
+
+import torch
+
+from fxdream.capturing.arguments import check_inputs, check_model
+from fxdream.capturing.blockwise import capture_after_nothing
+from fxdream.capturing.captured import CaptureError
+from fxdream.capturing.dynamo import describe_error, graph_break_counts, new_graph_breaks
+from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
+from fxdream.capturing.model_state import preserved_modes, switch_to_build_mode
+from fxdream.capturing.session import CaptureSession
+from fxdream.capturing.steps import run_once
+from fxdream.capturing.torch_fx import compile_model
+
+
+def capture(model: torch.nn.Module, example_inputs, training: bool = False):
+    """Capture ``model`` at ``example_inputs``: a ``Captured``, or a tuple of them after graph breaks.
+
+    The model's grads, buffers, RNG state and every submodule's train/eval flag are left as they
+    were (during the capture, a model whose own flag is not ``training`` is switched whole:
+    ``switch_to_build_mode``). Raises ``CaptureError`` when dynamo captured nothing.
+    """
+    return capture_with_host_gaps(model, example_inputs, training, measure=False)[0]
+
+
+def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: bool = False,
+                           measure: bool = True) -> tuple:
+    """``capture``, plus (when ``measure`` and it is a training step or the graph broke) the
+    graph calls and host time outside the graphs of a few steps: (captured, StepCalls or None, notes)."""
+    check_model(model)
+    inputs = check_inputs(example_inputs)
+    with preserved_modes(model):
+        switch_to_build_mode(model, training)
+        return _capture(model, inputs, training, measure)
+
+
+def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: bool) -> tuple:
+    session = CaptureSession(model)
+    breaks_before, how = graph_break_counts(), "dynamo"
+    try:
+        runner, how = compile_model(model, inputs, session, training)
+        run_once(runner, model, inputs, training)
+        if not session.captured():
+            retried = capture_after_nothing(model, inputs, session, training, new_graph_breaks(breaks_before))
+            runner = retried[0] if retried else runner
+    except Exception as error:
+        run_once(model, model, inputs, training)  # the model's own error, if eager fails too
+        raise CaptureError(f"the capture of {type(model).__name__} ({how}) failed: {describe_error(error)}") from error
+    captured = session.captured()
+    step, notes = None, ()
+    if not captured:
+        reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
+        raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
+    if measure and worth_measuring(training, len(captured)):
+        step = measure_model_gaps(runner, model, inputs, training, session.clock)
+        notes = describe_gaps(step, len(captured), training)
+    return (captured[0] if len(captured) == 1 else captured), step, notes

@@ -1,0 +1,112 @@
+"""fxdream's dealings with dynamo: compiling a model with a capture backend, reading the
+graph breaks it saw, and the headline of its errors. Private dynamo APIs used here are each
+isolated in a try or a small function."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+
+def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
+    """torch.compile with static shapes (one capture per input shape, as CUDA graphs need);
+    ``session`` is the backend (a ``CaptureSession``: it takes the notes said here)."""
+    limit = _raise_recompile_limit()
+    forward = getattr(type(model).forward, "__code__", None)
+    if forward is not None and len(_cache_entries(forward)) >= limit:
+        # each optimize() is a new backend: the 65th of one class in a process ran eagerly, silently
+        torch._dynamo.eval_frame.remove_from_cache(forward)  # private, isolated
+        session.notes.append(f"dynamo's cache for {type(model).__name__}.forward was full ({limit} "
+                             f"compilations earlier in this process); cleared it to capture this one")
+    _clear_skip_marks(model)
+    return torch.compile(model, backend=session, dynamic=False)
+
+
+def _clear_skip_marks(model: torch.nn.Module) -> None:
+    """Dynamo marks a function it gave up on (an RNN in training, a break in a loop), and the
+    resume functions after a break, to be skipped for the rest of the process: a later capture
+    of the same class (inference, where it would trace) got less or nothing, silently. Every
+    such function from the files of the model's own (not torch's) modules goes back to the
+    default, so dynamo tries again."""
+    try:  # private, isolated
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.convert_frame import input_codes
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        torch_dir = os.path.dirname(torch.__file__)
+        files = {code.co_filename for m in model.modules()
+                 if (code := getattr(type(m).forward, "__code__", None)) is not None
+                 and not code.co_filename.startswith(torch_dir)}
+        for ref in list(input_codes.seen):
+            code = ref()
+            if code is not None and code.co_filename in files:
+                set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
+    except Exception:
+        pass
+
+
+def compiling_code():
+    """The code object whose frame dynamo is compiling (inside a backend call), else None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator  # private, isolated
+        return InstructionTranslator.current_tx().f_code
+    except Exception:
+        return None
+
+
+def _cache_entries(code) -> list:
+    try:
+        return torch._dynamo.eval_frame._debug_get_cache_entry_list(code)  # private, isolated
+    except Exception:
+        return []
+
+
+def _raise_recompile_limit(at_least: int = 64) -> int:
+    # Every optimize() call is a distinct backend, and dynamo counts one cache entry per
+    # backend against a per-function limit (default 8) after which it silently runs eager.
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < at_least:
+        setattr(config, name, at_least)
+    return getattr(config, name)
+
+
+_SKIPPED = "\0skipped\0"  # marks a reason dynamo gave for running a whole function eagerly
+
+
+def graph_break_counts() -> dict[str, int]:
+    """Dynamo's graph-break reasons seen so far in this process (private counters, isolated
+    here): breaks it resumed after, and ("unimplemented") breaks where it gave up on the whole
+    function (in a loop, at an RNN module), which it does not count as graph breaks."""
+    from torch._dynamo.utils import counters
+    return {**counters["graph_break"], **{_SKIPPED + r: n for r, n in counters["unimplemented"].items()}}
+
+
+def new_graph_breaks(before: dict[str, int]) -> tuple[str, ...]:
+    after = graph_break_counts()
+    return tuple(dict.fromkeys(  # distinct, in order
+        _first_line(reason[len(_SKIPPED):]) + " (dynamo ran that whole function eagerly)"
+        if reason.startswith(_SKIPPED) else _first_line(reason)
+        for reason, n in after.items() if n > before.get(reason, 0)))
+
+
+def _first_line(reason: str) -> str:
+    """Dynamo's headline, its one-line explanation, and where in the user's code it happened."""
+    lines = [ln.strip() for ln in reason.strip().splitlines() if ln.strip()]
+    if not lines:
+        return reason
+    text = lines[0]
+    detail = next((ln for ln in lines[1:] if ln.startswith("Explanation:")), "")
+    if detail:
+        text += " — " + detail[len("Explanation:"):].strip()
+    if "from user code:" in lines:
+        where = lines[lines.index("from user code:") + 1:][:1]
+        text += "" if not where else f" (at {where[0]})"
+    return text
+
+
+def describe_error(error: BaseException) -> str:
+    inner = getattr(error, "inner_exception", None)  # BackendCompilerFailed: the backend's own error
+    if inner is not None:
+        return f"{type(error).__name__} in fxdream's backend: {type(inner).__name__}: {_first_line(str(inner))}"
+    return f"{type(error).__name__}: {_first_line(str(error))}"

@@ -1,0 +1,141 @@
+"""The step as it ran: which compiled graphs it called, in what order, and the host time around them.
+
+After a graph break the model runs eager Python and eager ops between its compiled
+subgraphs (dynamo breaks at every ``nn.LSTM`` in training, say), and a subgraph compiled for
+a block that repeats (a layer with a graph break inside, called once per layer) runs several
+times per step; in training, autograd's engine and its gradient accumulation run around the
+backward graphs. The simulator sees the graphs only, each once, so without this a prediction
+misses all of that (GNMT training: -77..-96 %).
+
+``SubgraphClock`` time-stamps every call of a compiled graph while a step runs;
+``measure_host_gaps`` keeps the sequence of calls and the host time before each call and
+after the last (``StepCalls``, medians over runs), and ``lower_captured`` lowers the graphs in
+that sequence, each call once, with one host task per gap. It is measured on this machine,
+so it only joins predictions for this machine.
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+from fxdream.capturing.steps import one_step
+from fxdream.capturing.model_state import preserved_state
+
+END = "end"
+
+
+@dataclass(frozen=True)
+class StepCalls:
+    """One step: graph labels ("g0.fw", "g1.bw") in call order, µs of host time before each
+    call, and after the last."""
+    calls: tuple[str, ...]
+    gaps_us: tuple[float, ...]
+    end_us: float
+
+    @property
+    def total_us(self) -> float:
+        return sum(self.gaps_us) + self.end_us
+
+    def counts(self) -> dict[str, int]:
+        return dict(collections.Counter(self.calls))
+
+    @classmethod
+    def median(cls, samples: Sequence["StepCalls"]) -> "StepCalls":
+        """The most frequent call sequence (the latest on a tie), with per-position medians of
+        the samples that ran it (a data-dependent branch can call other graphs)."""
+        order = collections.Counter(s.calls for s in samples)
+        calls = max(order, key=lambda c: (order[c], max(i for i, s in enumerate(samples) if s.calls == c)))
+        same = [s for s in samples if s.calls == calls]
+        gaps = tuple(statistics.median(s.gaps_us[i] for s in same) for i in range(len(calls)))
+        return cls(calls, gaps, statistics.median(s.end_us for s in same))
+
+
+def worth_measuring(training: bool, subgraphs: int) -> bool:
+    """Only training steps (autograd) and graph breaks have host time outside the graphs that
+    matters; one inference graph is one call with next to nothing around it."""
+    return training or subgraphs > 1
+
+
+class SubgraphClock:
+    """Records (label, start, end) of each compiled-graph call while ``events`` is a list."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float, float]] | None = None
+
+    def wrap(self, boxed: Callable, label: str) -> Callable:
+        """``boxed`` (aot's boxed calling convention: one list argument) with a time stamp."""
+        def call(args):
+            events = self.events
+            if events is None:
+                return boxed(args)
+            started = time.perf_counter()
+            try:
+                return boxed(args)
+            finally:
+                events.append((label, started, time.perf_counter()))
+        call._boxed_call = True
+        return call
+
+
+def step_calls(events: list[tuple[str, float, float]], started: float, ended: float) -> StepCalls:
+    """The calls in start order and the µs of host time before each and after the last."""
+    calls, gaps, cursor = [], [], started
+    for label, start, end in sorted(events, key=lambda e: e[1]):
+        calls.append(label)
+        gaps.append(max(0.0, start - cursor) * 1e6)
+        cursor = max(cursor, end)
+    return StepCalls(tuple(calls), tuple(gaps), max(0.0, ended - cursor) * 1e6)
+
+
+def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: int = 3,
+                      warmup: int = 1, budget_s: float = 1.0) -> StepCalls:
+    """Run ``step`` ``warmup + rounds`` times with the graph calls time-stamped; the median step.
+
+    Stops early once ``budget_s`` is spent (with one sample at least), and keeps a warm-up step
+    that alone took longer than the budget: on a large model the gaps are a small share of a
+    long step, and more steps would cost seconds of build time."""
+    samples = []
+    begun = time.perf_counter()
+    try:
+        for i in range(warmup + rounds):
+            clock.events = []
+            started = time.perf_counter()
+            step()
+            ended = time.perf_counter()
+            if i >= warmup or ended - started > budget_s:
+                samples.append(step_calls(clock.events, started, ended))
+            if samples and ended - begun > budget_s:
+                break
+    finally:
+        clock.events = None
+    return StepCalls.median(samples)
+
+
+def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
+                       rounds: int = 3, warmup: int = 1) -> StepCalls:
+    """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
+    no_grad in inference; in training forward + backward from cleared gradients. The model's
+    gradients, buffers and RNG are left as they were."""
+
+    def step():
+        if training:
+            for p in model.parameters():
+                p.grad = None
+        return one_step(call, inputs, training)
+
+    with preserved_state(model):
+        return measure_host_gaps(step, clock, rounds, warmup)
+
+
+def describe_gaps(step: StepCalls, subgraphs: int, training: bool) -> tuple[str, ...]:
+    """Report lines: how much host time was measured outside the graphs, and repeated graphs."""
+    causes = ([f"eager code around the {subgraphs} captured graphs"] if subgraphs > 1 else []) \
+        + (["autograd"] if training else [])
+    lines = (f"measured host time outside the graphs ({', '.join(causes)}): "
+             f"{step.total_us / 1e3:.3f} ms per step, simulated as host tasks",)
+    repeated = {label: n for label, n in step.counts().items() if n > 1}
+    if repeated:
+        lines += (f"graphs called more than once per step, simulated once per call: {repeated}",)
+    return lines

@@ -1,0 +1,119 @@
+"""Tie every node of an ATen graph to the layer (module qualified name) it computes.
+
+Forward nodes carry dynamo's ``nn_module_stack``; backward nodes carry
+``fwd_nn_module_stack`` (the stack of the forward op they differentiate) and the
+autograd ``seq_nr`` they share with that forward op. We use them in that order,
+so a backward node of ``layer1.0.conv1`` is annotated ``layer1.0.conv1`` too.
+"""
+from __future__ import annotations
+
+import operator
+import os
+import re
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+
+from fxdream.ir.nodes import LAYER, PHASE, is_compute
+
+
+_SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+_MODULES_ITEM = re.compile(r"_(?:modules|parameters|buffers)\['([^']*)'\]")
+_INDEX_ITEM = re.compile(r"\[(\d+)\]")
+
+
+def qualified_name(dynamo_path: str) -> str:
+    """``"L['self'].layer1._modules['0'].conv1"`` → ``"layer1.0.conv1"``."""
+    path = _SOURCE_PREFIX.sub("", dynamo_path)
+    path = _MODULES_ITEM.sub(r"\1", path)
+    path = _INDEX_ITEM.sub(r".\1", path)
+    return re.sub(r"\.+", ".", path).strip(".")
+
+
+def _innermost(stack, prefix: str = "") -> str | None:
+    if not stack:
+        return None
+    path, _type = list(stack.values())[-1]
+    return join_names(prefix, qualified_name(path))
+
+
+def join_names(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def frame_prefix(dynamo_graph: fx.GraphModule, example_inputs, state_names: Mapping[int, str]) -> str:
+    """Where the compiled frame's ``self`` sits in the model.
+
+    After a graph break dynamo compiles a submodule's forward as its own frame, and
+    its module paths are relative to that submodule. A lifted parameter tells where it is:
+    ``L['self']._modules['linear_q']._parameters['weight']`` is the model's
+    ``decoder.attn.linear_q.weight``, so the frame is ``decoder.attn``.
+    """
+    placeholders = [n for n in dynamo_graph.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        grapharg = node.meta.get("grapharg")
+        source = getattr(getattr(grapharg, "source", None), "name", None)
+        full = state_names.get(id(value))
+        if not source or full is None or not source.startswith("L['self']"):
+            continue
+        relative = qualified_name(source)
+        if full == relative:
+            return ""
+        if full.endswith("." + relative):
+            return full[: -len(relative) - 1]
+    return ""
+
+
+def annotate_forward(gm: fx.GraphModule, prefix: str = "") -> dict[int, str]:
+    """Set meta["layer"] and phase on a forward graph; return seq_nr → layer for the backward.
+
+    ``prefix`` is the qualified name of the module whose frame dynamo compiled.
+    """
+    by_seq_nr: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        layer = _innermost(node.meta.get("nn_module_stack"), prefix)
+        if layer is None and node.target is operator.getitem:
+            layer = node.args[0].meta.get(LAYER) if isinstance(node.args[0], fx.Node) else None
+        node.meta[LAYER] = layer if layer is not None else prefix
+        node.meta[PHASE] = "fw"
+        seq_nr = node.meta.get("seq_nr")
+        if seq_nr is not None and layer is not None:
+            by_seq_nr.setdefault(seq_nr, layer)
+    return by_seq_nr
+
+
+def annotate_backward(gm: fx.GraphModule, forward_layers: Mapping[int, str], prefix: str = "") -> int:
+    """Set meta["layer"] on a backward graph; return how many compute nodes had no forward match."""
+    unmapped = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        layer = _innermost(node.meta.get("fwd_nn_module_stack"), prefix)
+        if layer is None:
+            layer = _accumulation_layer(node)
+        if layer is None:
+            layer = forward_layers.get(node.meta.get("seq_nr"))
+        if layer is None and node.target is operator.getitem:
+            layer = node.args[0].meta.get(LAYER)
+        if layer is None:
+            layer = prefix
+            unmapped += is_compute(node)
+        node.meta[LAYER] = layer
+        node.meta[PHASE] = "bw"
+    return unmapped
+
+
+def _accumulation_layer(node: fx.Node) -> str | None:
+    """Autograd's sum of the gradients of a tensor used twice (a residual fan-out) has no
+    forward op and a stray seq_nr: it belongs to the innermost module holding both users."""
+    if node.target is not torch.ops.aten.add.Tensor or len(node.all_input_nodes) < 2:
+        return None
+    layers = [a.meta.get(LAYER) for a in node.all_input_nodes]
+    if any(layer is None for layer in layers):
+        return None
+    return ".".join(os.path.commonprefix([layer.split(".") for layer in layers]))  # by whole name parts
+
+

@@ -1,0 +1,98 @@
+"""What a build leaves as it was: the model's state (grads, buffers, RNG), every submodule's
+train/eval flag, and the example inputs; and the one change it keeps, the train/eval mode of
+a model built for the other mode."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from fxdream.runtime.graph_guards import tensor_version
+
+
+@contextlib.contextmanager
+def preserved_inputs(inputs):
+    """Input tensors a forward updates in place (``x.mul_(2)``) get their values back afterwards,
+    and inputs that require grad their ``.grad``: a build runs the model several times, and the
+    user's example must not come out changed (nor differ between the runs that check a trace
+    against eager)."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(inputs)
+               if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+    saved = [(t, tensor_version(t), t.detach().clone()) for t in tensors]
+    grads = [(t, t.grad, None if t.grad is None else t.grad.clone()) for t in tensors if t.is_leaf and t.requires_grad]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, version, copy in saved:
+                if tensor_version(tensor) != version or (version is None and torch.is_inference_mode_enabled()):
+                    tensor.copy_(copy)  # (an inference tensor can change only in inference mode: copied back)
+            for tensor, grad, values in grads:
+                if grad is not None and tensor.grad is grad:  # accumulated into in place: its values back
+                    grad.copy_(values)
+                else:
+                    tensor.grad = grad
+
+
+def switch_to_build_mode(model: torch.nn.Module, training: bool) -> str | None:
+    """Put ``model`` in the mode of a ``training`` build; the reason, or None if it already was.
+
+    Only where the model's own flag says otherwise (a model left in train mode for an inference
+    build): then every submodule is switched, as ``model.train(training)``. Where it agrees, each
+    submodule keeps its flag (BatchNorm frozen in eval while the rest fine-tunes, dropout left on
+    in an eval model for MC dropout): switching them all made those builds compute something
+    else than the model does."""
+    if model.training == training:
+        return None
+    model.train(training)
+    return (f"{type(model).__name__} was in {'eval' if training else 'train'} mode: the "
+            f"{'training' if training else 'inference'} build switched it and every submodule to "
+            f"{'train' if training else 'eval'} mode (model.train({training}))")
+
+
+@contextlib.contextmanager
+def preserved_modes(model: torch.nn.Module):
+    """Every submodule's train/eval flag as it was, whatever runs inside."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
+def preserved_state(model: torch.nn.Module):
+    """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
+    grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
+    buffers = [(b, tensor_version(b), b.detach().clone()) for b in model.buffers()]
+    devices = sorted({p.device.index for p in model.parameters()
+                      if p.device.type == "cuda" and p.device.index is not None})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, version, saved in buffers:  # only those changed (an inference module
+                    if _changed(buffer, version, saved):  # watches the versions of the others)
+                        buffer.copy_(saved)
+            for p, saved in grads.items():
+                p.grad = saved
+            _refresh_rnn_weights(model)
+
+
+def _changed(buffer: torch.Tensor, version: int | None, saved: torch.Tensor) -> bool:
+    """Whether ``buffer`` is not ``saved`` any more: BatchNorm's kernel updates its running
+    statistics without bumping their version, so the values are compared too."""
+    return version is None or tensor_version(buffer) != version or buffer.device.type == "meta" \
+        or not torch.equal(buffer, saved)
+
+
+def _refresh_rnn_weights(model: torch.nn.Module) -> None:
+    """A capture runs ``nn.RNNBase.forward`` on stand-ins for the parameters (aot_autograd's fake
+    ones), which the module keeps in ``_flat_weights`` until a later forward notices and refreshes
+    them: refresh them now. Left stale, the model held fake tensors, and its next forward changed
+    its Python attributes, so a second optimize() of a GRU model lost the torch.fx path."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.RNNBase) and hasattr(m, "_weights_have_changed") \
+                and m._weights_have_changed():  # private torch API, guarded
+            m._update_flat_weights()

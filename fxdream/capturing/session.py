@@ -1,0 +1,202 @@
+"""Capture a model as ATen-level forward (+ backward) FX graphs, one set per dynamo subgraph.
+
+torch.compile's dynamo front end splits the model at graph breaks; for each piece our
+backend calls aot_autograd, which hands us the forward graph and, on the first
+backward, the backward graph. ``CaptureSession`` is that backend: it annotates
+layers, lets an optional transform (the pass pipeline) rewrite each graph, and keeps
+what it saw so reports and simulations can read it.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from functorch.compile import aot_module_simplified, make_boxed_func
+
+from fxdream.ir.nodes import PARAMETER_GRADIENTS
+from fxdream.capturing.layers import annotate_backward, annotate_forward, frame_prefix, qualified_name
+from fxdream.capturing.dynamo import compiling_code
+from fxdream.capturing.host_gaps import SubgraphClock
+from fxdream.capturing.dead_copies import drop_dead_copies
+from fxdream.capturing.inference_trace import boxed_caller, inference_graph
+from fxdream.runtime.graph_guards import captured_if_rewrite_raises, same_state_or, weights_as_built_or
+from fxdream.runtime.direct_calls import call_ops_directly
+from fxdream.ops.keep_whole import keep_ops_whole, outside_keep_ops_whole
+from fxdream.ir.tensors import size_hint
+from fxdream.capturing.captured import Captured
+
+GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
+"""(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
+real forward inputs or None) → graph_module to run."""
+
+
+@dataclass
+class _SubgraphRecord:
+    """What the backend saw for one subgraph; mutable while compilation is under way."""
+    index: int
+    torch_graph: fx.GraphModule
+    training: bool
+    input_shapes: tuple
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    forward_layers: dict = field(default_factory=dict)
+    unmapped_backward_nodes: int = 0
+    compile_seconds: float = 0.0
+    example_inputs: tuple = ()
+    state_positions: frozenset = frozenset()
+    code: object = None  # the function dynamo compiled this graph from (None: not through dynamo)
+
+    def freeze(self) -> Captured:
+        return Captured(self.index, self.forward, self.backward, self.torch_graph,
+                        self.training, self.input_shapes, self.unmapped_backward_nodes,
+                        self.example_inputs, self.state_positions)
+
+
+def _shape_of(value) -> tuple | str:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    return type(value).__name__
+
+
+_MODEL_STATE = re.compile(r"_(parameters|buffers)_")  # dynamo's names for lifted module state
+
+
+def _user_input_shapes(gm: fx.GraphModule, example_inputs: Sequence) -> tuple:
+    """Shapes of the subgraph's inputs that are not the model's own parameters or buffers."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(_shape_of(x) for name, x in zip(names, example_inputs)
+                 if not isinstance(x, torch.nn.Parameter) and not _MODEL_STATE.search(name))
+
+
+class CaptureSession:
+    """A torch.compile backend that records the ATen graphs of every subgraph it compiles.
+
+    ``transform`` (the pass pipeline) may return a rewritten graph to execute; the
+    record keeps the graph as captured, the transform keeps its own results.
+    """
+
+    def __init__(self, model: torch.nn.Module | None, transform: GraphTransform | None = None):
+        self.transform = transform
+        self.records: list[_SubgraphRecord] = []
+        self.clock = SubgraphClock()  # time-stamps graph calls while host gaps are measured
+        self.notes: list[str] = []    # what the report should say about the capture itself
+        self.state_names: dict[int, str] = {}  # a shared tensor keeps its first name
+        # BatchNorm's kernel updates its running statistics without bumping their version; each
+        # train-mode call bumps its count (which an eval graph does not take): watched with them
+        self.batches_tracked: list[torch.Tensor] = []
+        if model is not None:
+            for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
+                    list(model.named_buffers(remove_duplicate=False)):
+                self.state_names.setdefault(id(tensor), name)
+            self.batches_tracked = [b for name, b in model.named_buffers() if name.endswith("num_batches_tracked")]
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence, one_trace: bool = False) -> Callable:
+        """Compile ``gm`` (a backend's call). ``one_trace``: in inference, for a graph whose inputs
+        are plain tensors, trace it once (``inference_trace``) instead of through aot_autograd."""
+        record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
+                                 _user_input_shapes(gm, example_inputs))
+        record.code = compiling_code()
+        self.records.append(record)
+        names = self.state_names or _state_names_from_sources(gm, example_inputs)
+        prefix = frame_prefix(gm, example_inputs, names)
+        # aot_module_simplified puts gm's own parameters and buffers (a graph traced by torch.fx
+        # holds them; dynamo lifts them to inputs) before the inputs
+        own = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
+               *dict(gm.named_buffers(remove_duplicate=False)).values()]
+        state = own + [x if id(x) in names else None for x in example_inputs]
+        record.example_inputs = tuple(x.detach() if isinstance(x, torch.Tensor) else size_hint(x)  # a dynamic
+                                      for x in own + list(example_inputs))  # size: its value (timed runs take it)
+        record.state_positions = frozenset(i for i, x in enumerate(state) if x is not None)
+        parameter_positions = frozenset(range(len(own))) | {i for i, x in enumerate(state)
+                                                            if isinstance(x, torch.nn.Parameter)}
+
+        @outside_keep_ops_whole()
+        def compile_forward(fw: fx.GraphModule, _inputs):
+            started = time.perf_counter()
+            call_ops_directly(fw, recompile=False)  # the passes' copies of it call ops directly
+            record.forward_layers = annotate_forward(fw, prefix)
+            if not record.training:
+                dropped = drop_dead_copies(fw)
+                if dropped:
+                    self.notes.append(f"graph {record.index}: dropped {len(dropped)} copies of intermediates that "
+                                      f"nothing else reads (aot_autograd makes them, e.g. one per eval-mode dropout)")
+            record.forward = fw
+            runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
+                                         record.example_inputs)
+            if runnable is fw:
+                fw.recompile()  # it runs: its own code calls ops directly too
+            record.compile_seconds += time.perf_counter() - started
+            frozen = runnable is not fw and not record.training  # inference: state may be constants
+            run = same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
+            if frozen:
+                run = weights_as_built_or(run, fw.forward, state + self.batches_tracked, lambda: self.notes.append(
+                    f"graph {record.index}: the model's weights changed in place after the build (load_state_dict, "
+                    f"an optimizer step, BatchNorm statistics from a call in train mode): it runs as captured from "
+                    f"then on, reading them as they are; rebuild to fold and pack them again"))
+                run = captured_if_rewrite_raises(run, fw.forward, lambda error: self._rewrite_failed(record, error))
+            return self.clock.wrap(make_boxed_func(run), f"g{record.index}.fw")
+
+        @outside_keep_ops_whole()
+        def compile_backward(bw: fx.GraphModule, _inputs):
+            started = time.perf_counter()
+            call_ops_directly(bw, recompile=False)
+            record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
+            bw.graph.output_node().meta[PARAMETER_GRADIENTS] = parameter_positions
+            record.backward = bw
+            runnable = self._transformed(bw, "bw", record.index, {}, None)
+            if runnable is bw:
+                bw.recompile()
+            record.compile_seconds += time.perf_counter() - started
+            return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
+
+        with keep_ops_whole(gm):
+            fw = _traced_once(gm, example_inputs) if one_trace and not record.training else None
+            if fw is not None:
+                return boxed_caller(compile_forward(fw, None), own)
+            return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
+                                         bw_compiler=compile_backward)
+
+    def _rewrite_failed(self, record: _SubgraphRecord, error: Exception) -> None:
+        failed = getattr(self.transform, "rewrite_failed", None)
+        if failed is not None:
+            failed(record.index, "fw", error)
+
+    def _transformed(self, gm: fx.GraphModule, phase: str, index: int, state: dict, inputs) -> fx.GraphModule:
+        if self.transform is None:
+            return gm
+        return self.transform(gm, phase, index, state, inputs)
+
+    def captured(self) -> tuple[Captured, ...]:
+        return tuple(r.freeze() for r in self.records if r.forward is not None)
+
+
+def _traced_once(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule | None:
+    """``inference_graph``, or None (aot_autograd traces it) where that trace raised."""
+    try:
+        return inference_graph(gm, example_inputs)
+    except Exception:  # an optimization of the capture: aot_autograd's trace is the reference
+        return None
+
+
+def _state_names_from_sources(gm: fx.GraphModule, example_inputs: Sequence) -> dict[int, str]:
+    """Without the root model (a plain torch.compile backend), name state by dynamo's sources."""
+    names = {}
+    for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        if isinstance(value, torch.Tensor) and _MODEL_STATE.search(node.name):
+            source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+            names[id(value)] = qualified_name(source) if source else node.name
+    return names
+
+
+def _model_state_of(fw: fx.GraphModule, state: list) -> dict:
+    """Forward placeholder name → the model's parameter/buffer it receives (aot keeps the order)."""
+    placeholders = [n.name for n in fw.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(state):
+        return {}  # aot added or removed inputs: do not guess
+    return {name: t for name, t in zip(placeholders, state) if t is not None}
+
+

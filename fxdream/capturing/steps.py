@@ -1,0 +1,48 @@
+"""One step of a model as a capture runs it: forward under no_grad, or forward and backward."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from fxdream.capturing.model_state import preserved_inputs, preserved_state
+
+
+def differentiable_scalar(output) -> torch.Tensor | None:
+    """A scalar whose backward reaches every output that requires grad (to trigger bw compile)."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        return None
+    return sum(t.float().sum() for t in leaves)
+
+
+def tracing_config(training: bool):
+    """Inference: dynamo traces RNN modules (``allow_rnn``) instead of breaking the graph there:
+    ``aten.lstm`` stays one op, exact, and in the graph the simulator sees. Training keeps the
+    break: autograd's decomposed LSTM gradients differ from the fused kernel's (~1e-3 on GNMT).
+    Applied while fxdream builds; a later recompile (new shape) breaks at the RNN as dynamo does
+    by default, still correct (patching every call would cost ~30 µs)."""
+    if training or not hasattr(torch._dynamo.config, "allow_rnn"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(allow_rnn=True)
+
+
+def one_step(call: Callable, inputs: tuple, training: bool):
+    """``call(*inputs)``: under no_grad in inference; in training also a backward reaching every
+    output that needs a gradient (none where nothing does). Returns the output."""
+    if not training:
+        with torch.no_grad():
+            return call(*inputs)
+    output = call(*inputs)
+    scalar = differentiable_scalar(output)
+    if scalar is not None:
+        scalar.backward()
+    return output
+
+
+def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
+    """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
+    with preserved_state(model), preserved_inputs(inputs), tracing_config(training):
+        return one_step(compiled, inputs, training)

@@ -1,0 +1,375 @@
+"""Inference capture without dynamo, for models torch.fx can trace whole.
+
+Dynamo spends ~2.4 s on ResNet-50 before aot_autograd starts; ``torch.fx.symbolic_trace``
+takes ~0.03 s. A symbolic trace, though, is only right where the model's Python does not
+branch on what a Proxy cannot know (``isinstance(x, Tensor)``, ``x is None``), and it guards
+nothing, and Python side effects in forward run once, at trace time. So the trace is kept
+only when its output on the example equals eager's and forward left the modules' Python
+attributes as they were (anything else falls back to dynamo, with the reason), and the runner
+checks every call against what it was built for (input shapes, strides, dtypes, devices, the
+modules' train/eval flags, grad mode, autocast off, and where forward updates an input in place,
+which inputs share memory): any other call goes through dynamo, which captures again with the
+same session.
+
+Inference only: training keeps dynamo (autograd mutations of BN buffers, graph breaks kept
+for RNNs, see ``capture.tracing_config``).
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from fxdream.capturing.session import CaptureSession
+from fxdream.capturing.steps import run_once
+from fxdream.capturing.model_state import preserved_inputs, preserved_state
+from fxdream.runtime.graph_guards import tensor_version
+from fxdream.capturing.dynamo import compile_with, graph_break_counts, new_graph_breaks
+
+
+def _signature(args: tuple) -> tuple:
+    return tuple((type(a), a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
+                 if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+
+
+def _shared_storage(args: tuple) -> tuple:
+    """Which inputs share memory: for each tensor, the position of the first one on its storage."""
+    storages = [a.untyped_storage().data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+    return tuple(None if s is None else storages.index(s) for s in storages)
+
+
+autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled",  # private; ~0.2 µs a call
+                           lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+
+
+class TracedRunner:
+    """Runs the aot-compiled trace for calls like the example; any other call through dynamo."""
+
+    def __init__(self, model: torch.nn.Module, compiled: Callable, out_spec, example: tuple,
+                 session: CaptureSession, grad_enabled: bool = False, mutates_inputs: bool = False):
+        self._model, self._compiled, self._out_spec = model, compiled, out_spec
+        self._signature, self._grad_enabled = _signature(example), grad_enabled
+        # a forward that updates an input in place reads it after the update where another input is
+        # the same tensor (``opt(x, x)``); the graph, traced with two tensors, does not
+        self._shared = _shared_storage(example) if mutates_inputs else None
+        self._modules = tuple(model.modules())  # walking the tree per call costs ~20 µs
+        self._modes = self._module_modes()
+        self._session = session
+        self._fallback: Callable | None = None
+
+    def _module_modes(self) -> tuple:
+        return tuple(m.training for m in self._modules)
+
+    def __call__(self, *args, **kwargs):
+        if (not kwargs and torch.is_grad_enabled() == self._grad_enabled and _signature(args) == self._signature
+                and self._module_modes() == self._modes and not autocast_enabled()
+                and (self._shared is None or _shared_storage(args) == self._shared)):
+            return pytree.tree_unflatten(list(self._compiled(*args)), self._out_spec)
+        if self._fallback is None:
+            self._fallback = compile_with(self._model, self._session)
+        return self._fallback(*args, **kwargs)
+
+
+def compile_model(model: torch.nn.Module, inputs: tuple, session: CaptureSession,
+                  training: bool) -> tuple[Callable, str]:
+    """(runner, how it was captured): in inference torch.fx's trace when the model traces whole,
+    else (training, or the reason) dynamo, both compiling through ``session``."""
+    reason = "training"
+    if not training:
+        with torch.no_grad(), preserved_state(model):
+            runner, reason = trace_and_compile(model, inputs, session)
+        if runner is not None:
+            return runner, "torch.fx symbolic_trace"
+    return compile_with(model, session), f"dynamo ({reason})"
+
+
+def trace_and_compile(model: torch.nn.Module, inputs: tuple,
+                      session: CaptureSession) -> tuple[TracedRunner | None, str | None]:
+    """(a runner compiled through ``session``, None), or (None, why dynamo must capture instead).
+
+    Compiles (so the pass pipeline runs) only once the trace is known to match eager on
+    ``inputs``; call under ``torch.no_grad()`` with the model in eval mode. A compilation that
+    fails leaves ``session`` as it was; so does anything else that goes wrong on this path."""
+    records = len(session.records)
+    try:
+        runner, reason = _trace_and_compile(model, inputs, session)
+    except Exception as error:  # this path is an optimization: never the reason a model fails
+        runner, reason = None, f"the torch.fx path failed ({_headline(error)})"
+    if runner is None:
+        del session.records[records:]
+    return runner, reason
+
+
+def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str | None]:
+    if model.training or torch.is_grad_enabled():
+        return None, "training"
+    if autocast_enabled():
+        return None, "built under autocast (its graph would run with autocast's casts at every call)"
+    versions = _state_versions(model)
+    traced, out_spec, reason = _flat_trace(model, inputs)
+    if traced is None:
+        return None, reason
+    devices = sorted({t.device.index for t in list(model.parameters()) + list(inputs)
+                      if t.device.type == "cuda" and t.device.index is not None})
+    before = _module_state(model)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(0)
+            with preserved_inputs(inputs):  # the traced run gets the inputs eager got
+                input_versions = [tensor_version(x) for x in inputs]
+                expected = model(*inputs)
+                mutates_inputs = [tensor_version(x) for x in inputs] != input_versions or (
+                    None in input_versions and torch.is_inference_mode_enabled())  # unknown: assume it may
+            torch.manual_seed(0)
+            values = list(traced(*inputs))
+            actual = pytree.tree_unflatten(values, out_spec)
+    except Exception as error:
+        return None, f"the torch.fx trace does not run ({_headline(error)})"
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        out_spec = _expand_outputs(traced, values, out_spec)
+        if out_spec is None:
+            return None, "an output that is not a tensor"
+    if _module_state(model) != before:
+        return None, "forward changes the modules' Python attributes (a trace would do it only once)"
+    if _state_versions(model) != versions:
+        return None, "forward updates a parameter or buffer in place (a trace would do it only once)"
+    if not _same(expected, actual):
+        return None, "the torch.fx trace's output differs from eager on the example"
+    try:
+        compiled = session(traced, list(inputs), one_trace=True)
+    except Exception as error:
+        return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
+    return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=mutates_inputs), None
+
+
+def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSession,
+                      training: bool) -> tuple[TracedRunner | None, str | None]:
+    """(a runner: dynamo compiling the model's torch.fx trace, None), or (None, why not).
+
+    For models dynamo captures nothing from: a graph break inside a loop or inside torch.nn's
+    own code (``nn.Sequential`` around a BatchNorm with ``momentum=None``) makes dynamo skip
+    the whole frame, while the trace's straight-line code lets it resume after the break.
+    The trace (its leaf modules are the model's own, so training updates the same buffers)
+    is kept only when one step of it gives eager's outputs and buffers and leaves the
+    modules' Python attributes alone; other calls go through dynamo on the model."""
+    try:
+        traced, out_spec, reason = _flat_trace(model, inputs)
+        if traced is None:
+            return None, reason
+        if training:
+            _rnns_called_eagerly(traced)
+        before = _module_state(model)
+        runs = []
+        for fn in (model, lambda *xs: pytree.tree_unflatten(list(traced(*xs)), out_spec)):
+            with preserved_state(model), torch.no_grad():
+                torch.manual_seed(0)
+                out = fn(*inputs)
+                runs.append((out, [b.detach().clone() for b in model.buffers()]))
+        if _module_state(model) != before:
+            return None, "forward changes the modules' Python attributes (a trace would do it only once)"
+        if not _same(*(out for out, _ in runs)) or not _same(*(buffers for _, buffers in runs)):
+            return None, "the torch.fx trace's outputs or buffers differ from eager on the example"
+    except Exception as error:  # this path is a second chance: never the reason a model fails
+        return None, f"the torch.fx path failed ({_headline(error)})"
+    return TracedRunner(model, compile_with(traced, session), out_spec, inputs, session,
+                        grad_enabled=training), None
+
+
+def _flat_trace(model: torch.nn.Module, inputs: tuple):
+    """(the model's torch.fx trace returning a flat tuple, the spec that rebuilds its output,
+    None), or (None, None, why it cannot be traced and checked against eager)."""
+    if getattr(model.forward, "_torchdynamo_disable", False):
+        return None, None, "forward is excluded from compilation (torch._dynamo.disable)"
+    if not all(isinstance(x, torch.Tensor) for x in inputs):
+        return None, None, "a non-tensor example input"
+    if any(t.device.type not in ("cpu", "cuda") for t in list(model.parameters()) + list(inputs)):
+        return None, None, "tensors on a device whose values cannot be compared with eager's (meta)"
+    traced, reason = _trace(model, len(inputs))
+    if traced is None:
+        return None, None, reason
+    out_spec = _flatten_outputs(traced)
+    if out_spec is None:
+        return None, None, "an output that is not a tensor"
+    return traced, out_spec, None
+
+
+def _rnns_called_eagerly(gm: fx.GraphModule) -> None:
+    """In training dynamo refuses an RNN module's attribute (and gives up on the whole function);
+    called through a function it does not trace instead, the RNN is a graph break it resumes after."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), torch.nn.RNNBase):
+            with gm.graph.inserting_before(node):
+                call = gm.graph.call_function(_eager_call(gm.get_submodule(node.target)), node.args, node.kwargs)
+            node.replace_all_uses_with(call)
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _eager_call(module: torch.nn.Module) -> Callable:
+    def rnn_called_eagerly(*args, **kwargs):
+        return module(*args, **kwargs)
+    return torch.compiler.disable(rnn_called_eagerly, reason=f"{type(module).__name__} in training runs "
+                                  "eagerly (dynamo does not trace RNN modules in training)")
+
+
+def capture_from_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSession, training: bool,
+                       breaks: list) -> tuple[TracedRunner, str, list] | None:
+    """Dynamo captured nothing (``breaks``: why): (runner, how, graph breaks) capturing the
+    model's torch.fx trace instead (``dynamo_over_trace``), or None where that captures nothing."""
+    breaks_before, records = graph_break_counts(), len(session.records)
+    runner, _ = dynamo_over_trace(model, inputs, session, training)
+    if runner is None:
+        return None
+    try:
+        run_once(runner, model, inputs, training)
+    except Exception:  # a second chance only: the caller reports the first failure
+        runner = None
+    if runner is None or not session.captured():
+        del session.records[records:]
+        return None
+    why = "; ".join(b.rstrip(".") for b in breaks) or "no graph"
+    return (runner, f"dynamo over the torch.fx trace (dynamo on forward captured nothing: {why})",
+            new_graph_breaks(breaks_before))
+
+
+def _module_state(model: torch.nn.Module) -> list:
+    """Every module's plain attributes (identity of each value): what a forward with Python
+    side effects (a counter, a cache) changes."""
+    skip = {"_parameters", "_buffers", "_modules", "training"}
+    return [(name, key, id(value)) for name, m in model.named_modules()
+            for key, value in vars(m).items() if key not in skip]
+
+
+def _state_versions(model: torch.nn.Module) -> list:
+    """Version counters of the parameters and buffers: an in-place update (``self.steps += 1``)
+    bumps them. A trace runs such an update once, at trace time, and records nothing."""
+    return [tensor_version(t) for t in list(model.parameters()) + list(model.buffers())]
+
+
+def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None, str | None]:
+    """symbolic_trace with the arguments the example leaves out fixed at their defaults."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None, "forward has no inspectable signature"
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY) for p in parameters):
+        return None, "forward takes *args, **kwargs or keyword-only arguments"
+    rest = parameters[n_inputs:]
+    if any(p.default is p.empty for p in rest):
+        return None, "fewer example inputs than forward requires"
+    try:
+        gm = fx.symbolic_trace(model, concrete_args={p.name: p.default for p in rest} or None)
+    except Exception as error:
+        return None, f"torch.fx cannot trace it ({_headline(error)})"
+    # a fixed argument stays a placeholder guarded by an assert (on ``arg == default`` for a
+    # number): the runner guards calls instead
+    for placeholder in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
+        for user in list(placeholder.users):
+            if user.op == "call_function" and user.target is operator.eq and user.users \
+                    and all(_is_assert(check) for check in user.users):
+                for check in list(user.users):
+                    gm.graph.erase_node(check)
+                gm.graph.erase_node(user)
+            elif _is_assert(user):
+                gm.graph.erase_node(user)
+        if placeholder.users:
+            return None, f"the fixed argument {placeholder.target!r} is still read by the trace"
+        gm.graph.erase_node(placeholder)
+    gm.recompile()
+    return gm, None
+
+
+def _is_assert(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "").startswith("_assert")
+
+
+def _headline(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
+def _flatten_outputs(gm: fx.GraphModule):
+    """Make the graph return a flat tuple of tensors (aot's requirement); the spec rebuilds it."""
+    output = gm.graph.output_node()
+    leaves, spec = pytree.tree_flatten(_plain(output.args[0]))
+    if not leaves or not all(isinstance(leaf, fx.Node) for leaf in leaves):
+        return None
+    output.args = (tuple(leaves),)
+    for node in reversed(gm.graph.nodes):  # namedtuple constructors the output no longer needs
+        if _is_namedtuple_class(node.target) and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return spec
+
+
+def _expand_outputs(gm: fx.GraphModule, values: list, spec):
+    """Output nodes whose value is a tuple or list (a leaf module returning one, as ``nn.LSTM``'s
+    ``(output, (h, c))``; the trace cannot know until it runs) become one getitem node per
+    tensor in it: aot wants tensors out. The spec that rebuilds the output, or None where a
+    value holds something other than tensors."""
+    output = gm.graph.output_node()
+    leaves = []
+    for node, value in zip(output.args[0], values):
+        paths = pytree.tree_flatten_with_path(value)[0]
+        if not all(isinstance(leaf, torch.Tensor) for _, leaf in paths) or \
+                not all(isinstance(key, pytree.SequenceKey) for path, _ in paths for key in path):
+            return None
+        with gm.graph.inserting_before(output):
+            for path, _ in paths:
+                item = node
+                for key in path:
+                    item = gm.graph.call_function(operator.getitem, (item, key.idx))
+                leaves.append(item)
+    output.args = (tuple(leaves),)
+    gm.recompile()
+    return pytree.tree_flatten(pytree.tree_unflatten(values, spec))[1]
+
+
+def _plain(value):
+    """torch.fx keeps a graph's output in its own immutable dict/list types: the model's are plain."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, fx.Node) and value.op == "call_function" and _is_namedtuple_class(value.target):
+        # the trace records ``Output(logits, hidden)`` as a node: rebuild it from its fields
+        return value.target(*(_plain(a) for a in value.args), **{k: _plain(v) for k, v in value.kwargs.items()})
+    return value
+
+
+def _is_namedtuple_class(target) -> bool:
+    return isinstance(target, type) and issubclass(target, tuple) and hasattr(target, "_fields")
+
+
+_TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
+
+
+def _same(expected, actual) -> bool:
+    e_leaves, e_spec = pytree.tree_flatten(expected)
+    a_leaves, a_spec = pytree.tree_flatten(actual)
+    if e_spec != a_spec:
+        return False
+    for e, a in zip(e_leaves, a_leaves):
+        if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
+            return False
+        if isinstance(e, torch.Tensor):
+            # loose enough for kernels that differ call to call (cuDNN's autotuner, TF32), far
+            # tighter than a wrong branch
+            if e.shape != a.shape or e.dtype != a.dtype:
+                return False
+            if not (e.is_floating_point() or e.is_complex()):
+                if not torch.equal(e, a):
+                    return False
+                continue
+            rtol, atol = _TOLERANCE.get(e.dtype, (1e-4, 1e-5))
+            if not torch.allclose(e, a, rtol=rtol, atol=atol, equal_nan=True):
+                return False
+        elif e != a:
+            return False
+    return True

@@ -1,0 +1,16 @@
+"""Copies of graph modules that a pass may rewrite freely."""
+from __future__ import annotations
+
+import copy
+
+import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose graph a pass may rewrite freely (attributes are shared, not cloned).
+
+    Its Python code is generated when first needed (a call, ``.code``), not here: a pass
+    rewrites the copy and recompiles it anyway, and a candidate that is only simulated never
+    needs code. On ResNet-50 a build made ~12 copies at ~12 ms of code generation each."""
+    return _LazyGraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)

@@ -1,0 +1,104 @@
+"""GRU and vanilla-RNN layers as one op in inference graphs.
+
+aot_autograd traces ``torch._VF.gru`` (what ``nn.GRU.forward`` calls) through its
+CompositeImplicit definition: on CPU, where there is no fused kernel, that is a handful of
+ATen ops per time step and layer (a 32-step bidirectional GRU: ~1500 nodes), and running
+them from Python took 3.5x eager's C++ loop (measured here, batch 8). ``nn.LSTM`` does not
+need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to cuDNN's; except
+with projections (``proj_size``) on a CPU, which oneDNN does not take: ``lstm_inference``.
+
+``keep_ops_whole()`` is active while a capture traces a graph; in inference it sends those
+calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
+(so values are bit-identical to eager) and that the cost model times as one node.
+Inference only: no autograd formula (training keeps dynamo's graph break at the RNN).
+``keep_ops_whole`` keeps RNN cells (``rnn_cell_op``), upsampling (``upsample_op``), circular
+padding (``pad_op``), 1-d max pooling (``max_pool1d_op``) and, on a GPU, SDPA (``sdpa_op``) whole
+the same way.
+"""
+from __future__ import annotations
+
+
+import torch
+
+
+FUNCTIONS = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu}
+
+_LIB = torch.library.Library("fxdream", "FRAGMENT")
+_LIB.define("rnn_inference(Tensor input, Tensor hx, Tensor[] params, str mode, bool has_biases, "
+            "int num_layers, bool bidirectional, bool batch_first) -> (Tensor, Tensor)")
+
+
+def _rnn_inference(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first):
+    return FUNCTIONS[mode](input, hx, params, has_biases, num_layers, 0.0, False, bidirectional, batch_first)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("rnn_inference", _rnn_inference, _key)
+
+
+@torch.library.register_fake("fxdream::rnn_inference", lib=_LIB)
+def _(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first):
+    # output: the input's shape with features = directions × hidden, and eager's strides: the
+    # kernels run time-major, so a batch_first output is a (batch, time) view of a (time, batch)
+    # tensor (claimed contiguous, a later view of it traced fine and failed on the real one)
+    features = (2 if bidirectional else 1) * hx.shape[-1]
+    if batch_first:
+        output = input.new_empty((input.shape[1], input.shape[0], features)).transpose(0, 1)
+    else:
+        output = input.new_empty((*input.shape[:-1], features))
+    return output, hx.new_empty(hx.shape)
+
+
+rnn_inference = torch.ops.fxdream.rnn_inference.default
+
+# An LSTM with projections (``proj_size``): oneDNN's fused layer does not take them, so on a CPU
+# eager runs ATen's C++ loop, which a trace unrolls into ops per time step (256 wide, 50 steps:
+# 1218 nodes, 1.7x eager's time). Without projections the capture keeps oneDNN's layer.
+_LIB.define("lstm_inference(Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
+            "bool bidirectional, bool batch_first) -> (Tensor, Tensor, Tensor)")
+
+
+def _lstm_inference(input, hx, params, has_biases, num_layers, bidirectional, batch_first):
+    return torch._VF.lstm(input, tuple(hx), params, has_biases, num_layers, 0.0, False, bidirectional, batch_first)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("lstm_inference", _lstm_inference, _key)
+
+
+@torch.library.register_fake("fxdream::lstm_inference", lib=_LIB)
+def _(input, hx, params, has_biases, num_layers, bidirectional, batch_first):
+    features = (2 if bidirectional else 1) * hx[0].shape[-1]  # the projected size
+    if batch_first:  # time-major underneath, as rnn_inference's
+        output = input.new_empty((input.shape[1], input.shape[0], features)).transpose(0, 1)
+    else:
+        output = input.new_empty((*input.shape[:-1], features))
+    return output, hx[0].new_empty(hx[0].shape), hx[1].new_empty(hx[1].shape)
+
+
+lstm_inference = torch.ops.fxdream.lstm_inference.default
+
+
+def redirect_lstm(args, kwargs):
+    """``lstm_inference(...)`` for a CPU inference LSTM with projections (as nn.LSTM calls
+    ``_VF.lstm``: 9 arguments, train=False); else None."""
+    if kwargs or len(args) != 9 or args[6] is not False or not isinstance(args[1], (tuple, list)):
+        return None
+    input, (h, c), params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
+    if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or input.device.type != "cpu" \
+            or h.shape[-1] == c.shape[-1] or torch.is_autocast_enabled("cpu"):
+        return None
+    return tuple(lstm_inference(input, [h, c], list(params), has_biases, num_layers, bidirectional, batch_first))
+
+
+def redirect_rnn(mode, args, kwargs):
+    """``rnn_inference(...)`` for the input-tensor overload of GRU/RNN as nn.GRU / nn.RNN call
+    it (9 arguments, train=False), outside autocast (it casts the RNN's inputs); else None."""
+    if kwargs or len(args) != 9 or args[6] is not False \
+            or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor) \
+            or torch.is_autocast_enabled(args[0].device.type):
+        return None
+    input, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
+    return tuple(rnn_inference(input, hx, list(params), mode, has_biases, num_layers, bidirectional, batch_first))
+
+

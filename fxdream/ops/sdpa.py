@@ -1,0 +1,68 @@
+"""``F.scaled_dot_product_attention`` as one op in inference graphs on a GPU.
+
+aot_autograd traces SDPA through its CompositeImplicit definition and, under fake tensors,
+picks the backend then: for Hugging Face's BertModel (fp16, an H200) it picked the math
+path, which upcasts to fp32 (4 copies and two fp32 GEMMs per layer), and the captured model
+ran 2.5x slower than eager at batch 128, where eager ran cuDNN's fused attention.
+``attention_inference`` is an opaque op that calls the same function at run time, so the
+backend is chosen as eager chooses it. Inference only (no autograd formula); a CPU capture
+keeps its fused ``_scaled_dot_product_flash_attention_for_cpu`` and needs none of this.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fxdream.ir.call_args import bind
+
+_LIB = torch.library.Library("fxdream", "FRAGMENT")
+_LIB.define("attention_inference(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
+            "bool is_causal, float? scale) -> Tensor")
+
+
+# Captured into a CUDA graph, cuDNN's attention kept a pointer to host memory that was gone by
+# a later replay (pytorch/pytorch #169849: an illegal memory access, inside torch.compile's
+# own CUDA graphs too). One H200 run here ended with that error where Hugging Face's BERT ran
+# through this op's CUDA graph beside reduce-overhead's; not seen again, as no GPU time was
+# left to look. While a stream captures, this op leaves cuDNN's backend out.
+_CAPTURE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    # contiguous: the fused kernels' output layout follows q's and varies by backend; the fake
+    # op below promises a contiguous tensor, so the real one must be one
+    call = lambda: F.scaled_dot_product_attention(  # noqa: E731
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale).contiguous()
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        with sdpa_kernel(_CAPTURE_BACKENDS):
+            return call()
+    return call()
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("attention_inference", _attention, _key)
+
+
+@torch.library.register_fake("fxdream::attention_inference", lib=_LIB)
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+attention_inference = torch.ops.fxdream.attention_inference.default
+_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+_DEFAULTS = (None, None, None, None, 0.0, False, None)
+
+
+def redirect_attention(args, kwargs, devices=("cuda",)):
+    """``attention_inference(...)`` for an SDPA call whose query is on one of ``devices``
+    (and that uses no argument the op lacks, such as ``enable_gqa``, outside autocast); else None."""
+    values = bind(args, kwargs, _NAMES, _DEFAULTS)
+    if values is None:
+        return None
+    query = values["query"]
+    if not isinstance(query, torch.Tensor) or query.device.type not in devices:
+        return None
+    if torch.is_autocast_enabled(query.device.type):  # autocast would cast SDPA's inputs; the op sits below it
+        return None
+    return attention_inference(*(values[n] for n in _NAMES))

@@ -1,0 +1,131 @@
+"""The module optimize() returns: the compiled model, its report, and how it is called."""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+
+from fxdream.capturing.dynamo import describe_error
+from fxdream.capturing.session import CaptureSession
+from fxdream.capturing.torch_fx import autocast_enabled
+from fxdream.pass_runner import PassPipeline
+from fxdream.report import GraphReport, Report
+
+RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before running eagerly
+
+
+def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
+    """What makes two calls alike for dynamo with static shapes: how the arguments are passed
+    (positional or by keyword), tensors' shapes, strides, dtypes and devices, other values as
+    they are (their types, where they cannot be hashed), grad mode, the train/eval flag and
+    whether autocast is on. (Without the strides and the keywords, a call with a channels_last
+    input and one by keyword were counted as recompiling calls alike, and a module running fine
+    went eager.)"""
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
+        return x if isinstance(x, (int, float, bool, str, type(None))) else type(x)
+    leaves, structure = torch.utils._pytree.tree_flatten((args, kwargs))
+    return (structure, *(leaf(x) for x in leaves), grad, training, autocast_enabled())
+
+
+class OptimizedModule(torch.nn.Module):
+    """The model, run through its captured (and rewritten) graphs. ``.report`` says how."""
+
+    def __init__(self, model: torch.nn.Module, runner: Callable, session: CaptureSession,
+                 pipeline: PassPipeline, training: bool, device: torch.device, strict: bool):
+        super().__init__()
+        self.model = model
+        # The compiled runner wraps ``model``; keep it out of the module tree (no duplicate params).
+        self.__dict__["_runner"] = runner
+        self.__dict__["_session"] = session
+        self.__dict__["_pipeline"] = pipeline
+        self._inference = not training
+        self._device = device
+        self._strict = strict
+        self._graph_breaks: tuple[str, ...] = ()
+        self._fallback_reason: str | None = None
+        self._build_seconds = 0.0
+        self._capture = "dynamo"
+        self._extras: dict = {}  # whole-model predictions, verification, measurements
+        self._compilations: dict[tuple, int] = {}  # call signature → compilations for it
+        self._compiled_codes: dict[tuple, set] = {}  # call signature → functions compiled for it
+
+    def forward(self, *args, **kwargs):
+        if self._fallback_reason is not None:
+            return self._call(self.model, args, kwargs)
+        compiled = len(self._session.records)
+        try:
+            output = self._call(self._runner, args, kwargs)
+        except Exception as error:
+            compiling = isinstance(error, torch._dynamo.exc.TorchDynamoException)
+            if self._strict or not (compiling or any(row.applied for row in self._pipeline.rows)):
+                raise
+            output = self._call(self.model, args, kwargs)  # raises too where the call itself is wrong
+            self._fall_back(f"compilation failed on a later call: {describe_error(error)}" if compiling else
+                            f"the rewritten graphs raised on a later call where eager did not "
+                            f"({describe_error(error)})")
+            return output
+        if len(self._session.records) > compiled:
+            key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
+            self._count_compilation(key, self._session.records[compiled:])
+        return output
+
+    def __deepcopy__(self, memo) -> "OptimizedModule":
+        """The same build of a deep copy of the model: the graphs run on this model's own tensors
+        (the torch.fx path's are bound at compile time) and on oneDNN-packed constants, which
+        cannot be copied; a copy of the graphs would read the original's weights or fail."""
+        return self._rebuild(copy.deepcopy(self.model, memo))
+
+    def __reduce__(self):
+        raise TypeError("an fxdream OptimizedModule cannot be pickled (its graphs are compiled code bound to "
+                        "this process): save the model (torch.save(optimized.model.state_dict())) and build "
+                        "again after loading it")
+
+    def _count_compilation(self, key: tuple, records: list) -> None:
+        """Run eagerly once dynamo has compiled calls of one kind (``key``: ``call_kind``)
+        ``RECOMPILE_LIMIT`` times: a guard on something that changes every call (a counter the
+        forward increments) recompiled on every call, ~130 ms each with the passes, up to dynamo's
+        limit (64 here). A call that compiled only functions not compiled for its kind before (the
+        code after a data-dependent branch, compiled when a call first takes it) is not counted."""
+        codes = self._compiled_codes.setdefault(key, set())
+        again = any(r.code in codes for r in records)
+        codes.update(r.code for r in records)
+        if not again and key in self._compilations:
+            return
+        count = self._compilations[key] = self._compilations.get(key, 0) + 1
+        if count >= RECOMPILE_LIMIT and not self._strict:
+            self._fall_back(f"dynamo compiled calls with the same input shapes {count} times: something its "
+                            f"guards check changes on every call (e.g. a Python number the forward updates, "
+                            f"such as a call counter), and each compilation runs the passes again")
+
+    def _call(self, fn: Callable, args, kwargs):
+        if self._inference:
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    def _fall_back(self, reason: str) -> None:
+        self._fallback_reason = reason
+
+    @property
+    def report(self) -> Report:
+        """A snapshot of what was captured and what the passes did (complete after one step)."""
+        captured = self._session.captured()
+        extras = dict(self._extras, notes=tuple(self._session.notes) + tuple(self._extras.get("notes", ())))
+        return Report(model=type(self.model).__name__, training=not self._inference,
+                      device=str(self._device), graphs=tuple(GraphReport.of(c) for c in captured),
+                      graph_breaks=self._graph_breaks, fallback_reason=self._fallback_reason,
+                      passes=tuple(self._pipeline.rows), build_seconds=self._build_seconds,
+                      capture=self._capture, **extras)
+
+    @property
+    def captured(self):
+        """The ``Captured`` graphs (as captured, before passes) of every subgraph so far."""
+        return self._session.captured()
+
+    @property
+    def rewritten_graphs(self) -> dict:
+        """(subgraph index, phase) → the graph the passes produced (absent: ran as captured)."""
+        return dict(self._pipeline.rewritten)

@@ -1,0 +1,301 @@
+"""Running passes on one captured graph: in order, or choosing the best subset ("auto").
+
+Every pass runs on a copy, then ``graph.lint()``; a pass that raises or breaks the graph is
+skipped and reported, never fatal. Its predicted effect is derived, never hand-written:
+simulate(lower(after)) - simulate(lower(before)) with the pipeline's cost model. With a
+Profiled cost model the graph is first timed in context, on its real inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import traceback
+from typing import Callable
+
+import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule  # private: GraphModule with code on demand
+
+from fxdream.runtime.direct_calls import call_ops_directly
+from fxdream.capturing.dynamo import describe_error
+from fxdream.pass_api import Pass, PassContext, PassResult, complete_new_nodes
+from fxdream.sim.prediction import graph_prediction
+from fxdream.report import PassReport
+from fxdream.sim.cost.profiled import Profiled
+from fxdream.sim.profile.in_context import graph_fingerprint
+from fxdream.ir.graphs import copy_graph_module
+
+log = logging.getLogger("fxdream")
+MAX_EXHAUSTIVE = 5  # up to 2**5 subsets are simulated; beyond that, greedy
+# A candidate's first two timed runs both this much over the best prediction for its graph so
+# far: no third run. Not one run: the first can be cold (NCHW-fused ResNet-50 bs1: +24 % over the
+# next runs), and either can be a noise spike on this VM (see ``in_context.time_graph``).
+GIVE_UP_SLOWER_THAN = 1.25
+
+
+class RewriteFailed(RuntimeError):
+    """A pass's rewritten graph raised when run on real inputs the graph before it ran on."""
+
+
+def compiled(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its code generated now (a copy's: ops called directly, ``direct_calls``),
+    so a bound ``gm.forward`` is the generated one."""
+    _LazyGraphModule.force_recompile(call_ops_directly(gm, recompile=False))
+    return gm
+
+
+class PassPipeline:
+    """The transform a CaptureSession applies to each forward/backward graph."""
+
+    def __init__(self, passes: tuple[Pass, ...], base_context: PassContext, auto: bool = False,
+                 on_row: Callable[[PassReport], None] | None = None):
+        self.passes = passes
+        self.base_context = base_context
+        self.auto = auto
+        self.on_row = on_row
+        self.rows: list[PassReport] = []
+        self.rewritten: dict[tuple[int, str], fx.GraphModule] = {}  # (subgraph, phase) → graph run
+        self._inputs: dict[tuple[int, str], object] = {}  # real inputs per graph, for profiling
+        self._predictions: dict[int, tuple[fx.GraphModule, tuple[float, int]]] = {}
+        self._by_nodes: dict[tuple, tuple[float, int]] = {}  # (graph_fingerprint, phase) → prediction, per graph
+        self._best_us: dict[tuple[int, str], float] = {}  # (subgraph, phase) → best candidate predicted
+        self._ran_alone: set[tuple[int, str]] = set()  # graphs that ran on their real inputs (or did before)
+
+    # --- predictions -------------------------------------------------------------------------
+    def predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
+        """(µs, peak bytes) of one graph, memoized per graph object and per its nodes: a pass that
+        keeps a copy of its input to compare against (prepack_linear, fuse_attention) asks for a
+        graph predicted already (~25 ms each on ResNet-50)."""
+        cost = self.base_context.cost_model
+        if cost is None:
+            return None
+        cached = self._predictions.get(id(gm))
+        if cached is None or cached[0] is not gm:
+            key = (graph_fingerprint(gm), phase)
+            if key not in self._by_nodes:
+                self._by_nodes[key] = graph_prediction(gm, cost, phase)
+            cached = (gm, self._by_nodes[key])
+            self._predictions[id(gm)] = cached
+        return cached[1]
+
+    def _profile(self, gm: fx.GraphModule, phase: str, index: int, inputs) -> None:
+        """Time the graph's nodes on their real inputs, unless every one was timed in context
+        before (an earlier build: ``sim.profile_store``); keep the inputs to time candidates."""
+        cost = self.base_context.cost_model
+        if not isinstance(cost, Profiled):
+            return
+        if phase == "fw" and inputs:
+            self._inputs[(index, "fw")] = inputs
+            if not cost.measured_in_context(gm):
+                values = cost.profile_graph(gm, inputs)
+            else:  # the backward's saved tensors, only if a backward candidate needs them
+                values = lambda: cost.run_graph(gm, inputs)  # noqa: E731
+            if values is not None:
+                self._ran_alone.add((index, "fw"))
+            if values is not None and self.base_context.training:
+                self._inputs[(index, "bw")] = values  # the backward's saved tensors, by name
+        elif phase == "bw" and (index, "bw") in self._inputs:
+            fw_values = self._inputs[(index, "bw")]
+
+            def backward_inputs():
+                values = fw_values() if callable(fw_values) else fw_values
+                return None if values is None else cost.backward_inputs(gm, values)
+            self._inputs[(index, "bw")] = backward_inputs
+            if cost.measured_in_context(gm) or (self._real_inputs(index, "bw") is not None and
+                                                cost.profile_graph(gm, self._real_inputs(index, "bw")) is not None):
+                self._ran_alone.add((index, "bw"))
+
+    def _real_inputs(self, index: int, phase: str):
+        """The graph's real inputs, computed now if they were left for later (None if unknown)."""
+        inputs = self._inputs.get((index, phase))
+        if callable(inputs):
+            inputs = self._inputs[(index, phase)] = inputs()
+        return inputs
+
+    def _profile_candidate(self, gm: fx.GraphModule, phase: str, index: int) -> None:
+        """A rewrite's new ops are timed in context too, so before and after compare alike
+        (unless they are a tiny share of the graph: ``Profiled.worth_timing_in_context``).
+        A candidate whose first two timed runs are both ``GIVE_UP_SLOWER_THAN`` times the best
+        prediction so far for its graph is not run a third time: ResNet-50's NCHW variant (1.6x
+        the prepacked one at bs1) took a third run of the graph to lose by as much.
+
+        A candidate that raises on the inputs the graph before it ran on raises ``RewriteFailed``:
+        its rewrite is broken (a 1-d conv's output left in a layout GroupNorm's CPU kernel rejects
+        passed every check but running it), and the pass is skipped with the reason; under
+        ``torch.compile(backend="fxdream")`` nothing else would catch it before the user's call."""
+        cost = self.base_context.cost_model
+        if isinstance(cost, Profiled) and cost.to_time_in_context(gm):
+            inputs = self._real_inputs(index, phase)
+            if inputs is not None:
+                best = self._best_us.get((index, phase), math.inf)
+                try:
+                    cost.profile_graph(gm, inputs, new_keys_only=True, give_up_above_us=GIVE_UP_SLOWER_THAN * best,
+                                       raise_errors=(index, phase) in self._ran_alone)
+                except Exception as error:
+                    raise RewriteFailed(f"the rewritten graph raised when run on the example inputs, where the "
+                                        f"graph before it ran: {describe_error(error)}") from error
+
+    # --- the transform -----------------------------------------------------------------------
+    def __call__(self, gm: fx.GraphModule, phase: str, index: int, params: dict, inputs=None) -> fx.GraphModule:
+        self._profile(gm, phase, index, inputs)
+        predict_us = None
+        if self.base_context.cost_model is not None:
+            def predict_us(candidate: fx.GraphModule) -> float:
+                self._profile_candidate(candidate, phase, index)  # a pass's choice rests on in-context times
+                us = self.predict(candidate, phase)[0]
+                self._best_us[(index, phase)] = min(us, self._best_us.get((index, phase), math.inf))
+                return us
+        ctx = dataclasses.replace(self.base_context, phase=phase, params=params, predict_us=predict_us,
+                                  forced=not self.auto)
+        if self.auto and ctx.cost_model is not None:
+            gm = self._best_subset(gm, ctx, index)
+        else:
+            for p in self.passes:
+                gm, row = self._run_one(p, gm, ctx, index)
+                self._add(row)
+        self.rewritten[(index, phase)] = gm = compiled(gm)
+        self._by_nodes.clear()  # a graph's candidates are not another graph's
+        if phase == "bw" or not self.base_context.training:  # done with this subgraph: let its tensors go
+            self._inputs.pop((index, "fw"), None)
+            self._inputs.pop((index, "bw"), None)
+        return gm
+
+    def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> tuple[fx.GraphModule, PassReport]:
+        not_applicable = p.applies_to(ctx)
+        if not_applicable is not None:
+            return gm, PassReport(p.name, index, ctx.phase, False, not_applicable)
+        try:
+            result: PassResult = p(copy_graph_module(gm), ctx)
+            if not isinstance(result, PassResult):
+                return gm, PassReport(p.name, index, ctx.phase, False, f"skipped: the pass returned "
+                                      f"{type(result).__name__}, not a PassResult(graph_module, modified, reason)")
+            result.graph_module.graph.lint()
+            result.graph_module.recompile()
+        except Exception as error:  # a broken pass must never break the model
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            reason = (f"skipped: the pass raised {type(error).__name__}: {error} "
+                      f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
+            return gm, PassReport(p.name, index, ctx.phase, False, reason)
+        missing = complete_new_nodes(gm, result.graph_module) if result.modified else []
+        if missing:  # such a node would be costed as free: the prediction would be wrong
+            shown = "; ".join(missing[:3]) + (f"; and {len(missing) - 3} more" if len(missing) > 3 else "")
+            return gm, PassReport(p.name, index, ctx.phase, False,
+                                  f"skipped: the rewrite added {len(missing)} node(s) the simulator cannot cost "
+                                  f"({shown}); set meta['val'] (a fake tensor) on new nodes")
+        delta_us = delta_peak = None
+        if result.modified and ctx.cost_model is not None:
+            try:
+                self._profile_candidate(result.graph_module, ctx.phase, index)
+            except RewriteFailed as error:
+                return gm, PassReport(p.name, index, ctx.phase, False, f"skipped: {error}")
+            (before_us, before_peak), (after_us, after_peak) = (self.predict(gm, ctx.phase),
+                                                                self.predict(result.graph_module, ctx.phase))
+            delta_us, delta_peak = after_us - before_us, after_peak - before_peak
+        row = PassReport(p.name, index, ctx.phase, result.modified, result.reason, result.notes,
+                         predicted_delta_us=delta_us, predicted_delta_peak_bytes=delta_peak)
+        return (result.graph_module if result.modified else gm), row
+
+    def _best_subset(self, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
+        """Simulate every subset of the applicable passes (greedy beyond MAX_EXHAUSTIVE); keep the best.
+
+        A subset whose predicted peak memory exceeds ``ctx.memory_budget`` is not a candidate;
+        where every subset does, the one with the lowest predicted peak is kept.
+        """
+        applicable, final, rows = [], [], []
+        for p in self.passes:
+            reason = p.applies_to(ctx)
+            if reason is not None:
+                rows.append(PassReport(p.name, index, ctx.phase, False, reason))
+            else:
+                (final if getattr(p, "final", False) else applicable).append(p)
+        candidates = {(): (gm, [])}
+        if len(applicable) <= MAX_EXHAUSTIVE:
+            runs = {}  # (pass, graph it ran on): a pass that left a subset's graph as it was
+            for size in range(1, len(applicable) + 1):  # is not run again on the same graph
+                for subset in itertools.combinations(applicable, size):
+                    base_gm, base_rows = candidates[subset[:-1]]
+                    key = (id(subset[-1]), id(base_gm))
+                    if key not in runs:
+                        runs[key] = (base_gm, self._run_one(subset[-1], base_gm, ctx, index))
+                    new_gm, row = runs[key][1]
+                    candidates[subset] = (new_gm, base_rows + [row])
+        else:
+            chosen: tuple = ()
+            for p in applicable:
+                trial_gm, row = self._run_one(p, candidates[chosen][0], ctx, index)
+                candidates[chosen + (p,)] = (trial_gm, candidates[chosen][1] + [row])
+                if self.predict(trial_gm, ctx.phase)[0] < self.predict(candidates[chosen][0], ctx.phase)[0]:
+                    chosen = chosen + (p,)
+        scored = []
+        for subset, (candidate, subset_rows) in candidates.items():
+            us, peak = self.predict(candidate, ctx.phase)
+            within = ctx.memory_budget is None or peak <= ctx.memory_budget
+            # over the budget: the lowest peak first (the budget asks for memory before speed)
+            scored.append((not within, 0 if within else peak, us, len(subset), subset, candidate, subset_rows))
+        scored.sort(key=lambda item: item[:4])
+        over, _, best_us, _, best, best_gm, best_rows = scored[0]
+        names = lambda subset: "+".join(p.name for p in subset) or "none"  # noqa: E731
+        summary = "; ".join(f"{names(s[4])} {s[2] / 1e3:.3f} ms" + (" (over budget)" if s[0] else "")
+                            for s in scored)
+        for row in rows + best_rows + _rows_not_chosen(candidates, best):
+            self._add(row)
+        over_budget = " (none fits memory_budget: the lowest predicted peak)" if over else ""
+        self._add(PassReport("auto", index, ctx.phase, bool(best), f"chose {names(best)}: predicted "
+                             f"{best_us / 1e3:.3f} ms of {len(scored)} subsets{over_budget}",
+                             notes=(f"predicted: {summary}",)))
+        for p in final:
+            best_gm = self._finish(p, best_gm, ctx, index)
+        return best_gm
+
+    def _finish(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
+        """A ``final`` pass (a clean-up that helps whichever graph it gets, as ``reinplace``) runs
+        once on the chosen graph, not in every subset (which would double them), and is kept
+        only if the graph is then predicted faster."""
+        trial, row = self._run_one(p, gm, ctx, index)
+        if row.applied and row.predicted_delta_us is not None and row.predicted_delta_us >= 0:
+            self._add(dataclasses.replace(row, applied=False, reason=f"not kept, predicted no faster: {row.reason}"))
+            return gm
+        self._add(row)
+        return trial
+
+    def rewrite_failed(self, index: int, phase: str, error: Exception) -> None:
+        """Graph ``index``'s rewrite raised when run where the graph as captured did not: that
+        graph runs as captured from now on (``graph_guards.captured_if_rewrite_raises``), and its
+        applied rows say so (and are reported again to ``on_row``)."""
+        self.rewritten.pop((index, phase), None)
+        for i, row in enumerate(self.rows):
+            if (row.graph_index, row.phase) == (index, phase) and row.applied:
+                self.rows[i] = failed_to_run(row, error)
+                if self.on_row is not None:  # the backend's on_report hears of it too
+                    self.on_row(self.rows[i])
+        log.warning("graph %d/%s: the rewritten graph raised (%s); it runs as captured",
+                    index, phase, describe_error(error))
+
+    def _add(self, row: PassReport) -> None:
+        self.rows.append(row)
+        log.info("pass %s on %d/%s: %s", row.name, row.graph_index, row.phase, row.reason)
+        if self.on_row is not None:
+            self.on_row(row)
+
+
+def failed_to_run(row: PassReport, error: Exception) -> PassReport:
+    """``row``, if applied, as a rewrite whose graph raised when run and so runs as captured."""
+    if not row.applied:
+        return row
+    reason = (f"applied, but the rewritten graphs failed when run ({describe_error(error)}); "
+              f"they run as captured: {row.reason}")
+    return dataclasses.replace(row, applied=False, reason=reason, predicted_delta_us=None,
+                               predicted_delta_peak_bytes=None)
+
+
+def _rows_not_chosen(candidates: dict, best: tuple) -> list[PassReport]:
+    """A row for every applicable pass outside the chosen subset: what it did on its own (the
+    first subset it ran in), or why it did nothing, so no pass vanishes from the report."""
+    rows = {}
+    for subset, (_, subset_rows) in candidates.items():  # smaller subsets first
+        if subset and subset[-1] not in best and subset[-1] not in rows:
+            row = subset_rows[-1]
+            rows[subset[-1]] = dataclasses.replace(row, applied=False, reason=f"not chosen: {row.reason}") \
+                if row.applied else row
+    return list(rows.values())

@@ -1,0 +1,45 @@
+"""``Analytic(DeviceSpec)``: a roofline, max(FLOPs / peak, bytes / bandwidth), floored at the
+device's smallest kernel, plus a fixed dispatch/launch cost per op. It predicts for any GPU
+from its datasheet."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from fxdream.ir.flops import node_flops, rnn_sequential_steps
+from fxdream.ir.nodes import is_view, node_bytes, node_dtype
+from fxdream.sim.cost.devices import DeviceSpec
+
+
+class Analytic:
+    """Roofline costs from a DeviceSpec; ``dtype_rates`` overrides the rate per dtype (what-ifs)."""
+
+    def __init__(self, device: DeviceSpec):
+        self.device = device
+
+    def kernel_us(self, node: fx.Node) -> float:
+        if is_view(node):
+            return 0.0
+        peak = self.device.peak_flops.get(node_dtype(node)) or self.device.peak_flops["float32"]
+        flops = node_flops(node)
+        seconds = max(flops / peak, node_bytes(node) / self.device.mem_bandwidth)
+        # a recurrence runs its steps in sequence: at least a GEMM and a pointwise kernel each
+        sequential = 2 * rnn_sequential_steps(node) * self.device.kernel_min_us
+        return max(seconds * 1e6, sequential, self.device.kernel_min_us)
+
+    def dispatch_us(self, node: fx.Node) -> float:
+        launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us
+        return self.device.dispatch_overhead_us + launch
+
+    def graph_call_us(self) -> float:
+        # an estimate: guard checks and wrappers cost a few framework dispatches
+        return 4 * self.device.dispatch_overhead_us
+
+    def utilization(self, node: fx.Node) -> float:
+        """Share of the GPU one kernel can fill: output elements over resident threads (≈2048 per SM)."""
+        if self.device.kind == "cpu" or not self.device.num_sms:
+            return 1.0
+        leaves, _ = tree_flatten(node.meta.get("val"))
+        elements = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
+        return min(1.0, max(0.05, elements / (self.device.num_sms * 2048)))

@@ -1,0 +1,92 @@
+"""fxdream.simulate(): capture → (passes) → lower → simulate, for this machine or any DeviceSpec."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxdream.capturing.captured import Captured
+from fxdream.capturing.host_gaps import StepCalls
+from fxdream.sim.cost.model import CostModel
+from fxdream.sim.cost.profiled import Profiled
+from fxdream.sim.cost.devices import DeviceSpec
+from fxdream.sim.lower import OptimizerModel, lower, lower_captured
+from fxdream.sim.simulate import Contention, Timeline, simulate as simulate_graph
+from fxdream.sim.taskgraph import TaskGraph
+from fxdream.sim.cost.devices import DEVICES
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A simulated iteration (predicted, never measured): timeline, task graph and device."""
+    device: DeviceSpec
+    training: bool
+    task_graph: TaskGraph
+    timeline: Timeline
+    static_bytes: int
+    passes: tuple = ()  # PassReport rows when predicted with passes (simulate(..., passes=...))
+    notes: tuple = ()   # e.g. the measured host time outside the graphs it includes
+
+    @property
+    def time_ms(self) -> float:
+        return self.timeline.makespan_us / 1e3
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.timeline.peak_memory_bytes
+
+    def top_layers(self, n: int = 10) -> tuple[tuple[str, float], ...]:
+        ranked = sorted(self.timeline.per_layer_us.items(), key=lambda kv: -kv[1])
+        return tuple(ranked[:n])
+
+    def summary(self, top: int = 10) -> str:
+        mode = "training step" if self.training else "inference"
+        lines = [f"predicted {mode} on {self.device.name}: {self.time_ms:.3f} ms per iteration, "
+                 f"peak memory {self.peak_memory_bytes / 2**20:.1f} MiB "
+                 f"({len(self.task_graph)} tasks)"]
+        busy = ", ".join(f"{r} {self.timeline.utilization(r) * 100:.0f} %" for r in sorted(self.timeline.busy_us))
+        lines.append(f"busy: {busy}")
+        lines.append(f"top layers ({'GPU' if self.device.kind == 'cuda' else 'CPU'} time):")
+        total = sum(self.timeline.per_layer_us.values()) or 1.0
+        for layer, us in self.top_layers(top):
+            lines.append(f"  {layer or '(model)':<40} {us / 1e3:9.3f} ms  {100 * us / total:5.1f} %")
+        lines += [f"note: {n}" for n in self.notes]
+        if self.passes:
+            lines.append("passes:")
+            lines += [f"  {r.name} [{r.graph_index}/{r.phase}] {'applied' if r.applied else 'not applied'}: {r.reason}"
+                      for r in self.passes]
+        return "\n".join(lines)
+
+
+def this_machine_device(device: torch.device | str = "cpu") -> str:
+    """The DeviceSpec name for where a module runs: "cpu", or the table's name of this GPU."""
+    if torch.device(device).type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(torch.device(device)).lower()
+    for key in DEVICES:
+        if key != "cpu" and key in name:
+            return key
+    raise ValueError(f"no DeviceSpec for this GPU ({name}); valid: {', '.join(DEVICES)}")
+
+
+def graph_prediction(gm, cost: CostModel, phase: str = "fw", contention: bool = True) -> tuple[float, int]:
+    """(predicted µs, predicted peak bytes) of one graph on its own."""
+    lowered = lower([(f"g.{phase}", gm)], cost)
+    timeline = simulate_graph(lowered.graph, Contention() if contention else None,
+                              initial_memory_bytes=lowered.static_bytes)
+    return timeline.makespan_us, timeline.peak_memory_bytes
+
+
+def predict(captured: Captured | tuple, cost: CostModel, training: bool,
+            optimizer: OptimizerModel | None = None, graphs: dict | None = None,
+            contention: bool = True, step: StepCalls | None = None) -> Prediction:
+    """Lower and simulate already-captured graphs (``graphs`` replaces some by (index, phase));
+    ``step``: the graph calls and host time of a measured step (``fxdream.host_gaps``)."""
+    if isinstance(cost, Profiled):
+        cost.profile_in_context(captured, graphs=graphs)
+    lowered = lower_captured(captured, cost, optimizer if training else None, graphs, step)
+    timeline = simulate_graph(lowered.graph, Contention() if contention else None,
+                              initial_memory_bytes=lowered.static_bytes)
+    return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes)
+
+
