@@ -80,30 +80,40 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
         log.info("building %s (%s, %s, passes: %s) ...", type(model).__name__, "training" if training else "inference",
                  target, "auto" if auto else ", ".join(p.name for p in selected) or "none")
         module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
-        module._build_seconds = time.perf_counter() - started
+        build_seconds = time.perf_counter() - started
         if switched:
-            module._session.notes.insert(0, f"{switched}; it stays in that mode")
-        if module._fallback_reason is None and module._pipeline.base_context.cost_model is not None:
-            module._extras.update(_whole_model_prediction(module, model, inputs, training))
-        if verify:
-            module._extras["verified_max_abs_diff"] = diff = max_abs_diff(model, module, inputs, training)
-            if beyond_rounding(diff, model, inputs):
-                module._extras["verified_beyond_rounding"] = True
-                module._session.notes.extend(_why_outputs_differ(model, training) if diff != math.inf else [
-                    "an output's shape, or the number of outputs, differs from eager's: a pass changed what the "
-                    "graph returns (run with passes=() to tell which)"])
-        if measure:
-            module._extras.update(_measure_against_capture(model, module, inputs, training, target))
-        if eager_check and module._fallback_reason is None:
-            module._extras.update(_check_against_eager(model, module, inputs, training,
-                                                       module._extras.get("predicted_baseline_ms")))
+            module._note(f"{switched}; it stays in that mode", first=True)
+        _check_built(module, model, inputs, training, target, verify, measure, eager_check)
         log.info("built %s in %.1f s (%s)%s", type(model).__name__, time.perf_counter() - started, module._capture,
                  f"; runs eagerly: {module._fallback_reason}" if module._fallback_reason else "")
-    save_profile(module._pipeline.base_context.cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
-    module._rebuild = functools.partial(optimize, example_inputs=inputs, passes=passes, training=training,
-                                        device=device, strict=strict, cost=cost, memory_budget=memory_budget,
-                                        verify=verify, measure=measure, eager_check=eager_check)
+    save_profile(module._cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
+    module._finish(build_seconds, functools.partial(
+        optimize, example_inputs=inputs, passes=passes, training=training, device=device, strict=strict, cost=cost,
+        memory_budget=memory_budget, verify=verify, measure=measure, eager_check=eager_check))
     return module
+
+
+def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, target: torch.device,
+                 verify: bool, measure: bool, eager_check: bool) -> None:
+    """What the build checks on the module it made: the whole-model prediction (with a cost
+    model), ``verify`` against eager, ``measure`` against the capture without passes, and the
+    eager check (which may send the module to run eagerly)."""
+    if module._fallback_reason is None and module._cost_model is not None:
+        module._record(**_whole_model_prediction(module, model, inputs, training))
+    if verify:
+        diff = max_abs_diff(model, module, inputs, training)
+        module._record(verified_max_abs_diff=diff)
+        if beyond_rounding(diff, model, inputs):
+            module._record(verified_beyond_rounding=True)
+            for note in _why_outputs_differ(model, training) if diff != math.inf else [
+                    "an output's shape, or the number of outputs, differs from eager's: a pass changed what the "
+                    "graph returns (run with passes=() to tell which)"]:
+                module._note(note)
+    if measure:
+        module._record(**_measure_against_capture(model, module, inputs, training, target))
+    if eager_check and module._fallback_reason is None:
+        module._record(**_check_against_eager(model, module, inputs, training,
+                                              module._extras.get("predicted_baseline_ms")))
 
 
 def _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget) -> OptimizedModule:
@@ -116,10 +126,9 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
     session = CaptureSession(model, transform=pipeline if selected else None)
     breaks_before = graph_break_counts()
     runner, how = compile_model(model, inputs, session, training)
-    module = OptimizedModule(model, runner, session, pipeline, training, target, strict)
-    module._capture = how
+    failure = None
     try:
-        run_once(module._runner, model, inputs, training)
+        run_once(runner, model, inputs, training)
     except Exception as error:
         if strict:
             raise CaptureError(f"strict=True: capture of {type(model).__name__} failed: "
@@ -131,12 +140,14 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
                 without._pipeline.rows[:] = [failed_to_run(r, error) for r in pipeline.rows]
                 return without
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
-        module._fall_back(f"the model's capture ({how}) failed: {describe_error(error)}")
-    module._graph_breaks = new_graph_breaks(breaks_before)
-    if module._fallback_reason is None and not session.captured():  # second and last chances
-        retried = capture_after_nothing(model, inputs, session, training, module._graph_breaks)
+        failure = f"the model's capture ({how}) failed: {describe_error(error)}"
+    graph_breaks = new_graph_breaks(breaks_before)
+    if failure is None and not session.captured():  # second and last chances
+        retried = capture_after_nothing(model, inputs, session, training, graph_breaks)
         if retried is not None:
-            module.__dict__["_runner"], module._capture, module._graph_breaks = retried
+            runner, how, graph_breaks = retried
+    module = OptimizedModule(model, runner, session, pipeline, training, target, strict, capture=how,
+                             graph_breaks=graph_breaks, fallback_reason=failure)
     if session.records:  # the build's compilation counts
         module._count_compilation(call_kind(inputs, {}, training, training), session.records)
     if module._fallback_reason is None and not session.captured():
@@ -174,7 +185,7 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
 
     With costs measured here, a training step or a model with graph breaks also gets the host
     time outside its graphs (eager code between subgraphs, autograd), measured on a few steps."""
-    cost = module._pipeline.base_context.cost_model
+    cost = module._cost_model
     step, notes = None, ()
     if isinstance(cost, Profiled) and worth_measuring(training, len(module.captured)):
         step = measure_model_gaps(module, model, inputs, training, module._session.clock)
@@ -200,9 +211,9 @@ def _check_against_eager(model, module: OptimizedModule, inputs, training: bool,
 
     Not even one eager call where the captured graphs' ops, timed in context, predict a call of
     more than twice the limit (``predicted_ms``): ResNet-50's two eager calls cost ~0.13 s."""
-    measured_costs = isinstance(module._pipeline.base_context.cost_model, Profiled)
+    measured_costs = isinstance(module._cost_model, Profiled)
     if measured_costs and predicted_ms is not None and predicted_ms > 2 * EAGER_CHECK_MAX_CALL_MS:
-        module._session.notes.append(
+        module._note(
             f"not timed against eager: the captured graphs' ops alone take {predicted_ms:.1f} ms (predicted from "
             f"their times measured here), and the check times calls of ≤ {EAGER_CHECK_MAX_CALL_MS:g} ms")
         return {}
@@ -217,7 +228,7 @@ def _check_against_eager(model, module: OptimizedModule, inputs, training: bool,
                 break
         one_call_ms = min(call_ms)
         if one_call_ms > EAGER_CHECK_MAX_CALL_MS:
-            module._session.notes.append(
+            module._note(
                 f"not timed against eager: an eager call takes {one_call_ms:.1f} ms, and the check times calls of "
                 f"≤ {EAGER_CHECK_MAX_CALL_MS:g} ms (where the graphs' Python overhead can outweigh the passes)")
             return {}

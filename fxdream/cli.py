@@ -283,11 +283,18 @@ def _zoo_names() -> tuple[str, ...]:
     return NAMES
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand each for measuring (demo, ab) and predicting (capture,
+    simulate, whatif, explain)."""
     parser = argparse.ArgumentParser(prog="fxdream", description=__doc__)
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_measuring_commands(sub)
+    _add_predicting_commands(sub)
+    return parser
 
+
+def _add_measuring_commands(sub) -> None:
     demo = sub.add_parser("demo", help="optimize ResNet-50 with passes=\"auto\", show the report, time it against eager")
     demo.add_argument("--model", default="resnet50")
     demo.add_argument("--batch", type=positive_int, default=1)
@@ -296,6 +303,22 @@ def main(argv=None) -> int:
     demo.add_argument("--block", type=positive_int, default=10)
     demo.set_defaults(run=cmd_demo)
 
+    abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
+    abp.add_argument("model", help=MODEL_HELP.format(", ".join(_zoo_names())))
+    abp.add_argument("--pass", dest="passes", required=True, help="pass name(s), comma-separated")
+    abp.add_argument("--batch", type=batch_sizes, default=(1,), help="comma-separated batch sizes, e.g. 1,8,32")
+    abp.add_argument("--training", action="store_true")
+    abp.add_argument("--device", default="cpu", help="cpu or cuda (runs there; predicts for it)")
+    abp.add_argument("--tiny", action="store_true")
+    abp.add_argument("--rounds", type=positive_int, default=5)
+    abp.add_argument("--block", type=positive_int, default=10)
+    abp.add_argument("--json", help="write the rows as JSON here")
+    abp.add_argument("--plot", help="write a PNG of measured vs predicted Δ here")
+    abp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")
+    abp.set_defaults(run=cmd_ab)
+
+
+def _add_predicting_commands(sub) -> None:
     cap = sub.add_parser("capture", help="capture a zoo model and print its layer summary")
     _model_args(cap)
     cap.add_argument("--top", type=int, default=None)
@@ -320,20 +343,6 @@ def main(argv=None) -> int:
     wif.add_argument("--json", help="write the scenarios as JSON here")
     wif.set_defaults(run=cmd_whatif)
 
-    abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
-    abp.add_argument("model", help=MODEL_HELP.format(", ".join(_zoo_names())))
-    abp.add_argument("--pass", dest="passes", required=True, help="pass name(s), comma-separated")
-    abp.add_argument("--batch", type=batch_sizes, default=(1,), help="comma-separated batch sizes, e.g. 1,8,32")
-    abp.add_argument("--training", action="store_true")
-    abp.add_argument("--device", default="cpu", help="cpu or cuda (runs there; predicts for it)")
-    abp.add_argument("--tiny", action="store_true")
-    abp.add_argument("--rounds", type=positive_int, default=5)
-    abp.add_argument("--block", type=positive_int, default=10)
-    abp.add_argument("--json", help="write the rows as JSON here")
-    abp.add_argument("--plot", help="write a PNG of measured vs predicted Δ here")
-    abp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")
-    abp.set_defaults(run=cmd_ab)
-
     exp = sub.add_parser("explain", help="predicted breakdown and what each pass would do, before vs after")
     _model_args(exp)
     exp.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
@@ -343,6 +352,9 @@ def main(argv=None) -> int:
     exp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")
     exp.set_defaults(run=cmd_explain)
 
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _check_output_paths(args)

@@ -31,10 +31,16 @@ def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
 
 
 class OptimizedModule(torch.nn.Module):
-    """The model, run through its captured (and rewritten) graphs. ``.report`` says how."""
+    """The model, run through its captured (and rewritten) graphs. ``.report`` says how.
+
+    Built by ``fxdream.optimize``: the constructor takes what the capture found (``capture``: the
+    path that took the model; ``graph_breaks``; ``fallback_reason``: why it runs eagerly, or
+    None), and the build adds what it checks afterwards through ``_note``, ``_record`` and
+    ``_finish``, the only methods that change a built module's state besides its own calls."""
 
     def __init__(self, model: torch.nn.Module, runner: Callable, session: CaptureSession,
-                 pipeline: PassPipeline, training: bool, device: torch.device, strict: bool):
+                 pipeline: PassPipeline, training: bool, device: torch.device, strict: bool,
+                 capture: str = "dynamo", graph_breaks: tuple[str, ...] = (), fallback_reason: str | None = None):
         super().__init__()
         self.model = model
         # The compiled runner wraps ``model``; keep it out of the module tree (no duplicate params).
@@ -44,10 +50,11 @@ class OptimizedModule(torch.nn.Module):
         self._inference = not training
         self._device = device
         self._strict = strict
-        self._graph_breaks: tuple[str, ...] = ()
-        self._fallback_reason: str | None = None
+        self._graph_breaks = tuple(graph_breaks)
+        self._fallback_reason = fallback_reason
         self._build_seconds = 0.0
-        self._capture = "dynamo"
+        self._capture = capture
+        self._rebuild: Callable[[torch.nn.Module], "OptimizedModule"] | None = None
         self._extras: dict = {}  # whole-model predictions, verification, measurements
         self._compilations: dict[tuple, int] = {}  # call signature → compilations for it
         self._compiled_codes: dict[tuple, set] = {}  # call signature → functions compiled for it
@@ -99,6 +106,24 @@ class OptimizedModule(torch.nn.Module):
             self._fall_back(f"dynamo compiled calls with the same input shapes {count} times: something its "
                             f"guards check changes on every call (e.g. a Python number the forward updates, "
                             f"such as a call counter), and each compilation runs the passes again")
+
+    @property
+    def _cost_model(self):
+        """The cost model the passes were judged with (None: no predictions)."""
+        return self._pipeline.base_context.cost_model
+
+    def _note(self, text: str, first: bool = False) -> None:
+        """A line for the report's notes (``first``: before the capture's own)."""
+        self._session.notes.insert(0, text) if first else self._session.notes.append(text)
+
+    def _record(self, **results) -> None:
+        """Results of the build's checks (predictions, verification, timings) for the report."""
+        self._extras.update(results)
+
+    def _finish(self, build_seconds: float, rebuild: Callable[[torch.nn.Module], "OptimizedModule"]) -> None:
+        """The build's time, and how to build the same for another model (``copy.deepcopy``)."""
+        self._build_seconds = build_seconds
+        self._rebuild = rebuild
 
     def _call(self, fn: Callable, args, kwargs):
         if self._inference:

@@ -71,10 +71,6 @@ class Lowered:
     static_bytes: int  # parameters and inputs alive before the iteration starts
 
 
-def _is_multi_output(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (tuple, list))
-
-
 class _Buffers:
     """Tracks which allocation each value lives in, across fw and bw graphs, for liveness."""
 
@@ -155,37 +151,56 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
           optimizer: OptimizerModel | None = None, host_gaps: Mapping[str, float] | None = None) -> Lowered:
     """``graphs`` are (label, GraphModule) in execution order, e.g. [("g0.fw", fw), ("g0.bw", bw)].
 
-    ``host_gaps``: µs of host work outside the graphs, measured (``fxdream.host_gaps``), by the
-    label of the graph it precedes or ``END``: one host task each, before that graph's call."""
+    ``host_gaps``: µs of host work outside the graphs, measured (``fxdream.capturing.host_gaps``), by
+    the label of the graph it precedes or ``END``: one host task each, before that graph's call."""
     gaps = dict(host_gaps or {})
-    on_gpu = cost.device.kind != "cpu"
-    tg = TaskGraph()
-    buffers = _Buffers()
-    kernel_of: dict[str, str] = {}   # value name → kernel task that produced it (GPU)
-    allocs: dict[str, int] = {}
-    static = 0
+    lowering = _Lowering(cost)
     for graph_index, (label, gm) in enumerate(graphs):
+        lowering.graph(graph_index, label, gm, gaps.pop(label, 0.0))
+    tg = lowering.tg
+    _append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw")
+    if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
+        # backwards run in reverse subgraph order; the optimizer's gradients are in subgraph order
+        _lower_optimizer(tg, [gm for label, gm in reversed(graphs) if label.endswith("bw")], cost, optimizer,
+                         lowering.on_gpu)
+    return Lowered(_with_memory(tg, lowering.allocs, lowering.buffers.frees()), lowering.static)
+
+
+class _Lowering:
+    """One lowering's state: the task graph so far, the buffers, the kernel task that made each
+    value (GPU: consumers on other streams wait for it), the bytes each task allocates, and the
+    static bytes (inputs, a pass's constants, CUDA-graph pools) alive before the iteration."""
+
+    def __init__(self, cost: CostModel):
+        self.cost, self.on_gpu = cost, cost.device.kind != "cpu"
+        self.tg, self.buffers = TaskGraph(), _Buffers()
+        self.kernel_of: dict[str, str] = {}
+        self.allocs: dict[str, int] = {}
+        self.static = 0
+
+    def graph(self, graph_index: int, label: str, gm: fx.GraphModule, gap_us: float) -> None:
+        """Append one graph's tasks: the host gap before it, its call, then node by node."""
         gm = inline_cuda_graph_runners(gm)
-        regions = cuda_graph_regions(gm) if on_gpu else {}
-        static += sum(r.pool_bytes for r in regions.values())
+        regions = cuda_graph_regions(gm) if self.on_gpu else {}
+        self.static += sum(r.pool_bytes for r in regions.values())
         launched: dict[object, str] = {}  # region id → its graph-launch task
         current = None                    # the region being lowered (regions are contiguous)
-        buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
-        _append_host_gap(tg, label, gaps.pop(label, 0.0), phase)
-        call_us = cost.graph_call_us() if hasattr(cost, "graph_call_us") else 0.0
+        self.buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
+        _append_host_gap(self.tg, label, gap_us, phase)
+        call_us = self.cost.graph_call_us() if hasattr(self.cost, "graph_call_us") else 0.0
         if call_us:
-            tg.append(Task(f"{label}:call", TaskKind.CPU, call_us, "cpu:0", op="graph_call", phase=phase))
+            self.tg.append(Task(f"{label}:call", TaskKind.CPU, call_us, "cpu:0", op="graph_call", phase=phase))
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 if phase == "fw":
-                    static += tensor_bytes(node.meta.get("val"))
-                buffers.define(node)
+                    self.static += tensor_bytes(node.meta.get("val"))
+                self.buffers.define(node)
                 continue
             if node.op == "output":
-                buffers.output(node, graph_index)
+                self.buffers.output(node, graph_index)
                 continue
             if node.op == "get_attr" and phase == "fw":  # a pass's constant (packed, folded weights):
-                static += tensor_bytes(node.meta.get("val"))  # alive beside the model's own
+                self.static += tensor_bytes(node.meta.get("val"))  # alive beside the model's own
             if node.op != "call_function":
                 continue
             name = f"{label}:{node.name}"
@@ -193,47 +208,50 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
             region = node.meta.get(CUDA_GRAPH_REGION) if regions else None
             if region is None and current is not None and not is_view(node):
                 current = None  # a kernel outside the region ends it (a view does not)
-            if region is not None:
-                if region not in launched:
-                    launched[region] = _lower_graph_launch(tg, label, phase, regions[region], cost, kernel_of,
-                                                           buffers)
-                elif region != current:
-                    raise ValueError(f"{label}: CUDA-graph region {region!r} is not contiguous in graph order "
-                                     f"(node {node.name} comes after kernels outside it)")
-                current = region
-                work = _lower_region_node(tg, node, name, common, launched[region], cost, kernel_of, buffers)
-                created = buffers.define(node)
-                buffers.pooled.update(created)  # lives in the graph's pool, counted in static
-                buffers.use(node, work, graph_index)
+            if region is None:
+                self._node(node, name, common, graph_index)
                 continue
-            dispatch, kernel = cost.dispatch_us(node), cost.kernel_us(node)
-            if not on_gpu:
-                tg.append(Task(name, TaskKind.CPU, dispatch + kernel, "cpu:0", **common))
-                work = name
-            else:
-                tg.append(Task(name, TaskKind.CPU, dispatch, "cpu:0", **common))
-                work = name
-                if not is_view(node):
-                    stream = int(node.meta.get(STREAM, 0))
-                    work = tg.append(Task(f"{name}:k", TaskKind.GPU, kernel, f"stream:{stream}",
-                                          utilization=cost.utilization(node), **common),
-                                     deps=[(name, DepKind.LAUNCH)])
-                    _wait_for_inputs(tg, node, work, kernel_of, buffers)
-                    if op_name(node) in HOST_SYNC_OPS:
-                        tg.append(Task(f"{name}:sync", TaskKind.SYNC, 0.0, "cpu:0", **common),
-                                  deps=[(work, DepKind.SYNC)])
-            if work != name:  # a kernel: consumers on other streams wait for it
-                kernel_of[buffers.key(node)] = work
-            elif node.all_input_nodes:  # a view: its producer is its base's
-                kernel_of[buffers.key(node)] = kernel_of.get(buffers.key(node.all_input_nodes[0]))
-            created = buffers.define(node)
-            allocs[work] = allocs.get(work, 0) + sum(buffers.size[b] for b in created)
-            buffers.use(node, work, graph_index)
-    _append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw")
-    if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
-        # backwards run in reverse subgraph order; the optimizer's gradients are in subgraph order
-        _lower_optimizer(tg, [gm for label, gm in reversed(graphs) if label.endswith("bw")], cost, optimizer, on_gpu)
-    return Lowered(_with_memory(tg, allocs, buffers.frees()), static)
+            if region not in launched:
+                launched[region] = _lower_graph_launch(self.tg, label, phase, regions[region], self.cost,
+                                                       self.kernel_of, self.buffers)
+            elif region != current:
+                raise ValueError(f"{label}: CUDA-graph region {region!r} is not contiguous in graph order "
+                                 f"(node {node.name} comes after kernels outside it)")
+            current = region
+            work = _lower_region_node(self.tg, node, name, common, launched[region], self.cost, self.kernel_of,
+                                      self.buffers)
+            created = self.buffers.define(node)
+            self.buffers.pooled.update(created)  # lives in the graph's pool, counted in static
+            self.buffers.use(node, work, graph_index)
+
+    def _node(self, node: fx.Node, name: str, common: dict, graph_index: int) -> None:
+        """One op outside a CUDA-graph region: on a CPU one task (dispatch + kernel); on a GPU a
+        dispatch task launching a kernel on the node's stream, waiting for inputs made on other
+        streams, and a sync after an op that makes the host wait."""
+        tg, cost, buffers = self.tg, self.cost, self.buffers
+        dispatch, kernel = cost.dispatch_us(node), cost.kernel_us(node)
+        if not self.on_gpu:
+            tg.append(Task(name, TaskKind.CPU, dispatch + kernel, "cpu:0", **common))
+            work = name
+        else:
+            tg.append(Task(name, TaskKind.CPU, dispatch, "cpu:0", **common))
+            work = name
+            if not is_view(node):
+                stream = int(node.meta.get(STREAM, 0))
+                work = tg.append(Task(f"{name}:k", TaskKind.GPU, kernel, f"stream:{stream}",
+                                      utilization=cost.utilization(node), **common),
+                                 deps=[(name, DepKind.LAUNCH)])
+                _wait_for_inputs(tg, node, work, self.kernel_of, buffers)
+                if op_name(node) in HOST_SYNC_OPS:
+                    tg.append(Task(f"{name}:sync", TaskKind.SYNC, 0.0, "cpu:0", **common),
+                              deps=[(work, DepKind.SYNC)])
+        if work != name:  # a kernel: consumers on other streams wait for it
+            self.kernel_of[buffers.key(node)] = work
+        elif node.all_input_nodes:  # a view: its producer is its base's
+            self.kernel_of[buffers.key(node)] = self.kernel_of.get(buffers.key(node.all_input_nodes[0]))
+        created = buffers.define(node)
+        self.allocs[work] = self.allocs.get(work, 0) + sum(buffers.size[b] for b in created)
+        buffers.use(node, work, graph_index)
 
 
 def _append_host_gap(tg: TaskGraph, before: str, us: float, phase: str) -> None:

@@ -164,21 +164,68 @@ def _run_plain(c: TaskArrays):
     return start, end, rprev, trig, mem, done
 
 
+class _SharedDevice:
+    """Processor sharing of the device by the GPU tasks running at once: each progresses at
+    ``rate`` = 1 while their utilizations sum to at most ``capacity``, else capacity / sum.
+    ``ver[k]`` counts the finish times pushed for task k: an event with an older one is stale."""
+
+    def __init__(self, capacity: float, dur: list, util: list):
+        self.capacity, self.dur, self.util = capacity, dur, util
+        self.ver = [0] * len(dur)
+        self.running: dict[int, float] = {}  # task id -> remaining work (µs at full speed)
+        self.u, self.rate, self.t_adv = 0.0, 1.0, 0.0  # sum of utilization, current rate, last advance
+
+    def start(self, j: int, t: float, events: list) -> None:
+        dt = (t - self.t_adv) * self.rate
+        if dt and self.running:
+            for k in self.running:
+                self.running[k] -= dt
+        self.t_adv = t
+        self.running[j] = self.dur[j]
+        self.u += self.util[j]
+        if not self._rerate(t, events):
+            heappush(events, (t + self.dur[j] / self.rate, j, self.ver[j]))
+
+    def finish(self, i: int, t: float, events: list) -> None:
+        dt = (t - self.t_adv) * self.rate
+        self.t_adv = t
+        del self.running[i]
+        if self.running:
+            self.u -= self.util[i]
+            if dt:
+                for k in self.running:
+                    self.running[k] -= dt
+        else:
+            self.u = 0.0  # no drift across idle periods
+        self._rerate(t, events)
+
+    def _rerate(self, t: float, events: list) -> bool:
+        """The rate for the current utilization; where it changed, every running task's finish
+        time moves (pushed again with a new version): True."""
+        new = 1.0 if self.u <= self.capacity else self.capacity / self.u
+        if new == self.rate:
+            return False
+        self.rate = new
+        for k, rem in self.running.items():
+            self.ver[k] += 1
+            heappush(events, (t + max(rem, 0.0) / new, k, self.ver[k]))
+        return True
+
+
 def _run_shared(c: TaskArrays, capacity: float):
-    """General loop: GPU tasks progress at a shared rate (processor sharing)."""
+    """General loop: GPU tasks progress at a shared rate (``_SharedDevice``)."""
     n, dur, res, succ, alloc, free = len(c.names), c.dur, c.res, c.succ, c.alloc, c.free
-    shared, util = c.gpu, [t.utilization for t in c.tasks]
+    shared = c.gpu
+    device = _SharedDevice(capacity, dur, [t.utilization for t in c.tasks])
+    ver = device.ver
     indeg = list(c.indeg)
     nres = len(c.resources)
     start, end, rprev, trig = [0.0] * n, [0.0] * n, [-1] * n, [-1] * n
-    ver = [0] * n
     ready = [[] for _ in range(nres)]
     idle = [True] * nres
     last = [-1] * nres
     events: list = []                    # (finish time, id, version)
     mem: list = []
-    running: dict[int, float] = {}       # shared task id -> remaining work (µs at full speed)
-    u, rate, t_adv = 0.0, 1.0, 0.0       # sum of utilization, current rate, last advance
     for i in range(n):
         if not indeg[i]:
             ready[res[i]].append(i)
@@ -194,24 +241,10 @@ def _run_shared(c: TaskArrays, capacity: float):
                 last[r] = j
                 if alloc[j]:
                     mem.append((t, alloc[j]))
-                if not shared[j]:
+                if shared[j]:
+                    device.start(j, t, events)
+                else:
                     heappush(events, (t + dur[j], j, 0))
-                    continue
-                dt = (t - t_adv) * rate
-                if dt and running:
-                    for k in running:
-                        running[k] -= dt
-                t_adv = t
-                running[j] = dur[j]
-                u += util[j]
-                new = 1.0 if u <= capacity else capacity / u
-                if new == rate:
-                    heappush(events, (t + dur[j] / rate, j, ver[j]))
-                else:                    # everyone's finish time moves
-                    rate = new
-                    for k, rem in running.items():
-                        ver[k] += 1
-                        heappush(events, (t + max(rem, 0.0) / rate, k, ver[k]))
         while events and events[0][2] != ver[events[0][1]]:
             heappop(events)              # stale finish time of a shared task
         if not events:
@@ -229,22 +262,7 @@ def _run_shared(c: TaskArrays, capacity: float):
             if free[i]:
                 mem.append((t, -free[i]))
             if shared[i]:
-                dt = (t - t_adv) * rate
-                t_adv = t
-                del running[i]
-                if running:
-                    u -= util[i]
-                    if dt:
-                        for k in running:
-                            running[k] -= dt
-                else:
-                    u = 0.0              # no drift across idle periods
-                new = 1.0 if u <= capacity else capacity / u
-                if new != rate:
-                    rate = new
-                    for k, rem in running.items():
-                        ver[k] += 1
-                        heappush(events, (t + max(rem, 0.0) / rate, k, ver[k]))
+                device.finish(i, t, events)
             for s in succ[i]:
                 indeg[s] -= 1
                 if not indeg[s]:

@@ -304,53 +304,14 @@ def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float
     buckets = ddp_buckets(grads, bucket_cap_mb, first_bucket_mb,
                           _ready_times(grads, s.current.timeline, bucket_order))
     overlap = spec.kind != "cpu" if overlap is None else overlap
-    resource = channel if overlap else "cpu:0"
     position = {n: i for i, n in enumerate(tg.names)}
-    g = tg
-    packs: list[str | None] = []
-    for b, bucket in enumerate(buckets):
-        producers = [gr.producer for gr in bucket if gr.producer]
-        if not (copies and producers):
-            packs.append(None)
-            continue
-        last = max(producers, key=position.__getitem__)
-        task = _copy_task(f"ddp:pack:{b}", g.task(last), 2 * sum(gr.nbytes for gr in bucket), spec)
-        nxt = g.next_on_resource(last)
-        g = g.insert(task, after=[last], before=[nxt] if nxt else [])
-        packs.append(task.name)
+    g, packs = _insert_packs(tg, buckets, position, spec) if copies else (tg, [None] * len(buckets))
     g, slowest = _slowest_rank(g, grads, position, step_jitter_ms * 1e3 * expected_max_of_normals(
         cluster.world_size))
-    names, comm_us = [], []
-    for b, bucket in enumerate(buckets):
-        nbytes = sum(gr.nbytes for gr in bucket)
-        us = cluster.allreduce_us(nbytes)
-        kind = TaskKind.COMM if overlap else TaskKind.CPU
-        deps = _comm_deps(bucket) + ([(packs[b], None)] if packs[b] else [])
-        if b == len(buckets) - 1 and slowest:
-            deps.append((slowest, None))
-        if not overlap:  # the collective's own thread: not the compute thread's program order
-            deps = [(d, DepKind.SYNC if g.task(d).kind is TaskKind.GPU else DepKind.THREAD_TO_THREAD)
-                    for d, _ in deps]
-        names.append(g.append(Task(f"ddp:allreduce:{b}", kind, us, resource, op="ddp.allreduce",
-                                   phase="comm"), deps=deps, after_last_on_resource=overlap))
-        comm_us.append(us)
-    update = _first_update(g)
+    names, comm_us = _append_allreduces(g, buckets, packs, slowest, cluster, channel if overlap else None)
     total = sum(gr.nbytes for gr in grads)
-    wait = DepKind.EVENT if overlap else DepKind.THREAD_TO_THREAD
-    if names and copies and not gradient_as_bucket_view:
-        like = g.task(update) if update else g.task(grads[0].producer or names[-1])
-        task = _copy_task("ddp:unpack", like, 2 * total, spec)
-        if update:
-            prev = g.previous_on_resource(update)
-            g = g.insert(task, after=[prev] if prev else [], before=[update])
-        else:
-            last = max((t for t in g.tasks if t.resource == task.resource and t.phase != "comm"),
-                       key=lambda t: position.get(t.name, -1), default=None)
-            g = g.insert(task, after=[last.name] if last else [])
-        update = task.name
-    if update is not None:
-        for n in names:  # the step waits for every allreduce (DDP's finalize_backward)
-            g.add_dep(n, update, DepKind.SYNC if g.task(update).kind is not TaskKind.GPU else wait)
+    g, update = _step_after_allreduces(g, grads, names, position, spec, total, overlap,
+                                       unpack=copies and not gradient_as_bucket_view)
     pred = _prediction(s.current, g, s.contention, static_bytes=s.current.static_bytes + total)
     last_bw_end = max((pred.timeline.end(n) for n in tg.select(phase="bw")), default=0.0)
     exposed = max(0.0, pred.timeline.end(names[-1]) - last_bw_end) if names else 0.0
@@ -367,3 +328,64 @@ def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float
                "ddp.throughput_vs_one": cluster.world_size * s.current.time_ms / pred.time_ms
                if pred.time_ms else float(cluster.world_size)}
     return _finish(s, f"DDP {cluster.describe()}", g, details, prediction=pred)
+
+
+def _insert_packs(g: TaskGraph, buckets, position: dict, spec) -> tuple[TaskGraph, list[str | None]]:
+    """Each bucket's gradients scaled into it: one memory-bound task after its last gradient, on
+    that gradient's resource. Returns the graph and each bucket's pack task (None: no producer)."""
+    packs: list[str | None] = []
+    for b, bucket in enumerate(buckets):
+        producers = [gr.producer for gr in bucket if gr.producer]
+        if not producers:
+            packs.append(None)
+            continue
+        last = max(producers, key=position.__getitem__)
+        task = _copy_task(f"ddp:pack:{b}", g.task(last), 2 * sum(gr.nbytes for gr in bucket), spec)
+        nxt = g.next_on_resource(last)
+        g = g.insert(task, after=[last], before=[nxt] if nxt else [])
+        packs.append(task.name)
+    return g, packs
+
+
+def _append_allreduces(g: TaskGraph, buckets, packs: list, slowest: str | None, cluster: Cluster,
+                       channel: str | None) -> tuple[list[str], list[float]]:
+    """One allreduce per bucket, after its gradients (and pack), the last also after the slowest
+    rank: on ``channel`` in bucket order, or (None) on the host thread, unchained. Returns the
+    tasks' names and their µs."""
+    names, comm_us = [], []
+    for b, bucket in enumerate(buckets):
+        us = cluster.allreduce_us(sum(gr.nbytes for gr in bucket))
+        deps = _comm_deps(bucket) + ([(packs[b], None)] if packs[b] else [])
+        if b == len(buckets) - 1 and slowest:
+            deps.append((slowest, None))
+        if channel is None:  # the collective's own thread: not the compute thread's program order
+            deps = [(d, DepKind.SYNC if g.task(d).kind is TaskKind.GPU else DepKind.THREAD_TO_THREAD)
+                    for d, _ in deps]
+        kind = TaskKind.COMM if channel is not None else TaskKind.CPU
+        names.append(g.append(Task(f"ddp:allreduce:{b}", kind, us, channel or "cpu:0", op="ddp.allreduce",
+                                   phase="comm"), deps=deps, after_last_on_resource=channel is not None))
+        comm_us.append(us)
+    return names, comm_us
+
+
+def _step_after_allreduces(g: TaskGraph, grads, names: list[str], position: dict, spec, total: int,
+                           overlap: bool, unpack: bool) -> tuple[TaskGraph, str | None]:
+    """The optimizer step waits for every allreduce (DDP's finalize_backward), after the copy of
+    the averaged gradients back (``unpack``). Returns the graph and the step's first task."""
+    update = _first_update(g)
+    if names and unpack:
+        like = g.task(update) if update else g.task(grads[0].producer or names[-1])
+        task = _copy_task("ddp:unpack", like, 2 * total, spec)
+        if update:
+            prev = g.previous_on_resource(update)
+            g = g.insert(task, after=[prev] if prev else [], before=[update])
+        else:
+            last = max((t for t in g.tasks if t.resource == task.resource and t.phase != "comm"),
+                       key=lambda t: position.get(t.name, -1), default=None)
+            g = g.insert(task, after=[last.name] if last else [])
+        update = task.name
+    if update is not None:
+        wait = DepKind.EVENT if overlap else DepKind.THREAD_TO_THREAD
+        for n in names:
+            g.add_dep(n, update, DepKind.SYNC if g.task(update).kind is not TaskKind.GPU else wait)
+    return g, update

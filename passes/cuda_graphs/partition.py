@@ -112,7 +112,7 @@ class RunnerOptions:
 
 
 def replace_regions(gm: fx.GraphModule, regions: list[tuple[int, list[str]]], static_names: set[str],
-             options: RunnerOptions, phase: str = "fw") -> fx.GraphModule:
+                    options: RunnerOptions, phase: str = "fw") -> fx.GraphModule:
     """Replace each region (id, node names) of ``gm`` (in place) by a runner call; returns ``gm``.
 
     After the call: one ``clone_outputs`` of the outputs that leave the graph; a view that
@@ -120,17 +120,45 @@ def replace_regions(gm: fx.GraphModule, regions: list[tuple[int, list[str]]], st
     """
     by_name = {n.name: n for n in gm.graph.nodes}
     roots = _alias_roots(gm)
-    graph = gm.graph
     for region_id, names in regions:
         nodes = [by_name[n] for n in names]
-        inside = set(nodes)
-        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
-        replay: dict[fx.Node, tuple[fx.Node, list[fx.Node]]] = {}  # leaving view → (base, chain)
-        for n in nodes:
-            if _is_view_op(n) and _escapes(n, inside):
-                found = _view_chain(n, inside)
-                if found is not None:
-                    replay[n] = found
+        region = _Region.of(region_id, nodes)
+        static = [a.name in static_names or a.op == "get_attr"
+                  or (a in roots and (roots[a].name in static_names or roots[a].op == "get_attr"))
+                  for a in region.inputs]
+        runner = CudaGraphRunner(region.graph_module(), region_id, static, max_shapes=options.max_shapes,
+                                 strict=options.strict, guard_outputs=() if options.clone_outputs else region.escaping,
+                                 label=f"{phase} cuda graph {region_id} ({layer_of(nodes[0])} … {layer_of(nodes[-1])})")
+        target = f"cuda_graph_{region_id}"
+        gm.add_submodule(target, runner)
+        call, static_out, leaving = _insert_call(gm.graph, target, region, options.clone_outputs)
+        _reroute_uses(region, call, static_out, leaving)
+        for n in reversed(nodes):
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+@dataclass(frozen=True)
+class _Region:
+    """One region's interface: the nodes it holds, the values it reads from outside, the values
+    it hands out, which of those leave the graph (cloned after each replay, by position in
+    ``outputs``) and the views that leave, replayed eagerly on their base (view → (base, chain))."""
+    region_id: int
+    nodes: tuple
+    inside: frozenset
+    inputs: tuple
+    outputs: tuple
+    escaping: tuple
+    replay: dict
+
+    @classmethod
+    def of(cls, region_id: int, nodes: list[fx.Node]) -> "_Region":
+        inside = frozenset(nodes)
+        inputs = tuple(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+        replay = {n: found for n in nodes if _is_view_op(n) and _escapes(n, inside)
+                  for found in [_view_chain(n, inside)] if found is not None}
         wanted = set()
         for n in nodes:
             outside = [u for u in n.users if u not in inside]
@@ -142,73 +170,75 @@ def replace_regions(gm: fx.GraphModule, regions: list[tuple[int, list[str]]], st
                     wanted.add(base)
             elif outside:
                 wanted.add(n)
-        outputs = [n for n in nodes if n in wanted]
+        outputs = tuple(n for n in nodes if n in wanted)
         to_clone = {o for o in outputs if o not in replay and _escapes(o, inside)}
         to_clone |= {base for base, _ in replay.values() if base in inside}
-        escaping = [i for i, o in enumerate(outputs) if o in to_clone]
+        escaping = tuple(i for i, o in enumerate(outputs) if o in to_clone)
+        return cls(region_id, tuple(nodes), inside, inputs, outputs, escaping, replay)
 
+    def graph_module(self) -> fx.GraphModule:
+        """The region's nodes as a graph of their own, reading ``inputs``, returning ``outputs``."""
         sub = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
-        for a in inputs:
+        for a in self.inputs:
             env[a] = sub.placeholder(a.name)
             env[a].meta = dict(a.meta)
-        for n in nodes:
+        for n in self.nodes:
             env[n] = sub.node_copy(n, lambda x: env[x])
-        sub.output(tuple(env[o] for o in outputs))
-        region_gm = fx.GraphModule(torch.nn.Module(), sub, class_name=f"CudaGraphRegion{region_id}")
-        static = [a.name in static_names or a.op == "get_attr"
-                  or (a in roots and (roots[a].name in static_names or roots[a].op == "get_attr")) for a in inputs]
-        runner = CudaGraphRunner(region_gm, region_id, static, max_shapes=options.max_shapes,
-                                 strict=options.strict, guard_outputs=() if options.clone_outputs else escaping,
-                                 label=f"{phase} cuda graph {region_id} ({layer_of(nodes[0])} … {layer_of(nodes[-1])})")
-        target = f"cuda_graph_{region_id}"
-        gm.add_submodule(target, runner)
+        sub.output(tuple(env[o] for o in self.outputs))
+        return fx.GraphModule(torch.nn.Module(), sub, class_name=f"CudaGraphRegion{self.region_id}")
 
-        def after(node, make):
-            with graph.inserting_after(node):
-                return make()
 
-        call = after(nodes[-1], lambda: graph.call_module(target, tuple(inputs)))
-        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-        call.meta[LAYER] = nodes[0].meta.get(LAYER, "")
-        last = call
-        static_out: dict[fx.Node, fx.Node] = {}
-        for i, o in enumerate(outputs):
-            last = after(last, lambda i=i: graph.call_function(operator.getitem, (call, i)))
-            last.meta = {k: v for k, v in o.meta.items() if k in ("val", "tensor_meta", LAYER)}
-            static_out[o] = last
-        leaving = dict(static_out)  # what a use that leaves the graph reads
-        if options.clone_outputs and escaping:
-            clone = after(last, lambda: graph.call_function(clone_outputs, tuple(static_out[outputs[i]]
-                                                                                   for i in escaping)))
-            clone.meta["val"] = tuple(outputs[i].meta.get("val") for i in escaping)
-            clone.meta[LAYER] = call.meta[LAYER]
-            last = clone
-            for k, i in enumerate(escaping):
-                last = after(last, lambda k=k: graph.call_function(operator.getitem, (clone, k)))
-                last.meta = dict(static_out[outputs[i]].meta)
-                leaving[outputs[i]] = last
-        for view, (base, chain) in replay.items():
-            current = leaving[base] if base in inside else base
-            for v in chain:
-                parent = v.args[0]
-                made = after(last, lambda v=v, parent=parent, current=current:
-                             graph.node_copy(v, lambda x: current if x is parent else x))
-                made.meta = dict(v.meta)
-                last = current = made
-            leaving[view] = current
-        for n in nodes:
-            for user in list(n.users):
-                if user in inside or user.op == "call_module" and user is call:
-                    continue
-                if user in static_out.values() or user in leaving.values():
-                    continue
-                replacement = leaving[n] if _leaves(user, inside) and n in leaving else static_out.get(n)
-                if replacement is None:
-                    raise AssertionError(f"region {region_id}: {n.name} is used by {user.name} but not an output")
-                user.replace_input_with(n, replacement)
-        for n in reversed(nodes):
-            graph.erase_node(n)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+def _insert_call(graph: fx.Graph, target: str, region: _Region, clone: bool):
+    """After the region's last node: the runner call, a getitem per output, the clone of the
+    escaping ones (``clone``), the leaving views replayed. Returns (call, output → its static
+    getitem, value → what a use that leaves the graph reads)."""
+    def after(node, make):
+        with graph.inserting_after(node):
+            return make()
+
+    nodes, outputs = region.nodes, region.outputs
+    call = after(nodes[-1], lambda: graph.call_module(target, tuple(region.inputs)))
+    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    call.meta[LAYER] = nodes[0].meta.get(LAYER, "")
+    last = call
+    static_out: dict[fx.Node, fx.Node] = {}
+    for i, o in enumerate(outputs):
+        last = after(last, lambda i=i: graph.call_function(operator.getitem, (call, i)))
+        last.meta = {k: v for k, v in o.meta.items() if k in ("val", "tensor_meta", LAYER)}
+        static_out[o] = last
+    leaving = dict(static_out)
+    if clone and region.escaping:
+        cloned = after(last, lambda: graph.call_function(clone_outputs, tuple(static_out[outputs[i]]
+                                                                              for i in region.escaping)))
+        cloned.meta["val"] = tuple(outputs[i].meta.get("val") for i in region.escaping)
+        cloned.meta[LAYER] = call.meta[LAYER]
+        last = cloned
+        for k, i in enumerate(region.escaping):
+            last = after(last, lambda k=k: graph.call_function(operator.getitem, (cloned, k)))
+            last.meta = dict(static_out[outputs[i]].meta)
+            leaving[outputs[i]] = last
+    for view, (base, chain) in region.replay.items():
+        current = leaving[base] if base in region.inside else base
+        for v in chain:
+            parent = v.args[0]
+            made = after(last, lambda v=v, parent=parent, current=current:
+                         graph.node_copy(v, lambda x: current if x is parent else x))
+            made.meta = dict(v.meta)
+            last = current = made
+        leaving[view] = current
+    return call, static_out, leaving
+
+
+def _reroute_uses(region: _Region, call: fx.Node, static_out: dict, leaving: dict) -> None:
+    """Point every use outside the region at what replaces its value: the clone (or replayed
+    view) where the use hands it out of the graph, the static output otherwise."""
+    inserted = set(static_out.values()) | set(leaving.values())
+    for n in region.nodes:
+        for user in list(n.users):
+            if user in region.inside or user is call or user in inserted:
+                continue
+            replacement = leaving[n] if _leaves(user, region.inside) and n in leaving else static_out.get(n)
+            if replacement is None:
+                raise AssertionError(f"region {region.region_id}: {n.name} is used by {user.name} but not an output")
+            user.replace_input_with(n, replacement)
