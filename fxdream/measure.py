@@ -1,11 +1,9 @@
 """Wall-clock timing that holds up on a noisy machine: warm-up, blocks, interleaved, median.
 
-Single calls alternated one by one showed a 7 % bias between two identical models on this
-CPU, so runners are timed in blocks of calls. Blocks in a fixed order were biased too: in A/A
-runs (two identical modules after eager) the block right after eager's measured 2-7 % slower
-(median of 10 runs; training steps more). Each block now starts with an untimed call, and the
-order rotates, each runner first in as many rounds as the others: the same A/A runs measured
-+0.7 % (inference) and -0.6 % (training).
+Runners are timed in blocks of calls: single calls alternated one by one bias the comparison
+even between two identical models. Blocks in a fixed order are biased too (the block right
+after another runner's, eager's above all, runs slow), so each block starts with an untimed
+call, and the order rotates, each runner first in as many rounds as the others.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_leaves
 
 def _leaf_diff(actual, expected) -> float:
     """Max |actual - expected|; inf where the two are not alike (shape, or not both tensors):
-    broadcasting made a 0-d output against eager's (3, 4) read as a small difference."""
+    broadcasting would make a 0-d output against eager's (3, 4) read as a small difference."""
     if not isinstance(expected, torch.Tensor) or actual.shape != expected.shape:
         return math.inf
     return (actual.float() - expected.float()).abs().max().item()

@@ -11,9 +11,8 @@ pass can treat LSTMs as opaque, cuDNN-style kernels. Batch-first layout, no padd
 sequences in the example batch have full length, so no packing or attention mask.
 
 The full config keeps the real size (hidden 1024, 4 + 4 layers, 32k shared vocabulary,
-50 tokens; 160,015,617 parameters, about the reference's 160M). On a 2-core CPU one
-training step at batch 2 takes about 2 s once warm (the first one, 15-20 s): slow but not
-absurd, so nothing was reduced.
+50 tokens; 160,015,617 parameters, about the reference's 160M): a CPU training step at a
+small batch is slow but feasible, so nothing is reduced.
 """
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 Models written before ``F.scaled_dot_product_attention`` (BERT as Hugging Face wrote it, most
 seq2seq code) materialise the [batch, heads, seq, seq] scores, their scaled copy and the
 softmax: three passes over an S² tensor that a fused kernel (flash attention on CPU and
-CUDA) never writes to memory. On this CPU, BERT-base inference at seq 128 took 6-7 % less
-time with SDPA (256 → 238 ms at bs1, 1847 → 1744 ms at bs8, eager, side by side); the gain
-grows with the sequence length, and on a GPU the simulator says how much.
+CUDA) never writes to memory. The gain grows with the sequence length, and the simulator says
+how much for the device at hand.
 
 Matched in inference forward graphs (aot's ATen spelling of ``torch.matmul`` on 4-D tensors:
 expand → clone → _unsafe_view → bmm → view), an optional scale by a positive Python number

@@ -6,15 +6,14 @@ a linear is ``addmm(bias, x, t(w))`` (``mm(x, t(w))`` without bias; a 3-d input 
 2-d around it); with ``w`` a known constant (inference) it becomes ``mkldnn._linear_pointwise(x,
 packed, bias, act)`` with ``packed = mkldnn._reorder_linear_weight(w, rows)`` made at build
 time (oneDNN's blocked layout, the same size as ``w``), or ``mkl._mkl_linear`` with MKL's packed
-buffer, which was 1.2-9x the weight's size here (968x for a 64x32 weight): tried only up to 4x.
-Measured alone on this CPU (2 threads), addmm → oneDNN / MKL packed: 8 rows 4096 → 4096 3666 →
-1684 / 1442 µs, 8 rows 25088 → 4096 (VGG's first classifier layer) 38.4 → 17.8 / 20.9 ms, 128
-rows 768 → 3072 1863 → 1660 / 1554 µs; but 1 row 2048 → 1000 (ResNet's classifier) 154 → 185
-/ 163 µs. So one site of each shape is timed all ways (``Profiled.isolated_us``) and each site
-takes the fastest; under ``passes="auto"`` the pass then declines unless the graph, timed in
-context, is predicted faster than without. Named explicitly (forced), it packs every site by
-its faster kind and applies, saying where that is predicted slower. Without measured costs it
-packs (oneDNN) the sites with more than one row and says so.
+buffer, which can be several times the weight's size (hundreds of times for a small weight):
+tried only up to 4x. Which is fastest depends on the shape: packing wins on large layers, either
+kind may win, and on a one-row classifier addmm can beat both. So one site of each shape is timed
+all ways (``Profiled.isolated_us``) and each site takes the fastest; under ``passes="auto"`` the
+pass then declines unless the graph, timed in context, is predicted faster than without. Named
+explicitly (forced), it packs every site by its faster kind and applies, saying where that is
+predicted slower. Without measured costs it packs (oneDNN) the sites with more than one row and
+says so.
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ VIEWS = (aten.view.default, aten._unsafe_view.default)
 LINEAR = ops.ONEDNN_LINEAR.default if ops.ONEDNN_LINEAR is not None else None
 MKL_LINEAR = ops.MKL_LINEAR.default if ops.MKL_LINEAR is not None else None  # None: a build without MKL
 ONEDNN, MKL = "oneDNN", "MKL"
-MKL_MAX_GROWTH = 4.0  # MKL's packed buffer at most 4x the weight (it was 968x for a 64x32 weight here)
+MKL_MAX_GROWTH = 4.0  # MKL's packed buffer at most 4x the weight (a small weight's can be hundreds of times its size)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Dynamo gives up on a whole function at a graph break it cannot resume after (a data-dependent
 ``if float(x.mean()) > 10`` inside the loop over the blocks), and torch.fx cannot trace such a
-forward either, so the model used to run wholly eagerly. Its blocks usually trace: each module
+forward either, so without this the model would run wholly eagerly. Its blocks usually trace: each module
 the forward calls itself (found by one eager step) is compiled through the capture session,
 and the forward runs as written, eagerly, calling the compiled blocks. The
 model is not changed: the compiled calls are installed in ``_compiled_call_impl`` (what
@@ -66,8 +66,8 @@ class BlockwiseRunner:
 
 class _Call(torch.nn.Module):
     """``block(...)`` as the forward of a module of fxdream's own: dynamo traces the call whole,
-    hooks included (compiling ``block`` itself ran its forward without its hooks; compiling
-    ``block._call_impl``, as ``nn.Module.compile`` does, captured nothing for ``nn.Sequential``:
+    hooks included (compiling ``block`` itself runs its forward without its hooks; compiling
+    ``block._call_impl``, as ``nn.Module.compile`` does, captures nothing for ``nn.Sequential``:
     dynamo skips frames in torch.nn's own files)."""
 
     def __init__(self, block: torch.nn.Module):
@@ -80,8 +80,9 @@ class _Call(torch.nn.Module):
 
 def _own_call(block: torch.nn.Module, index: int) -> _Call:
     """A ``_Call`` whose forward has a code object of its own: dynamo keeps its compiled graphs
-    per code object and does not guard on hooks, so blocks of one class shared the graph of the
-    first one traced, and a forward hook on another block never ran. One graph per block also
+    per code object and does not guard on hooks, so with a shared code object, blocks of one class
+    would share the graph of the first one traced, and a forward hook on another block would never run.
+    One graph per block also
     lets an inference rewrite take each block's weights as constants."""
     code = _Call.forward.__code__
     names = {"co_name": f"block_{index}"} | ({"co_qualname": f"block_{index}"} if hasattr(code, "co_qualname") else {})

@@ -2,8 +2,8 @@
 
 aot_autograd's inference graph for BERT (ours and Hugging Face's) holds an ``aten.clone`` at
 each eval-mode dropout: a copy of a fresh intermediate that nothing else reads. Eager runs no
-such copy; on an H200 the 38 of BERT-base were 38 device-to-device copies per call, and ~38
-host dispatches. Such a clone is replaced by its input when:
+such copy; on a GPU each is a device-to-device copy on every call, and on any device a host
+dispatch. Such a clone is replaced by its input when:
 
 - the input's memory was made new by an ATen op (its schema returns no alias; an item of a
   multi-output op counts), reached back through views each read by one op only;

@@ -15,7 +15,7 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
     limit = _raise_recompile_limit()
     forward = getattr(type(model).forward, "__code__", None)
     if forward is not None and len(_cache_entries(forward)) >= limit:
-        # each optimize() is a new backend: the 65th of one class in a process ran eagerly, silently
+        # each optimize() is a new backend: with the cache full, dynamo would run this one eagerly, silently
         torch._dynamo.eval_frame.remove_from_cache(forward)  # private, isolated
         session.notes.append(f"dynamo's cache for {type(model).__name__}.forward was full ({limit} "
                              f"compilations earlier in this process); cleared it to capture this one")
@@ -26,7 +26,7 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
 def _clear_skip_marks(model: torch.nn.Module) -> None:
     """Dynamo marks a function it gave up on (an RNN in training, a break in a loop), and the
     resume functions after a break, to be skipped for the rest of the process: a later capture
-    of the same class (inference, where it would trace) got less or nothing, silently. Every
+    of the same class (inference, where it would trace) would get less or nothing, silently. Every
     such function from the files of the model's own (not torch's) modules goes back to the
     default, so dynamo tries again."""
     try:  # private, isolated

@@ -5,7 +5,7 @@ subgraphs (dynamo breaks at every ``nn.LSTM`` in training, say), and a subgraph 
 a block that repeats (a layer with a graph break inside, called once per layer) runs several
 times per step; in training, autograd's engine and its gradient accumulation run around the
 backward graphs. The simulator sees the graphs only, each once, so without this a prediction
-misses all of that (GNMT training: -77..-96 %).
+misses all of that: most of the step for a model that breaks often (GNMT in training).
 
 ``SubgraphClock`` time-stamps every call of a compiled graph while a step runs;
 ``measure_host_gaps`` keeps the sequence of calls and the host time before each call and

@@ -39,8 +39,8 @@ def switch_to_build_mode(model: torch.nn.Module, training: bool) -> str | None:
     Only where the model's own flag says otherwise (a model left in train mode for an inference
     build): then every submodule is switched, as ``model.train(training)``. Where it agrees, each
     submodule keeps its flag (BatchNorm frozen in eval while the rest fine-tunes, dropout left on
-    in an eval model for MC dropout): switching them all made those builds compute something
-    else than the model does."""
+    in an eval model for MC dropout): switching them all would make those builds compute
+    something else than the model does."""
     if model.training == training:
         return None
     model.train(training)
@@ -90,8 +90,9 @@ def _changed(buffer: torch.Tensor, version: int | None, saved: torch.Tensor) -> 
 def _refresh_rnn_weights(model: torch.nn.Module) -> None:
     """A capture runs ``nn.RNNBase.forward`` on stand-ins for the parameters (aot_autograd's fake
     ones), which the module keeps in ``_flat_weights`` until a later forward notices and refreshes
-    them: refresh them now. Left stale, the model held fake tensors, and its next forward changed
-    its Python attributes, so a second optimize() of a GRU model lost the torch.fx path."""
+    them: refresh them now. Left stale, the model would hold fake tensors, and its next forward
+    would change its Python attributes, so a second optimize() of a GRU model would lose the
+    torch.fx path."""
     for m in model.modules():
         if isinstance(m, torch.nn.RNNBase) and hasattr(m, "_weights_have_changed") \
                 and m._weights_have_changed():  # private torch API, guarded

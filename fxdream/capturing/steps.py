@@ -23,7 +23,7 @@ def tracing_config(training: bool):
     ``aten.lstm`` stays one op, exact, and in the graph the simulator sees. Training keeps the
     break: autograd's decomposed LSTM gradients differ from the fused kernel's (~1e-3 on GNMT).
     Applied while fxdream builds; a later recompile (new shape) breaks at the RNN as dynamo does
-    by default, still correct (patching every call would cost ~30 µs)."""
+    by default, still correct (patching every call would add host time to every call)."""
     if training or not hasattr(torch._dynamo.config, "allow_rnn"):
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(allow_rnn=True)

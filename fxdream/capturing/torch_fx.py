@@ -1,7 +1,7 @@
 """Inference capture without dynamo, for models torch.fx can trace whole.
 
-Dynamo spends ~2.4 s on ResNet-50 before aot_autograd starts; ``torch.fx.symbolic_trace``
-takes ~0.03 s. A symbolic trace, though, is only right where the model's Python does not
+Dynamo spends seconds on a large model before aot_autograd starts; ``torch.fx.symbolic_trace``
+takes a small fraction of that. A symbolic trace, though, is only right where the model's Python does not
 branch on what a Proxy cannot know (``isinstance(x, Tensor)``, ``x is None``), and it guards
 nothing, and Python side effects in forward run once, at trace time. So the trace is kept
 only when its output on the example equals eager's and forward left the modules' Python
@@ -42,7 +42,7 @@ def _shared_storage(args: tuple) -> tuple:
     return tuple(None if s is None else storages.index(s) for s in storages)
 
 
-autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled",  # private; ~0.2 µs a call
+autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled",  # private; cheap enough for every call
                            lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
 
 
@@ -56,7 +56,7 @@ class TracedRunner:
         # a forward that updates an input in place reads it after the update where another input is
         # the same tensor (``opt(x, x)``); the graph, traced with two tensors, does not
         self._shared = _shared_storage(example) if mutates_inputs else None
-        self._modules = tuple(model.modules())  # walking the tree per call costs ~20 µs
+        self._modules = tuple(model.modules())  # walked once: walking the tree on every call costs host time
         self._modes = self._module_modes()
         self._session = session
         self._fallback: Callable | None = None

@@ -12,5 +12,5 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
 
     Its Python code is generated when first needed (a call, ``.code``), not here: a pass
     rewrites the copy and recompiles it anyway, and a candidate that is only simulated never
-    needs code. On ResNet-50 a build made ~12 copies at ~12 ms of code generation each."""
+    needs code; code generation costs milliseconds per copy, and a build makes many copies."""
     return _LazyGraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)

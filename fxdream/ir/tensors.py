@@ -12,8 +12,8 @@ def real_tensors():
     """Measurements need real tensors and plain dispatch, also inside aot_autograd's compiler
     callbacks: its fake mode is on there, and where it has a shape env (dynamo's captures, and
     some torch.fx ones) so is the Python dispatcher, which sends every op through Python. Under
-    it, an inference GRU (a composite of ~2000 ATen calls) timed in context took 35-70 ms where
-    it runs in ~7 ms, and the graph was predicted 5x slow."""
+    it, an op that is a composite of many ATen calls (an inference GRU) times several times slower
+    than it runs, and its graph is predicted that much too slow."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily  # private; isolated here
     with unset_fake_temporarily(), torch._C._DisablePythonDispatcher():
         yield

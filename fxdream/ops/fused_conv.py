@@ -13,14 +13,13 @@ Two families:
 * ``fxdream::conv_bias_relu`` and ``fxdream::conv_bias_add_relu``: trainable
   (``torch.library.custom_op`` + ``register_fake`` + ``register_autograd``).
 * ``fxdream::conv_fused_inference``: inference only (no autograd), defined with a plain
-  ``torch.library.Library`` because a ``custom_op`` wrapper costs ~13 µs per call on this
-  CPU against ~1.5 µs for a Library op (measured; 53 convs of ResNet-50 make that
-  ~0.6 ms of a ~40 ms call). Its ``.prepacked`` overload takes a weight prepacked once by
-  ``prepack_conv_weight`` (oneDNN's blocked layout at a known input size, as inductor's
-  freezing does), which is why it is also registered for the ``MkldnnCPU`` key.
+  ``torch.library.Library`` because a ``custom_op`` wrapper's Python costs several times a
+  Library op's on every call, and a model calls it once per convolution. Its ``.prepacked``
+  overload takes a weight prepacked once by ``prepack_conv_weight`` (oneDNN's blocked layout at
+  a known input size, as inductor's freezing does), which is why it is also registered for the ``MkldnnCPU`` key.
 
 A prepacked graph then calls oneDNN directly (``onednn_direct.call_onednn_directly``): the wrapper's
-Python costs ~20-30 µs per conv, and a residual add can accumulate in place.
+Python costs host time on every conv call, and a residual add can accumulate in place.
 
 A 1-d conv runs as a 2-d one of height 1 (oneDNN's add post-op is 2-d/3-d, and its 2-d kernels
 are faster); in channels_last there, its activations are "NLC": (N, C, L) with strides (L·C, 1, C).
@@ -110,8 +109,8 @@ def _cpu_conv(x, weight, bias, other, stride, padding, dilation, groups, act):
         return _aten_conv(x, weight, bias, other, stride, padding, dilation, groups, act)
     if x.dim() == 3:
         # a 1-d conv runs as a 2-d one of height 1: oneDNN's add post-op is 2-d/3-d only, and
-        # its 2-d kernels are faster (bs1, 128 channels, length 2048: 1149 µs against 1347 µs
-        # in 1-d; 575 µs channels_last). A prepacked (2-d) weight takes channels_last inputs.
+        # its 2-d kernels are faster than its 1-d ones (in channels_last most of all). A prepacked
+        # (2-d) weight takes channels_last inputs.
         x4 = x.unsqueeze(2)
         if weight.is_mkldnn:
             x4 = x4.contiguous(memory_format=torch.channels_last)

@@ -58,8 +58,8 @@ def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     """While tracing a graph: in inference GRU/RNN layers (and a CPU LSTM with projections),
     RNN cells, upsampling, circular padding and 1-d max pooling become one node each (and SDPA
     on a GPU one ``attention_inference``); in training upsampling only. Given the graph about to
-    be traced, only if it may call one: the mode's Python hook on every torch call made
-    ResNet-50's capture ~9 % slower (0.93 vs 0.85 s, medians of 4, interleaved)."""
+    be traced, only if it may call one: the mode's Python hook on every torch call would slow
+    the capture of a graph that calls none."""
     training = torch.is_grad_enabled()
     if gm is not None and not may_call_whole_ops(gm, training):
         return contextlib.nullcontext()
@@ -101,7 +101,7 @@ def _is_torch_callable(target) -> bool:
 @contextlib.contextmanager
 def outside_keep_ops_whole():
     """For aot's compiler callbacks (passes, in-context profiling): without the mode, whose
-    Python hook on every torch call (~10-40 µs here) the profile would count as op time."""
+    Python hook on every torch call the profile would count as op time."""
     if isinstance(torch.overrides._get_current_function_mode(), _KeepOpsWhole):  # private, isolated
         with torch.overrides._pop_mode_temporarily():
             yield

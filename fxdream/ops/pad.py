@@ -3,8 +3,8 @@ in inference graphs.
 
 Eager pads circularly in one C++ call that copies the input's edges into a new tensor. aot_autograd
 functionalizes those copies into slices and ``slice_scatter`` ops (25 ATen ops for a 2-d pad),
-each scatter a copy of the whole output: 11x eager's time here (4x64x64x64, pad 2: 0.17 → 1.9 ms),
-and a 3x3 conv with circular padding ran 1.6x slower captured than eager. ``pad_inference``
+each scatter a copy of the whole output: many times eager's time, enough to make a conv with
+circular padding slower captured than eager. ``pad_inference``
 calls the same function at run time (values bit-identical), one node for the cost model.
 Inference only, as ``upsample_op``; the other padding modes are one ATen op already.
 """

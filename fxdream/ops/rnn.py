@@ -3,7 +3,7 @@
 aot_autograd traces ``torch._VF.gru`` (what ``nn.GRU.forward`` calls) through its
 CompositeImplicit definition: on CPU, where there is no fused kernel, that is a handful of
 ATen ops per time step and layer (a 32-step bidirectional GRU: ~1500 nodes), and running
-them from Python took 3.5x eager's C++ loop (measured here, batch 8). ``nn.LSTM`` does not
+them from Python takes several times as long as eager's C++ loop. ``nn.LSTM`` does not
 need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to cuDNN's; except
 with projections (``proj_size``) on a CPU, which oneDNN does not take: ``lstm_inference``.
 
@@ -40,7 +40,7 @@ for _key in ("CPU", "CUDA"):
 def _(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first):
     # output: the input's shape with features = directions × hidden, and eager's strides: the
     # kernels run time-major, so a batch_first output is a (batch, time) view of a (time, batch)
-    # tensor (claimed contiguous, a later view of it traced fine and failed on the real one)
+    # tensor (claimed contiguous, a later view of it would trace fine and fail on the real one)
     features = (2 if bidirectional else 1) * hx.shape[-1]
     if batch_first:
         output = input.new_empty((input.shape[1], input.shape[0], features)).transpose(0, 1)
@@ -53,7 +53,7 @@ rnn_inference = torch.ops.fxdream.rnn_inference.default
 
 # An LSTM with projections (``proj_size``): oneDNN's fused layer does not take them, so on a CPU
 # eager runs ATen's C++ loop, which a trace unrolls into ops per time step (256 wide, 50 steps:
-# 1218 nodes, 1.7x eager's time). Without projections the capture keeps oneDNN's layer.
+# 1218 nodes), slower than eager's loop. Without projections the capture keeps oneDNN's layer.
 _LIB.define("lstm_inference(Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
             "bool bidirectional, bool batch_first) -> (Tensor, Tensor, Tensor)")
 

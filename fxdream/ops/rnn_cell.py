@@ -1,10 +1,10 @@
 """RNN cells (``nn.GRUCell``, ``nn.LSTMCell``, ``nn.RNNCell``) as one op in inference graphs.
 
 A cell is one C++ call in eager (``torch._VF.gru_cell`` ...) that runs ~10-20 ATen ops inside;
-aot_autograd traces those ops into the graph, where each runs from Python: a 256-wide cell at
-batch 16 took 1.3x (GRU) and 1.6x (LSTM) eager's time here, and a decoder that steps a cell in a
-loop pays that every step. ``rnn_cell_inference`` calls the same ``torch._VF`` function at run
-time (values bit-identical to eager), one node for the cost model. Inference only, as ``rnn_op``.
+aot_autograd traces those ops into the graph, where each runs from Python, slower than eager's
+one call, and a decoder that steps a cell in a loop pays that every step. ``rnn_cell_inference``
+calls the same ``torch._VF`` function at run time (values bit-identical to eager), one node for
+the cost model. Inference only, as ``rnn_op``.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """``F.scaled_dot_product_attention`` as one op in inference graphs on a GPU.
 
 aot_autograd traces SDPA through its CompositeImplicit definition and, under fake tensors,
-picks the backend then: for Hugging Face's BertModel (fp16, an H200) it picked the math
-path, which upcasts to fp32 (4 copies and two fp32 GEMMs per layer), and the captured model
-ran 2.5x slower than eager at batch 128, where eager ran cuDNN's fused attention.
+picks the backend then, not as eager picks it at run time: for Hugging Face's BertModel in
+fp16 on a GPU it picks the math path, which upcasts to fp32 (4 copies and two fp32 GEMMs per
+layer), where eager runs cuDNN's fused attention.
 ``attention_inference`` is an opaque op that calls the same function at run time, so the
 backend is chosen as eager chooses it. Inference only (no autograd formula); a CPU capture
 keeps its fused ``_scaled_dot_product_flash_attention_for_cpu`` and needs none of this.
@@ -21,11 +21,9 @@ _LIB.define("attention_inference(Tensor query, Tensor key, Tensor value, Tensor?
             "bool is_causal, float? scale) -> Tensor")
 
 
-# Captured into a CUDA graph, cuDNN's attention kept a pointer to host memory that was gone by
-# a later replay (pytorch/pytorch #169849: an illegal memory access, inside torch.compile's
-# own CUDA graphs too). One H200 run here ended with that error where Hugging Face's BERT ran
-# through this op's CUDA graph beside reduce-overhead's; not seen again, as no GPU time was
-# left to look. While a stream captures, this op leaves cuDNN's backend out.
+# Captured into a CUDA graph, cuDNN's attention can keep a pointer to host memory that is gone
+# by a later replay (pytorch/pytorch #169849: an illegal memory access, inside torch.compile's
+# own CUDA graphs too). While a stream captures, this op leaves cuDNN's backend out.
 _CAPTURE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

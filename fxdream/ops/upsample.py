@@ -3,15 +3,14 @@
 aot_autograd traces ``torch._C._nn.upsample_bilinear2d`` and its kin through the Python
 decompositions torch registers for them (index arithmetic, ``_unsafe_index`` gathers and
 lerps: ~35 ATen ops for one bilinear upsample, ~150 for a bicubic one), which only a code
-generator such as inductor can fuse back. Run op by op they were 5-15x slower than eager's
-one kernel here (64 channels, 64x64 → 128x128: bilinear 0.82 → 12.7 ms, nearest 0.35 →
-1.8 ms; a 3-d trilinear 34 → 504 ms), enough to make a U-Net's capture slower than eager.
+generator such as inductor can fuse back. Run op by op they are several times slower than
+eager's one kernel, enough to make a U-Net's capture slower than eager.
 
 ``upsample`` is an opaque op that calls the same ``torch._C._nn`` function at run
 time (values bit-identical to eager) and that the cost model times as one node. Its gradient
 is the ATen backward kernel eager's autograd runs (``upsample_bilinear2d_backward`` ...), so a
-training capture keeps it whole too: a U-Net's captured training step (bs4, 128x128) had run
-1.6x eager's time (284 vs 177 ms) with the decomposition's forward and backward.
+training capture keeps it whole too: with the decomposition's forward and backward, a U-Net's
+captured training step is slower than eager's.
 """
 from __future__ import annotations
 

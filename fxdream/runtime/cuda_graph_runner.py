@@ -69,8 +69,8 @@ _PAUSED = [0]
 def capture_paused():
     """Regions run their graphs as they are, neither captured nor replayed, nor counted as
     fallbacks: while fxdream times a rewritten graph in context or runs it for its outputs.
-    That runs on copies of the buffers, so a capture there held the copies' addresses, and
-    the first real call re-recorded every region (each GPU build on an H200 did)."""
+    That runs on copies of the buffers, so a capture there would hold the copies' addresses, and
+    the first real call would re-record every region."""
     _PAUSED[0] += 1
     try:
         yield
@@ -380,8 +380,8 @@ def _repair_rng_after_failed_capture(device: torch.device) -> None:
 
     torch 2.11 marks the default CUDA generator "capturing" at capture_begin and clears the
     mark only at a successful capture_end, so after a failed capture every random op on the
-    device raised "Offset increment outside graph capture encountered unexpectedly" (seen
-    on an H200: dropout, randn, an RNN's init). An empty capture runs capture_begin and
+    device raises "Offset increment outside graph capture encountered unexpectedly" (dropout,
+    randn, an RNN's init). An empty capture runs capture_begin and
     capture_end once more on the same generator state, which clears the mark, also for
     graphs captured before that share the state. The RNG stream does not move."""
     if device is None or device.type != "cuda":

@@ -2,11 +2,8 @@
 
 FX writes ``torch.ops.aten.addmm.default(x, w, b)``, and ``OpOverload.__call__`` is one line
 of Python forwarding to ``OpOverload._op``, the C++ entry of the dispatcher: calling ``_op``
-is the same call without that frame. Built with ``passes="auto"`` on this 2-core CPU (medians of
-11 interleaved blocks, 2026-11-26), the module ran 0.90-0.91x the time of one without it on a
-tiny BERT at batch 1 (0.51 vs 0.56 ms; eager 0.61), 0.89x on MNIST bs1, 0.92x on a tiny GNMT,
-1.00x on ResNet-18 bs1 (20.5 ms): on small models a graph's Python cost decides whether it
-beats eager.
+is the same call without that frame. On small models a graph's Python cost decides whether it
+beats eager, and that frame is a share of it; on large ones it is lost in the kernels' time.
 
 Registered as the graph's code transformer (``fx.Graph.on_generate_code``), it goes with every
 copy of the graph (candidates, timed copies), so what is timed is what runs. ``gm.code`` shows
@@ -26,8 +23,8 @@ _DIRECT: dict[str, bool] = {}  # qualified name → whether it names a plain OpO
 
 def call_ops_directly(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     """``gm``, its code generated from now on calling plain ``OpOverload``s through ``_op``
-    (now too with ``recompile``: generating ResNet-50's forward again took ~16 ms; without it,
-    its copies get the direct calls, ``gm`` keeps its code until recompiled). A graph that
+    (at once with ``recompile``, which costs one more code generation; without it, its copies
+    get the direct calls, ``gm`` keeps its code until recompiled). A graph that
     already has a code transformer (its author's) is left as it is."""
     current = getattr(gm.graph._codegen, "_body_transformer", None)
     if current is None:

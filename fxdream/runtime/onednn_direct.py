@@ -1,6 +1,6 @@
 """Prepacked graphs call oneDNN directly, as inductor's freezing emits them.
 
-``conv_fused_inference.prepacked`` is a Python wrapper (~20-30 µs per call on this CPU);
+``conv_fused_inference.prepacked`` is a Python wrapper, whose Python costs host time on every call;
 ``call_onednn_directly`` replaces it by the oneDNN op it calls, and accumulates a residual
 add in place where nobody reads the residual later (one allocation and one pass over the
 output fewer)."""
@@ -66,9 +66,9 @@ def _aliases(node, other) -> bool:
 
 def call_onednn_directly(gm) -> int:
     """Replace ``conv_fused_inference.prepacked`` nodes by the oneDNN ops they call, as
-    inductor's freezing emits them: no Python between the graph and oneDNN (~20-30 µs per
-    call on this CPU), and a residual add accumulated in place into a residual nobody reads
-    later (one allocation and one pass over the output fewer). Returns how many were replaced.
+    inductor's freezing emits them: no Python between the graph and oneDNN, and a residual
+    add accumulated in place into a residual nobody reads later (one allocation and one pass
+    over the output fewer). Returns how many were replaced.
 
     Each call is first tried on real tensors of its arguments' shapes and strides: oneDNN
     rejects some layouts ("could not create a memory" on torch 2.11 for a channels_last
@@ -102,10 +102,9 @@ def _runs_on_real_tensors(gm, target, args) -> bool:
     process for each distinct call (a deep net repeats its blocks' convs).
 
     At full size: the trial also builds the oneDNN primitive the graph's call will use, so the
-    graph's first timed run in context is not a cold one. Trials on tensors cut to a 2x2 output
-    saved no build time on ResNet-50 at bs1 (the full-size trials take ~40 ms there; 0.3 s of
-    7.4 at bs8), and those builds predicted the prepacked graph 2.7-5.5 ms (6-13 %) slower than
-    the builds before, three each, alternating."""
+    graph's first timed run in context is not a cold one. Trials on tensors cut to a small output
+    would save little build time, and the cold first run would predict the prepacked graph too
+    slow."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     layouts = trial_layouts(gm, args)
     key = (target, *(_signature(a) for a in layouts))

@@ -61,7 +61,7 @@ class TaskArrays:
     @classmethod
     def of(cls, g: nx.DiGraph) -> "TaskArrays":
         a = cls()
-        nodes = g._node  # networkx internals: its views cost ~1 µs per access
+        nodes = g._node  # networkx internals: its views cost a call per access
         a.names = list(nodes)
         a.idx = idx = dict(zip(a.names, range(len(a.names))))
         a.tasks = [d["task"] for d in nodes.values()]

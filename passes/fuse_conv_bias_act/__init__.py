@@ -6,14 +6,14 @@ match, at ATen level, ``convolution(+bias) → [add residual] → relu`` and, in
 with frozen weights, ``convolution → batch_norm → [add] → [relu]`` with the batch norm
 folded into the conv's weight and bias (w' = w·γ/√(σ²+ε), b' = β + (b − μ)·γ/√(σ²+ε)).
 
-Fusion is not always faster (oneDNN in NCHW 0.91–1.06x, cuDNN's fused call 17x slower
-on some 7x7 channels_last convs, pytorch#68506), so the pass builds every variant the
-device allows (CPU inference: NCHW, channels_last + weights prepacked once; CUDA: NCHW,
-channels_last) and keeps the fastest by ``ctx.predict_us`` (the pipeline's measured cost model);
+Fusion is not always faster (oneDNN's fused conv in NCHW can be slower than the unfused ops,
+cuDNN's fused call 17x slower on some 7x7 channels_last convs, pytorch#68506), so the pass
+builds every variant the device allows (CPU inference: NCHW, channels_last + weights prepacked
+once; CUDA: NCHW, channels_last) and keeps the fastest by ``ctx.predict_us`` (the pipeline's measured cost model);
 every variant's predicted time goes in the notes. When none is predicted faster than the graph
 as it is, the pass declines under ``passes="auto"``; named explicitly (forced), it applies the
 fastest variant and says it is predicted slower, so an A/B run can check that prediction too
-(it used to decline there as well, and a predicted loss was never measured). Without a cost
+(declining there too, a predicted loss would never be measured). Without a cost
 model it takes channels_last + prepacked on CPU and NCHW on CUDA and says so. Training graphs
 get the trainable ops (``fxdream::conv_bias_relu``, ``fxdream::conv_bias_add_relu``) in NCHW:
 the forward returns exactly the values the already-built backward graph expects.
@@ -182,7 +182,7 @@ class _Builder:
         layout before any view (views depend on strides) and at the outputs; a 1-d conv's input
         is converted inside the op, and its (N, L, C) output back before any op but a pointwise
         one or another fused conv: (N, L, C) is no memory format ATen knows, and CPU kernels
-        such as GroupNorm's reject it (Wav2Vec2's feature encoder raised)."""
+        such as GroupNorm's reject it (in Wav2Vec2's feature encoder, say)."""
         converted: dict[tuple[str, object], fx.Node] = {}
         for node in list(self.graph.nodes):
             if node.op in ("placeholder", "get_attr"):
@@ -242,7 +242,7 @@ class _Builder:
 
 
 def _variants(ctx: PassContext, sites: list[Site]) -> tuple[Variant, ...]:
-    """By the target device (a GPU spec planned from this CPU gets the GPU variants). On CPU,
+    """By the target device (a GPU spec planned on a CPU machine gets the GPU variants). On CPU,
     prepacked is channels_last minus the per-call weight reorders (a weight that cannot be
     packed stays channels_last in it): timing both only lets noise pick the worse. On CPU
     every fused conv can be packed (a 1-d one runs as 2-d over height 1); channels_last on
@@ -257,16 +257,15 @@ def _variants(ctx: PassContext, sites: list[Site]) -> tuple[Variant, ...]:
 
 
 # A variant whose floor is this much over the best variant timed before it is not built: the
-# floor is already optimistic (ResNet-50 bs1: floor 57.6 ms, timed 70.0 ms, prepacked 46.4 ms).
+# floor is already optimistic (a variant's timed cost is above it), so a small margin suffices.
 FLOOR_MARGIN = 1.1
 
 
 def _floor_us(ctx: PassContext, variant: Variant, sites: list[Site], base_us: float) -> float | None:
     """The least a CPU variant in the graph's own layout can take: the unfused graph minus the
     ops fusion removes (BN, add, activation), as a fused oneDNN conv in NCHW runs no faster than
-    aten's conv (ResNet-50 bs1: the NCHW variant 70.0 ms, the unfused graph 62.6 ms, 53.2 of it
-    in convs). None where no floor is known (channels_last variants, GPUs, no per-op costs).
-    Building and timing ResNet-50's NCHW variant took ~0.25 s of a ~2 s first build at bs1."""
+    aten's conv. None where no floor is known (channels_last variants, GPUs, no per-op costs).
+    Building and timing a variant that cannot win is a large share of a first build."""
     cost = ctx.cost_model
     if variant.channels_last or ctx.device != "cpu" or cost is None:
         return None

@@ -94,9 +94,9 @@ def _foldable_bn(conv: fx.Node, ctx: PassContext, notes: list) -> fx.Node | None
 
 
 # oneDNN's unary post-ops beyond ReLU (MobileNet's hardswish, EfficientNet's SiLU): CPU inference
-# only (the trainable ops' backward is ReLU's); measured here on a 3x3 depthwise conv at bs1,
-# conv+SiLU fused 434 µs against 1689 µs for the conv, then SiLU; hardtanh is ReLU6 (MobileNetV2),
-# with its bounds. The ops and names are fxdream.ops.UNARY's, the fused op's post-ops.
+# only (the trainable ops' backward is ReLU's); fused, conv + activation can run several times
+# faster than the conv, then the activation; hardtanh is ReLU6 (MobileNetV2), with its bounds.
+# The ops and names are fxdream.ops.UNARY's, the fused op's post-ops.
 INFERENCE_ACTS = {op: name for name, op in ops.UNARY.items() if op is not RELU}
 
 

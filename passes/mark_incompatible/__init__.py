@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 from fxdream.ir.nodes import ROOT_LAYER_LABEL, op_name, schema_arguments
 from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, register_pass
 
-from fxdream.passes.mark_incompatible.registry import _COMPATIBLE, _registered, cuda_graph_compatible, cuda_graph_incompatible, forget_cuda_graph_op  # (public here too)
+from fxdream.passes.mark_incompatible.registry import _COMPATIBLE, _registered, cuda_graph_compatible, cuda_graph_incompatible, forget_cuda_graph_op  # noqa: F401  (public here too)
 from fxdream.ir.nodes import is_view
 from fxdream.ir.aliasing import aliases_input
 

@@ -3,7 +3,7 @@
 GPU figures are dense (no 2:4 sparsity) peaks from NVIDIA's public datasheets; ``float32`` is
 the non-tensor-core FP32 rate, ``tf32``/``float16``/``bfloat16`` the tensor-core rates; memory
 sizes take the datasheet's "GB" as GiB (HBM stacks are binary sizes).  The overhead fields are
-on no datasheet.  Measured once on an H100 SXM machine (PyTorch 2.11, CUDA 13): a 1-element
+on no datasheet; they come from an H100 SXM machine (PyTorch 2.11, CUDA 13), where a 1-element
 ``torch.add`` costs 1.5 µs of CPU on CPU tensors (dispatch) and 6.6 µs on CUDA tensors, so
 launching costs ~5 µs more; a tiny kernel replayed in a CUDA graph takes 1.2 µs of GPU time.
 Hopper entries use these; V100/A100 use the same host costs and a longer floor (estimates).
@@ -90,8 +90,7 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
     About ``seconds`` in total (split between the three), cached for the process unless
     ``refresh``.  Best-of-N timings: the peak is what the roofline needs.  The host's spec in
     ``DEVICES`` calls it when one of its numbers is first read (analytic costs, what-ifs);
-    0.1 s gave the same peaks as 0.3 s within a few % here (one copy bandwidth of six was 15 %
-    low)."""
+    the default is short because a longer calibration gives the same peaks within a few %."""
     if "cpu" in _CPU_CACHE and not refresh:
         return _CPU_CACHE["cpu"]
     import torch
@@ -136,7 +135,7 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
 class _CalibratedOnUse(DeviceSpec):
     """This host's spec, calibrated (``calibrate_cpu``) the first time one of its measured
     numbers is read. With measured costs no CPU build reads them (every op is timed), so a
-    first build does not spend the calibration's ~0.14 s; analytic costs and what-ifs do."""
+    first build does not spend the calibration's time; analytic costs and what-ifs do."""
 
     def __new__(cls, *args, **kwargs):
         if args or kwargs:  # dataclasses.replace(spec, ...): a plain spec, with the numbers

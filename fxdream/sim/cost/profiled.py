@@ -31,9 +31,9 @@ from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.model import CostModel
 
 
-# In-context profiling of one graph: no new round past this, after MIN_ROUNDS. At 1.0 s a
-# ResNet-50 bs1 graph (30-45 ms a run) got 5 rounds; with 3, its first build took 2.0 → 1.7 s
-# (warm process) and the prediction was no further off (3 builds each, interleaved).
+# In-context profiling of one graph: no new round past this (seconds), after MIN_ROUNDS, so a
+# graph whose run takes more than PROFILE_BUDGET_S / MIN_ROUNDS stops at MIN_ROUNDS: more rounds
+# cost build time without a better prediction.
 PROFILE_BUDGET_S = 0.1
 FEW_NEW_OPS = 4     # worth_timing_in_context: at most this many distinct new ops, ...
 MIN_SHARE = 0.01    # ... under this share of the graph's time, are not timed in context
@@ -149,9 +149,8 @@ class Profiled:
 
     def measure_overheads(self) -> None:
         """Measure the per-call and per-op host overheads now, outside any capture: measured in
-        the middle of one (aot_autograd's compiler callback, where they were first needed), the
-        cost of calling a compiled graph read 26.6 µs instead of 7.3 µs in an MNIST training
-        build, whose step (two graphs, 0.8 ms) was then predicted 26-38 % slow, 16-25 % after."""
+        the middle of one (aot_autograd's compiler callback), the cost of calling a compiled graph
+        reads several times too high, and a small model's step is predicted that much too slow."""
         self.graph_call_us()
         self.view_us()
         self.call_overhead_us()
@@ -225,13 +224,10 @@ class Profiled:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
         Past ``MIN_ROUNDS`` timed rounds, no new round starts once they took ``budget_s``: a
-        graph that runs for more than ~30 ms (ResNet-50 at batch 1) stops at 3 rounds, not 5.
-        No warm-up run: the first call builds a new variant's oneDNN primitives, but rounds timed
-        one by one (ResNet-50 bs1 and bs8: the unfused graph and both fused variants) were
+        graph that runs for more than ~30 ms stops at 3 rounds, not 5.
+        No warm-up run: the first call builds a new variant's oneDNN primitives, but rounds are
         level from the second run on, and the median of ≥ 3 rounds outvotes the one slow
-        round (a warm-up run cost ResNet-50's first build ~0.25 s at bs1). Three warm-ups
-        made a ResNet-50 bs8 build 3.4 s longer (medians of 4: 15.6 vs 12.2 s) and predicted
-        no closer (median optimized 465 vs 420 ms; measured 396-400 ms).
+        round; a warm-up run costs a whole run of build time per graph and predicts no closer.
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were.
         ``give_up_above_us``: no third round where both first ones took longer (``time_graph``).
@@ -266,8 +262,7 @@ class Profiled:
 
         Not when they are a few ops (≤ ``FEW_NEW_OPS``) and, timed alone, under ``MIN_SHARE``
         of the graph: their micro-benchmarks stand in, and the error that allows is under that
-        share. ResNet-50 bs1's classifier packed by prepack_linear (85 µs of a ~45 ms graph)
-        cost three timed runs of the graph, ~0.18 s of its first build."""
+        share, where timing them in context costs several runs of the whole graph."""
         keys = compute_keys(gm, self.torch_device.type)
         new = {key for key in keys if key not in self.samples}
         if len(new) > FEW_NEW_OPS:

@@ -3,8 +3,8 @@
 A GPU op costs the host a dispatch and a launch, and the device a kernel; which of the two
 bounds a run depends on the model and the batch (that is the question a CUDA graph answers).
 Timing a loop of calls with a synchronize at the end measures the larger of the two, and a
-synchronize around each op adds the launch latency to both: ResNet-50 at batch 1 (fp16, an
-H200) was predicted at 5.6 ms that way, 32 µs an op, where it ran in 3.7 ms, host-bound.
+synchronize around each op adds the launch latency to both, so every kernel reads long and a
+host-bound model looks device-bound.
 
 So the GPU is first held busy by a sleep kernel (``torch.cuda._sleep``, private, used here
 only) long enough for the host to queue all the calls; CUDA events around the calls then see
@@ -67,9 +67,7 @@ def event_gap_us(device: torch.device | None = None) -> float:
 def graph_kernel_saving_us(device: torch.device | None = None, kernels: int = 64) -> float:
     """Device time per kernel that replaying kernels from a CUDA graph saves over launching them
     one by one, both queued behind a hold (so the host is out of it): the GPU starts a graph's
-    next kernel sooner. Measured once per device on ``kernels`` one-element adds. On an H200,
-    kernels timed one by one predicted CUDA-graph replays of ResNet-50 and BERT at batch 1
-    ~1.3-1.5 µs a kernel slower than they ran (not yet checked against this measurement)."""
+    next kernel sooner. Measured once per device on ``kernels`` one-element adds."""
     def measure():
         x = torch.zeros(1, device=torch.cuda.current_device())
 

@@ -36,9 +36,8 @@ def _time_calls(fn, rounds: int = 5, target_block_us: float = 2000.0, cuda: bool
     return statistics.median(samples)
 
 
-# Timing loops of the per-call overheads every build measures once: 5 blocks of ~1 ms. With
-# 7 blocks of ~2 ms they took 87-96 ms of a ResNet-50 build and read the same within their
-# run-to-run noise (per-op 0.32-0.37 µs, graph call 8.3-10.6 µs, view 2.4-2.5 µs; 3 runs each).
+# Timing loops of the per-call overheads every build measures once: 5 blocks of ~1 ms. More
+# or longer blocks cost build time and read the same within their run-to-run noise.
 OVERHEAD_ROUNDS, OVERHEAD_BLOCK_US = 5, 1000.0
 
 _CALL_OVERHEAD_US: list[float] = []

@@ -26,12 +26,12 @@ HOST = "host|"  # prefix of the keys of host (dispatch + launch) times, on a GPU
 
 MIN_ROUNDS = 3  # past these timed rounds, no new round starts once the budget is spent
 # ... except for a long graph: two rounds that took this long in all are enough (the faster is
-# kept). VGG-19 at bs8 (2 s a run) spent 24 s of a 33 s build in 12 timed runs; each of its ops
-# is milliseconds long, and a cold first round (oneDNN primitives built) is ~1 % of such a run.
+# kept). Such a graph's ops are milliseconds long, so a cold first round (oneDNN primitives
+# built) is a small share of a run, and every further round costs seconds of build time.
 LONG_ROUNDS_S = 2.0
 # ... and for any graph whose two rounds took AGREED_ROUNDS_S in all and agree within AGREED:
-# a third could move their median by no more than they differ. ResNet-50 bs1's unfused graph
-# (its ops warm from the eager check) ran 34.8 and 34.3 ms; its third run cost ~70 ms of the build.
+# a third could move their median by no more than they differ, and would cost a whole run of
+# build time.
 AGREED, AGREED_ROUNDS_S = 0.02, 0.05
 
 _STAMPS: list[tuple[int, float]] = []  # (op index, seconds) from the timed graph running now
@@ -107,10 +107,10 @@ def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, li
     profile keys of the ops it times (by index). Cached per graph while its nodes are unchanged
     (the cache holds no reference to ``gm``: keys, not nodes).
 
-    Timed through an fx.Interpreter, small ops came out far slower than inside the graph: on
-    MNIST bs1 its ops summed to 462 µs where one run of the graph took 258 µs (the Interpreter's
-    Python between ops, fetching arguments and its environment, where generated code has none).
-    Read in generated code, the same ops summed to 250 µs; on ResNet-18 both agree within 1 %."""
+    Generated code, not an fx.Interpreter: timed through an Interpreter, small ops come out far
+    slower than inside the graph (the Interpreter's Python between ops, fetching arguments and its
+    environment, where generated code has none); read in generated code, they sum to about one run
+    of the graph."""
     cached = _TIMED.get(gm)
     version = (graph_fingerprint(gm), device_type)
     if cached is not None and cached[0] == version:
@@ -140,17 +140,15 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     """Add each profile key's in-context time per round to ``samples``; return the output values
     by node name. No third round where both timed ones took more than ``give_up_above_us`` in
     all: a candidate clearly slower than another needs no median, but one run can be cold (a
-    new oneDNN primitive per conv: 1 ms on a 0.1 ms graph) or caught in a noise spike (giving
-    up on the second run alone made ResNet-50 bs1 pick its NCHW variant in an A/B). Nor where
+    new oneDNN primitive per conv, far longer than a small graph's run) or caught in a noise
+    spike, so giving up on the second run alone can pick the wrong candidate. Nor where
     the two agree (``AGREED``). Of two timed rounds (these, or a long graph's) only the faster
-    is kept: the median of two is their mean (a tiny conv net's fused variant, timed on its
-    cold first run alone, was predicted 0.27x; with three runs, 0.82x).
+    is kept: the median of two is their mean, which one cold run would skew.
 
     A key's sample for one round is the mean over its instances in the graph, so that the key's
     cost times its count is what those instances took. Instances of one op and shape need not
-    cost the same in context: in a MobileNet-like net, one of three 1x1 convs of one shape ran
-    ~480 µs slower than the others, run after run; the median of their pooled times (the cost
-    before) was the fast ones', and the graph was predicted 10-25 % faster than it ran.
+    cost the same in context (one can run slower than the others, run after run): the median of
+    their pooled times would be the fast ones', and the graph predicted faster than it runs.
     A graph that raises gives None, or with ``raise_errors`` the error."""
     outputs, taken = None, []
     cuda = device.type == "cuda"
@@ -207,7 +205,7 @@ def _agreed(taken: list, seconds: float) -> bool:
 def owned_copies(inputs, gm: fx.GraphModule | None = None) -> list:
     """Copies of the tensors ``gm`` may update in place (BatchNorm's running statistics in
     training; without ``gm``, every one but the parameters), so that timed runs leave the
-    model's alone. Only those: cloning ResNet-50's 106 BN buffers took 20 ms per timed graph."""
+    model's alone. Only those: cloning every buffer of a model costs time on every timed graph."""
     written = written_inputs(gm) if gm is not None else None
     with real_tensors():
         return [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
@@ -229,10 +227,10 @@ _KEYS: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDicti
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> tuple:
-    """What the caches here key a graph on: its nodes' names, targets and arguments (0.5 ms on
-    ResNet-50's 552 nodes). Not ``gm.code``: a pass's candidate copy generates its code only
-    when run (``copy_graph_module``), and asking for it cost ~12 ms per candidate that only
-    needed its profile keys. Holds no nodes nor targets (a cache must not keep a graph alive)."""
+    """What the caches here key a graph on: its nodes' names, targets and arguments (cheap next
+    to code generation). Not ``gm.code``: a pass's candidate copy generates its code only when
+    run (``copy_graph_module``), and asking for it would generate the code of every candidate
+    that only needs its profile keys. Holds no nodes nor targets (a cache must not keep a graph alive)."""
     return tuple((n.name, n.op, id(n.target), repr(n.args), repr(n.kwargs)) for n in gm.graph.nodes)
 
 

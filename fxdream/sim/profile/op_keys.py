@@ -21,7 +21,7 @@ HOST_SYNC_OPS = frozenset({"aten._local_scalar_dense", "aten.item", "aten.nonzer
 def profile_key(node: fx.Node, device: str) -> str:
     """op + tensor shapes/dtypes/strides + other arguments + device: one measurement each.
     (The string ``tree_flatten`` of ``arg_values`` gives, built without pytree: a build makes
-    thousands, 41 µs each that way on ResNet-50's graph.)"""
+    thousands, and pytree is slow for that.)"""
     parts: list[str] = []
     _describe_into(node.args, parts)
     if node.kwargs:

@@ -1,6 +1,6 @@
 """Measured costs kept for the rest of the process, and on disk with ``FXDREAM_PROFILE_DIR``.
 
-A build spends most of its time timing graphs in context (ResNet-50 bs1 here: ~3 of ~5.5 s).
+A build spends most of its time timing graphs in context.
 A rebuild (after a weight change, for an A/B baseline, at a batch size seen before, in a new
 process with the directory set) meets the same op+shape keys, so it reuses their times
 instead of running the graphs again. Times depend on the device, the torch build and the
