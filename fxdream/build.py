@@ -183,7 +183,7 @@ def _why_outputs_differ(model, training: bool) -> list[str]:
 def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bool) -> dict:
     """Predicted iteration time with and without the passes, and where the time goes.
 
-    With costs measured here, a training step or a model with graph breaks also gets the host
+    With costs measured on this machine, a training step or a model with graph breaks also gets the host
     time outside its graphs (eager code between subgraphs, autograd), measured on a few steps."""
     cost = module._cost_model
     step, notes = None, ()
@@ -210,7 +210,8 @@ def _check_against_eager(model, module: OptimizedModule, inputs, training: bool,
     """Time the module against eager (short calls only); run eagerly where eager is faster.
 
     Not even one eager call where the captured graphs' ops, timed in context, predict a call of
-    more than twice the limit (``predicted_ms``): ResNet-50's two eager calls cost ~0.13 s."""
+    more than twice the limit (``predicted_ms``): a large model's eager calls would cost the
+    build more than the check can tell."""
     measured_costs = isinstance(module._cost_model, Profiled)
     if measured_costs and predicted_ms is not None and predicted_ms > 2 * EAGER_CHECK_MAX_CALL_MS:
         module._note(
@@ -224,7 +225,7 @@ def _check_against_eager(model, module: OptimizedModule, inputs, training: bool,
             started = time.perf_counter()
             eager()
             call_ms.append((time.perf_counter() - started) * 1e3)
-            if call_ms[0] > 5 * EAGER_CHECK_MAX_CALL_MS:  # ResNet-50 bs8: a second call was ~0.5 s more
+            if call_ms[0] > 5 * EAGER_CHECK_MAX_CALL_MS:  # far over the limit: a second call tells nothing
                 break
         one_call_ms = min(call_ms)
         if one_call_ms > EAGER_CHECK_MAX_CALL_MS:

@@ -369,7 +369,7 @@ def main(argv=None) -> int:
 @contextlib.contextmanager
 def _progress_on_stderr(enabled: bool):
     """The "fxdream" logger's INFO lines (a build's start, each pass's decision, its end) on
-    stderr while a command runs: a VGG-19 bs8 build took ~36 s here, silent otherwise."""
+    stderr while a command runs: a large model's build takes tens of seconds, silent otherwise."""
     log = logging.getLogger("fxdream")
     if not enabled or log.isEnabledFor(logging.INFO):  # the user's own logging config stands
         yield

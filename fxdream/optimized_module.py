@@ -19,9 +19,8 @@ def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
     """What makes two calls alike for dynamo with static shapes: how the arguments are passed
     (positional or by keyword), tensors' shapes, strides, dtypes and devices, other values as
     they are (their types, where they cannot be hashed), grad mode, the train/eval flag and
-    whether autocast is on. (Without the strides and the keywords, a call with a channels_last
-    input and one by keyword were counted as recompiling calls alike, and a module running fine
-    went eager.)"""
+    whether autocast is on. Strides and keywords count: dynamo compiles a channels_last call, or
+    one by keyword, apart from a plain one, and those are new kinds of call, not recompiles."""
     def leaf(x):
         if isinstance(x, torch.Tensor):
             return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
@@ -93,8 +92,8 @@ class OptimizedModule(torch.nn.Module):
     def _count_compilation(self, key: tuple, records: list) -> None:
         """Run eagerly once dynamo has compiled calls of one kind (``key``: ``call_kind``)
         ``RECOMPILE_LIMIT`` times: a guard on something that changes every call (a counter the
-        forward increments) recompiled on every call, ~130 ms each with the passes, up to dynamo's
-        limit (64 here). A call that compiled only functions not compiled for its kind before (the
+        forward increments) recompiles on every call, each time running the passes again, up to
+        dynamo's recompile limit. A call that compiled only functions not compiled for its kind before (the
         code after a data-dependent branch, compiled when a call first takes it) is not counted."""
         codes = self._compiled_codes.setdefault(key, set())
         again = any(r.code in codes for r in records)

@@ -29,8 +29,8 @@ from fxdream.ir.graphs import copy_graph_module
 log = logging.getLogger("fxdream")
 MAX_EXHAUSTIVE = 5  # up to 2**5 subsets are simulated; beyond that, greedy
 # A candidate's first two timed runs both this much over the best prediction for its graph so
-# far: no third run. Not one run: the first can be cold (NCHW-fused ResNet-50 bs1: +24 % over the
-# next runs), and either can be a noise spike on this VM (see ``in_context.time_graph``).
+# far: no third run. Not one run: a graph's first run can be cold (a quarter slower than the next
+# ones), and either run can be a noise spike (see ``in_context.time_graph``).
 GIVE_UP_SLOWER_THAN = 1.25
 
 
@@ -66,7 +66,7 @@ class PassPipeline:
     def predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
         """(µs, peak bytes) of one graph, memoized per graph object and per its nodes: a pass that
         keeps a copy of its input to compare against (prepack_linear, fuse_attention) asks for a
-        graph predicted already (~25 ms each on ResNet-50)."""
+        graph predicted already (lowering and simulating a large graph costs the build tens of ms)."""
         cost = self.base_context.cost_model
         if cost is None:
             return None
@@ -117,8 +117,8 @@ class PassPipeline:
         """A rewrite's new ops are timed in context too, so before and after compare alike
         (unless they are a tiny share of the graph: ``Profiled.worth_timing_in_context``).
         A candidate whose first two timed runs are both ``GIVE_UP_SLOWER_THAN`` times the best
-        prediction so far for its graph is not run a third time: ResNet-50's NCHW variant (1.6x
-        the prepacked one at bs1) took a third run of the graph to lose by as much.
+        prediction so far for its graph is not run a third time: a variant that slow cannot win,
+        and a third run would only confirm it.
 
         A candidate that raises on the inputs the graph before it ran on raises ``RewriteFailed``:
         its rewrite is broken (a 1-d conv's output left in a layout GroupNorm's CPU kernel rejects
