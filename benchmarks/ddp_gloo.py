@@ -37,8 +37,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-
-from machine_load import cpu_ticks, cpu_busy_pct, foreign_cpu_seconds, wait_until_quiet
+from machine_load import cpu_busy_pct, cpu_ticks, foreign_cpu_seconds, wait_until_quiet
 
 MiB = 2 ** 20
 
@@ -136,8 +135,8 @@ def _sample_host_gaps(module, inputs, samples: list) -> None:
 
 def _predict_local(captured, cost, step_samples: list):
     from fxdream.capturing.host_gaps import StepCalls
-    from fxdream.sim.prediction import predict
     from fxdream.sim.lower import SGD
+    from fxdream.sim.prediction import predict
     return predict(captured, cost, True, SGD, step=StepCalls.median(step_samples) if step_samples else None)
 
 

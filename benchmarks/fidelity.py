@@ -25,11 +25,11 @@ import torch
 import fxdream
 from fxdream import models
 from fxdream.ab import interleaved_profiler
-from fxdream.capturing.model_state import preserved_state
+from fxdream.build import cost_model_for
 from fxdream.capturing.host_gaps import StepCalls, measure_host_gaps, worth_measuring
+from fxdream.capturing.model_state import preserved_state
 from fxdream.measure import time_interleaved
 from fxdream.sim.prediction import predict
-from fxdream.build import cost_model_for
 
 
 def _step(module, inputs, loss_fn, training):

@@ -43,12 +43,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fxdream  # noqa: E402
-from fxdream import models  # noqa: E402
-from fxdream.runtime.cuda_graph_runner import cuda_graph_memory_bytes, describe_runners  # noqa: E402
-from fxdream.measure import time_interleaved  # noqa: E402
 from gpu_overhead import runner_overhead  # noqa: E402
 from isolated import run_isolated  # noqa: E402
+
+import fxdream  # noqa: E402
+from fxdream import models  # noqa: E402
+from fxdream.measure import time_interleaved  # noqa: E402
+from fxdream.runtime.cuda_graph_runner import cuda_graph_memory_bytes, describe_runners  # noqa: E402
 
 RUNNERS = ("eager", "capture", "cuda_graphs", "fuse+cuda_graphs", "reduce_overhead")
 MODELS = ("resnet50", "bert_base", "tv_resnet50", "hf_bert")

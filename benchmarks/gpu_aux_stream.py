@@ -33,15 +33,15 @@ import torch
 
 import fxdream
 from fxdream import models
-from fxdream.runtime import streams
+from fxdream.ir.graphs import copy_graph_module
 from fxdream.measure import time_interleaved
 from fxdream.pass_api import PassContext
-from fxdream.ir.graphs import copy_graph_module
 from fxdream.passes.aux_stream_backward import AuxStreamBackward
-from fxdream.sim.prediction import predict, this_machine_device
+from fxdream.runtime import streams
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import get_device
 from fxdream.sim.cost.occupancy import EVENT_HOST_US, STREAM_SWITCH_HOST_US, OccupancyAware
+from fxdream.sim.prediction import predict, this_machine_device
 
 PASS = "aux_stream_backward"
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -20,9 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_ab import build_model  # noqa: E402
+
 import fxdream  # noqa: E402
 from fxdream.measure import time_interleaved  # noqa: E402
-from gpu_ab import build_model  # noqa: E402
 
 
 def kernel_census(fn, inputs, top: int = 8) -> None:

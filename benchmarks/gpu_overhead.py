@@ -37,6 +37,7 @@ def _per_call_us(fn, x, calls: int, rounds: int) -> float:
 def runner_overhead(log=print, calls: int = 2000, rounds: int = 5) -> dict:
     """µs per call of a 3-op graph on a 1-element tensor: the kernels take a few µs, the rest is host."""
     from torch.fx.experimental.proxy_tensor import make_fx
+
     from fxdream.passes.cuda_graphs import CudaGraphs
     x = torch.zeros(1, device="cuda")
     tiny = _Tiny().cuda()

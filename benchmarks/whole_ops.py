@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fxdream  # noqa: E402
-from fxdream.ops import keep_whole  # noqa: E402
 from fxdream.measure import time_interleaved  # noqa: E402
+from fxdream.ops import keep_whole  # noqa: E402
 
 
 def cases() -> dict:

@@ -1,16 +1,16 @@
 """fxdream: capture a model as FX graphs, rewrite them with passes, predict and measure each pass."""
 from fxdream.ab import ABResult, ABRow, ab
-from fxdream.capturing.captured import Captured, CaptureError
+from fxdream.build import optimize
 from fxdream.capturing.capture_model import capture
+from fxdream.capturing.captured import Captured, CaptureError
+from fxdream.optimized_module import OptimizedModule
 from fxdream.pass_api import Pass, PassContext, PassResult, register_pass
 from fxdream.pass_registry import available_passes
-from fxdream.optimized_module import OptimizedModule
-from fxdream.build import optimize
-from fxdream.sim.prediction import Prediction
-from fxdream.simulation import simulate
-from fxdream.report import GraphReport, PassReport, Report
-from fxdream.sim.profile.store import forget_profiles
 from fxdream.passes.mark_incompatible.registry import cuda_graph_compatible, cuda_graph_incompatible
+from fxdream.report import GraphReport, PassReport, Report
+from fxdream.sim.prediction import Prediction
+from fxdream.sim.profile.store import forget_profiles
+from fxdream.simulation import simulate
 
 __all__ = [
     "capture", "Captured", "CaptureError", "optimize", "OptimizedModule",

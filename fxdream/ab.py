@@ -21,18 +21,17 @@ from typing import Callable
 
 import torch
 
-from fxdream.capturing.model_state import preserved_state
+from fxdream import models
+from fxdream.build import cost_model_for, optimize
+from fxdream.capturing.arguments import check_counts
 from fxdream.capturing.host_gaps import StepCalls, measure_host_gaps, worth_measuring
+from fxdream.capturing.model_state import preserved_state
+from fxdream.capturing.steps import differentiable_scalar
 from fxdream.measure import Measurement, time_interleaved
 from fxdream.numerics import max_abs_diff
 from fxdream.pass_registry import resolve_passes
-from fxdream.build import optimize
-from fxdream.sim.prediction import predict, this_machine_device
-from fxdream.build import cost_model_for
 from fxdream.sim.cost.profiled import Profiled
-from fxdream.capturing.arguments import check_counts
-from fxdream.capturing.steps import differentiable_scalar
-from fxdream import models
+from fxdream.sim.prediction import predict, this_machine_device
 from fxdream.sim.trace import _figure_api
 
 

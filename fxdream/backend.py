@@ -13,13 +13,13 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxdream.capturing.session import CaptureSession
+from fxdream.build import cost_model_for
 from fxdream.capturing.gc_freeze import older_objects_frozen
+from fxdream.capturing.session import CaptureSession
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import resolve_passes
 from fxdream.pass_runner import PassPipeline
 from fxdream.sim.prediction import this_machine_device
-from fxdream.build import cost_model_for
 from fxdream.sim.profile.store import save_profile
 
 OPTIONS = ("passes", "device", "cost", "on_report")

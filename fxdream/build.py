@@ -9,26 +9,26 @@ from typing import Callable
 
 import torch
 
-from fxdream.capturing.captured import CaptureError
-from fxdream.capturing.session import CaptureSession
-from fxdream.capturing.steps import one_step, run_once
-from fxdream.capturing.dynamo import describe_error, graph_break_counts, new_graph_breaks
+from fxdream.capturing.arguments import check_flag, check_inputs, check_memory_budget, check_model, resolve_device
 from fxdream.capturing.blockwise import capture_after_nothing
-from fxdream.capturing.torch_fx import compile_model
+from fxdream.capturing.captured import CaptureError
+from fxdream.capturing.dynamo import describe_error, graph_break_counts, new_graph_breaks
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
-from fxdream.measure import time_interleaved
 from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
+from fxdream.capturing.session import CaptureSession
+from fxdream.capturing.steps import one_step, run_once
+from fxdream.capturing.torch_fx import compile_model
+from fxdream.measure import time_interleaved
 from fxdream.numerics import max_abs_diff
+from fxdream.optimized_module import OptimizedModule, call_kind
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
 from fxdream.pass_runner import PassPipeline, failed_to_run
-from fxdream.sim.prediction import predict, this_machine_device
 from fxdream.report import MEASURED_SLOWER
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
+from fxdream.sim.prediction import predict, this_machine_device
 from fxdream.sim.profile.store import save_profile, shared_profile
-from fxdream.capturing.arguments import check_flag, check_inputs, check_memory_budget, check_model, resolve_device
-from fxdream.optimized_module import OptimizedModule, call_kind
 
 log = logging.getLogger("fxdream")  # INFO: a build's progress (each pass's row as it is decided)
 

@@ -3,33 +3,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
+import json
 import logging
+import os
 import re
 import sys
 import time
 
 import torch
-from fxdream import models
-import importlib
-import importlib.util
-import os
-from fxdream.ab import user_build
+
 import fxdream
-from fxdream.measure import time_interleaved
-from fxdream.sim.profile.store import PROFILE_DIR_ENV
-from fxdream.simulation import simulate
-from fxdream.sim.trace import plot_timeline, write_chrome_trace
-import json
-from fxdream import whatif
-from fxdream.capturing.capture_model import capture
-from fxdream.sim.prediction import predict
+from fxdream import models, whatif
+from fxdream.ab import ab, check_device_here, plot_ab, user_build
 from fxdream.build import cost_model_for
-from fxdream.sim.lower import OPTIMIZERS
-from fxdream.ab import ab, check_device_here, plot_ab
-from fxdream.plan import plan
-from fxdream.sim.trace import plot_comparison
+from fxdream.capturing.capture_model import capture
 from fxdream.explain import crossover
+from fxdream.measure import time_interleaved
 from fxdream.models import NAMES
+from fxdream.plan import plan
+from fxdream.sim.lower import OPTIMIZERS
+from fxdream.sim.prediction import predict
+from fxdream.sim.profile.store import PROFILE_DIR_ENV
+from fxdream.sim.trace import plot_comparison, plot_timeline, write_chrome_trace
+from fxdream.simulation import simulate
 
 
 def build_model(name: str, batch: int, tiny: bool = False, training: bool = False):

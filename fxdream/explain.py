@@ -40,17 +40,16 @@ import torch
 import torch.fx as fx
 from sympy.utilities.lambdify import implemented_function
 
-from fxdream.ir.flops import node_flops
-from fxdream.ir.nodes import op_name
-from fxdream.sim.cost.analytic import Analytic
-from fxdream.ir.nodes import is_view, node_dtype
-from fxdream.sim.cost.devices import DeviceSpec, get_device
-from fxdream.sim.cost.occupancy import BLOCKS_PER_SM, SPLIT_K_MIN, TILE, OccupancyAware
-from fxdream.runtime.streams import is_event_node
 from fxdream import models
 from fxdream.capturing import capture
+from fxdream.ir.flops import node_flops
 from fxdream.ir.graphs import copy_graph_module
+from fxdream.ir.nodes import is_view, node_dtype, op_name, value_of
 from fxdream.passes.aux_stream_backward import split
+from fxdream.runtime.streams import is_event_node
+from fxdream.sim.cost.analytic import Analytic
+from fxdream.sim.cost.devices import DeviceSpec, get_device
+from fxdream.sim.cost.occupancy import BLOCKS_PER_SM, SPLIT_K_MIN, TILE, OccupancyAware
 from fxdream.sim.prediction import graph_prediction
 
 b = sp.Symbol("b", positive=True, integer=True)
@@ -99,9 +98,6 @@ class _Scaling:
         return size * b / self.b0 if self.scales(node, value) else sp.Integer(size)
 
 
-def _val(arg):
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else None
-
 
 def _max(*args):
     return sp.Max(*args, evaluate=False)  # unevaluated: sympy's simplification of Max is slow
@@ -115,9 +111,9 @@ def _tensor_items(node: fx.Node):
     """(fx node or None, value) for every tensor a node reads and writes."""
     items = []
     for arg in node.all_input_nodes:
-        leaves = torch.utils._pytree.tree_leaves(_val(arg))
+        leaves = torch.utils._pytree.tree_leaves(value_of(arg))
         items += [(arg, v) for v in leaves if isinstance(v, torch.Tensor)]
-    out = [(node, v) for v in torch.utils._pytree.tree_leaves(_val(node)) if isinstance(v, torch.Tensor)]
+    out = [(node, v) for v in torch.utils._pytree.tree_leaves(value_of(node)) if isinstance(v, torch.Tensor)]
     return items, out
 
 
@@ -140,7 +136,7 @@ class _Symbolic:
 
     def _gemm_parts(self, node) -> dict:
         """conv backward → {"dgrad"/"wgrad": (time expr, fill expr)}."""
-        grad, x, w = (_val(a) for a in node.args[:3])
+        grad, x, w = (value_of(a) for a in node.args[:3])
         g = max(1, int(node.args[9]))
         mask = tuple(node.args[10])
         scale_x = self.scaling.scales(node.args[1], x)
@@ -149,7 +145,7 @@ class _Symbolic:
         batch_g = b if scale_g else sp.Integer(int(grad.shape[0]))
         in_pix, out_pix = math.prod(x.shape[2:]), math.prod(grad.shape[2:])
         c_in, c_out, window = int(x.shape[1]), int(grad.shape[1]), math.prod(w.shape[2:])
-        nbytes = sum((self.scaling.nbytes(a, _val(a)) for a in node.args[:3]), sp.Integer(0))
+        nbytes = sum((self.scaling.nbytes(a, value_of(a)) for a in node.args[:3]), sp.Integer(0))
         parts = {}
         if mask[0]:
             m, n, k = batch_x * in_pix, c_in // g, c_out // g * window
@@ -186,18 +182,18 @@ class _Symbolic:
     def _matmul(self, node: fx.Node, name: str):
         """(M, N, K, groups) of mm / addmm / bmm / conv forward, a batch-sized dimension as ``b``."""
         def dim(arg, i):
-            value = _val(arg)
+            value = value_of(arg)
             size = int(value.shape[i])
             return b if i == 0 and self.scaling.scales(arg, value) else sp.Integer(size)
         try:
             if name in ("aten.mm", "aten.addmm"):
                 a, w = node.args[-2], node.args[-1]
-                return dim(a, 0), dim(w, 1), dim(w, 0) if self.scaling.scales(w, _val(w)) else dim(a, 1), 1
+                return dim(a, 0), dim(w, 1), dim(w, 0) if self.scaling.scales(w, value_of(w)) else dim(a, 1), 1
             if name == "aten.bmm":
                 a, w = node.args[0], node.args[1]
                 return dim(a, 1), dim(w, 2), dim(a, 2), dim(a, 0)
             if name == "aten.convolution":
-                x, w, out = _val(node.args[0]), _val(node.args[1]), _val(node)
+                x, w, out = value_of(node.args[0]), value_of(node.args[1]), value_of(node)
                 g = max(1, int(node.args[8]))
                 pixels = math.prod(out.shape[2:])
                 batch = b if self.scaling.scales(node.args[0], x) else sp.Integer(int(out.shape[0]))

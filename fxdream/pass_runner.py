@@ -17,14 +17,14 @@ from typing import Callable
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule  # private: GraphModule with code on demand
 
-from fxdream.runtime.direct_calls import call_ops_directly
 from fxdream.capturing.dynamo import describe_error
-from fxdream.pass_api import Pass, PassContext, PassResult, complete_new_nodes
-from fxdream.sim.prediction import graph_prediction
-from fxdream.report import PassReport
-from fxdream.sim.cost.profiled import Profiled
-from fxdream.sim.profile.in_context import graph_fingerprint
 from fxdream.ir.graphs import copy_graph_module
+from fxdream.pass_api import Pass, PassContext, PassResult, complete_new_nodes
+from fxdream.report import PassReport
+from fxdream.runtime.direct_calls import call_ops_directly
+from fxdream.sim.cost.profiled import Profiled
+from fxdream.sim.prediction import graph_prediction
+from fxdream.sim.profile.in_context import graph_fingerprint
 
 log = logging.getLogger("fxdream")
 MAX_EXHAUSTIVE = 5  # up to 2**5 subsets are simulated; beyond that, greedy

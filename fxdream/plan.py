@@ -10,17 +10,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxdream.build import cost_model_for
 from fxdream.capturing.captured import Captured
 from fxdream.capturing.session import _model_state_of
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
 from fxdream.pass_runner import PassPipeline
-from fxdream.sim.prediction import Prediction, predict
-from fxdream.build import cost_model_for
 from fxdream.report import PassReport
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.cost.profiled import Profiled
 from fxdream.sim.lower import OptimizerModel
+from fxdream.sim.prediction import Prediction, predict
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import json
 import re
 
 import pytest
+
 from fxdream.ab import ab
 
 AB_ONLY = "an A/B timing test: run it with `pytest -m ab`"

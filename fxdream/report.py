@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass, field
 
 from fxdream.capturing.captured import Captured, _count_compute
 
-
 MEASURED_SLOWER = "measured slower than eager"  # the eager check's fallback reason starts so
 
 

@@ -5,12 +5,12 @@ import dataclasses
 
 import torch
 
+from fxdream.build import cost_model_for
 from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.plan import plan
 from fxdream.sim.cost.profiled import DeviceSpec, Profiled
 from fxdream.sim.lower import OPTIMIZERS
 from fxdream.sim.prediction import Prediction, predict
-from fxdream.build import cost_model_for
 
 
 def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = "cpu",

@@ -81,21 +81,18 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-
 from types import MappingProxyType
 
 import torch
 import torch.fx as fx
 
-from fxdream.runtime import streams
-
-from fxdream.pass_api import LAYER, PHASE, PassBase, PassContext, PassResult, copy_graph_module, register_pass
-
-from fxdream.sim.prediction import graph_prediction
-from fxdream.sim.cost.analytic import Analytic
 from fxdream.ir.nodes import is_view
+from fxdream.pass_api import LAYER, PHASE, PassBase, PassContext, PassResult, copy_graph_module, register_pass, value_of
+from fxdream.runtime import streams
+from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import get_device
 from fxdream.sim.cost.occupancy import occupancy, occupancy_aware
+from fxdream.sim.prediction import graph_prediction
 
 aten = torch.ops.aten
 CONV_BW = aten.convolution_backward.default
@@ -117,9 +114,6 @@ class Site:
     join: fx.Node
     wait: fx.Node | None = None
 
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def find_sites(graph: fx.Graph) -> tuple[list[fx.Node], list[str]]:
@@ -169,8 +163,8 @@ def split(gm: fx.GraphModule, join: str = "next", stream: int = AUX) -> tuple[fx
     sites: list[Site] = []
     for cb in nodes:
         args, mask = tuple(cb.args[:10]), list(cb.args[10])
-        device = str(_val(cb.args[0]).device) if isinstance(_val(cb.args[0]), torch.Tensor) else "cpu"
-        val = _val(cb)
+        device = str(value_of(cb.args[0]).device) if isinstance(value_of(cb.args[0]), torch.Tensor) else "cpu"
+        val = value_of(cb)
         kind = type(val) if isinstance(val, (tuple, list)) else tuple
         vals = list(val) if isinstance(val, (tuple, list)) else [None, None, None]
         with graph.inserting_before(cb):

@@ -26,15 +26,22 @@ Training is left alone: its backward graph holds the unfused gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from types import MappingProxyType
 
 import torch
 import torch.fx as fx
-from fxdream.pass_api import (LAYER, PassBase, PassContext, PassResult, choose, copy_graph_module, fake_value,
-                              real_tensors, register_pass)
 
-
+from fxdream.pass_api import (
+    LAYER,
+    PassBase,
+    PassContext,
+    PassResult,
+    choose,
+    copy_graph_module,
+    fake_value,
+    real_tensors,
+    register_pass,
+)
 
 aten = torch.ops.aten
 _FLATTEN = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
@@ -284,9 +291,9 @@ class FuseAttention(PassBase):
         if judged:
             choice = choose(ctx, gm, {"fused": fused})
             if choice.chosen is None:
+                slower = f"{choice.baseline_us:.0f} → {choice.predicted_us['fused']:.0f} µs"
                 return PassResult.unchanged(gm, f"{len(sites)} attention block(s) found; fusing them is predicted "
-                                            f"slower ({choice.baseline_us:.0f} → {choice.predicted_us['fused']:.0f} µs)",
-                                            layers)
+                                            f"slower ({slower})", layers)
         if any(rows_masked[s] is None for s in sites):
             layers += (FULLY_MASKED_ROWS,)
         left = f"; {unmatched} more left as they are (not in the form SDPA computes: {_FORM})" if unmatched else ""

@@ -19,18 +19,23 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-
 from types import MappingProxyType
 
 import torch
 import torch.fx as fx
 
 from fxdream.ops import fused_conv as ops
-
-from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, choose, copy_graph_module, real_tensors, register_pass
-
+from fxdream.pass_api import (
+    LAYER,
+    PassBase,
+    PassContext,
+    PassResult,
+    choose,
+    copy_graph_module,
+    real_tensors,
+    register_pass,
+)
 from fxdream.sim.cost.profiled import Profiled
-
 
 aten = torch.ops.aten
 ADDMM, MM, T = aten.addmm.default, aten.mm.default, aten.t.default

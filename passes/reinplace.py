@@ -33,13 +33,12 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from fxdream.runtime import streams
-from fxdream.ir.nodes import schema_arguments
-from fxdream.pass_api import LAYER, Note, PassBase, PassContext, PassResult, register_pass
-from fxdream.sim.graph_regions import CUDA_GRAPH_REGION
 from fxdream.ir.aliasing import UNKNOWN, aliased_input
-from fxdream.ir.nodes import is_view
+from fxdream.ir.nodes import is_view, schema_arguments
 from fxdream.ir.tensors import same_layout
+from fxdream.pass_api import LAYER, Note, PassBase, PassContext, PassResult, register_pass
+from fxdream.runtime import streams
+from fxdream.sim.graph_regions import CUDA_GRAPH_REGION
 
 aten = torch.ops.aten
 COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}

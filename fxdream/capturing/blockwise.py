@@ -14,9 +14,9 @@ import types
 
 import torch
 
+from fxdream.capturing.dynamo import graph_break_counts, new_graph_breaks
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
-from fxdream.capturing.dynamo import graph_break_counts, new_graph_breaks
 from fxdream.capturing.torch_fx import capture_from_trace
 
 

@@ -20,9 +20,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxdream.ir.nodes import LAYER
 from fxdream.ir.aliasing import aliased_input
-from fxdream.ir.nodes import is_view
+from fxdream.ir.nodes import LAYER, is_view
 from fxdream.ir.tensors import same_layout
 
 _CLONE = torch.ops.aten.clone.default

@@ -20,8 +20,9 @@ import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
-from fxdream.capturing.steps import one_step
+
 from fxdream.capturing.model_state import preserved_state
+from fxdream.capturing.steps import one_step
 
 END = "end"
 

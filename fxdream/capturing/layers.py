@@ -17,7 +17,6 @@ import torch.fx as fx
 
 from fxdream.ir.nodes import LAYER, PHASE, is_compute
 
-
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _MODULES_ITEM = re.compile(r"_(?:modules|parameters|buffers)\['([^']*)'\]")
 _INDEX_ITEM = re.compile(r"\[(\d+)\]")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
 from fxdream.runtime.graph_guards import tensor_version
 
 

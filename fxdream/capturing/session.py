@@ -17,17 +17,17 @@ import torch
 import torch.fx as fx
 from functorch.compile import aot_module_simplified, make_boxed_func
 
-from fxdream.ir.nodes import PARAMETER_GRADIENTS
-from fxdream.capturing.layers import annotate_backward, annotate_forward, frame_prefix, qualified_name
+from fxdream.capturing.captured import Captured
+from fxdream.capturing.dead_copies import drop_dead_copies
 from fxdream.capturing.dynamo import compiling_code
 from fxdream.capturing.host_gaps import SubgraphClock
-from fxdream.capturing.dead_copies import drop_dead_copies
 from fxdream.capturing.inference_trace import boxed_caller, inference_graph
-from fxdream.runtime.graph_guards import captured_if_rewrite_raises, same_state_or, weights_as_built_or
-from fxdream.runtime.direct_calls import call_ops_directly
-from fxdream.ops.keep_whole import keep_ops_whole, outside_keep_ops_whole
+from fxdream.capturing.layers import annotate_backward, annotate_forward, frame_prefix, qualified_name
+from fxdream.ir.nodes import PARAMETER_GRADIENTS
 from fxdream.ir.tensors import size_hint
-from fxdream.capturing.captured import Captured
+from fxdream.ops.keep_whole import keep_ops_whole, outside_keep_ops_whole
+from fxdream.runtime.direct_calls import call_ops_directly
+from fxdream.runtime.graph_guards import captured_if_rewrite_raises, same_state_or, weights_as_built_or
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},

@@ -24,11 +24,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from fxdream.capturing.dynamo import compile_with, graph_break_counts, new_graph_breaks
+from fxdream.capturing.model_state import preserved_inputs, preserved_state
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
-from fxdream.capturing.model_state import preserved_inputs, preserved_state
 from fxdream.runtime.graph_guards import tensor_version
-from fxdream.capturing.dynamo import compile_with, graph_break_counts, new_graph_breaks
 
 
 def _signature(args: tuple) -> tuple:

@@ -9,7 +9,6 @@ from torch.utils._pytree import tree_flatten
 
 from fxdream.ir.nodes import is_view, schema_arguments
 
-
 UNKNOWN = object()  # a value made by something other than an ATen op: who knows what it aliases
 
 

@@ -11,7 +11,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxdream.ir.tensors import tensor_bytes
 
-
 LAYER = "layer"              # qualified module name; "" is the model itself
 
 
@@ -62,6 +61,8 @@ def is_compute(node: fx.Node) -> bool:
 
 
 def value_of(arg):
+    """The value an argument stands for: a node's example value (``meta["val"]``, a fake tensor;
+    None where it has none), anything else (a constant: an int, a list, None) as itself."""
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 

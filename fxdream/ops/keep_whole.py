@@ -8,13 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fxdream.ops.max_pool1d import FUNCTIONS as MAX_POOL1D_FUNCTIONS, redirect_max_pool1d
-from fxdream.ops.pad import FUNCTIONS as PAD_FUNCTIONS, redirect_pad
-from fxdream.ops.rnn import FUNCTIONS as RNN_FUNCTIONS, redirect_lstm, redirect_rnn
-from fxdream.ops.rnn_cell import FUNCTIONS as CELL_FUNCTIONS, redirect_rnn_cell
+from fxdream.ops.max_pool1d import FUNCTIONS as MAX_POOL1D_FUNCTIONS
+from fxdream.ops.max_pool1d import redirect_max_pool1d
+from fxdream.ops.pad import FUNCTIONS as PAD_FUNCTIONS
+from fxdream.ops.pad import redirect_pad
+from fxdream.ops.rnn import FUNCTIONS as RNN_FUNCTIONS
+from fxdream.ops.rnn import redirect_lstm, redirect_rnn
+from fxdream.ops.rnn_cell import FUNCTIONS as CELL_FUNCTIONS
+from fxdream.ops.rnn_cell import redirect_rnn_cell
 from fxdream.ops.sdpa import redirect_attention
-from fxdream.ops.upsample import FUNCTIONS as UPSAMPLE_FUNCTIONS, redirect_upsample, upsample_calls_redirected
-
+from fxdream.ops.upsample import FUNCTIONS as UPSAMPLE_FUNCTIONS
+from fxdream.ops.upsample import redirect_upsample, upsample_calls_redirected
 
 # torch function → (args, kwargs) → the whole op's call, or None to trace the call as it is
 _REDIRECTS = {**{f: functools.partial(redirect_rnn, mode) for mode, f in RNN_FUNCTIONS.items()},

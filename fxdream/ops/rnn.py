@@ -17,9 +17,7 @@ the same way.
 """
 from __future__ import annotations
 
-
 import torch
-
 
 FUNCTIONS = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu}
 

@@ -12,8 +12,14 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from fxdream.ops.fused_conv import ONEDNN_CONV, ONEDNN_CONV_ADD_, channels_last_format, conv_fused_inference_prepacked, onednn_unary
 from fxdream.ir.aliasing import aliases_input
+from fxdream.ops.fused_conv import (
+    ONEDNN_CONV,
+    ONEDNN_CONV_ADD_,
+    channels_last_format,
+    conv_fused_inference_prepacked,
+    onednn_unary,
+)
 
 
 def _residual_is_free(node, other, order: dict) -> bool:

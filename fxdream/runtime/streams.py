@@ -51,8 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxdream.ir.nodes import schema_arguments
-from fxdream.ir.nodes import is_view
+from fxdream.ir.nodes import is_view, schema_arguments
 
 STREAM = "stream"  # node.meta key (the same as fxdream.sim.lower.STREAM)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from fxdream.ir.aliasing import aliases_input
 from fxdream.ir.nodes import is_view
 from fxdream.ir.tensors import tensor_bytes
-from fxdream.ir.aliasing import aliases_input
 
 CUDA_GRAPH_REGION = "fxdream.cuda_graph_region"  # node.meta key: id of a captured region
 CUDA_GRAPH_STATIC = "fxdream.cuda_graph_static"  # node.meta key: value at a fixed address

@@ -29,14 +29,13 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxdream.ir.nodes import LAYER, PARAMETER_GRADIENTS, op_name
 from fxdream.capturing.host_gaps import END, StepCalls
-from fxdream.sim.cost.model import CostModel
-from fxdream.ir.nodes import is_view
-from fxdream.ir.tensors import tensor_bytes
-from fxdream.sim.profile.op_keys import HOST_SYNC_OPS
-from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph_regions, inline_cuda_graph_runners
 from fxdream.ir.aliasing import aliases_input
+from fxdream.ir.nodes import LAYER, PARAMETER_GRADIENTS, is_view, op_name
+from fxdream.ir.tensors import tensor_bytes
+from fxdream.sim.cost.model import CostModel
+from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph_regions, inline_cuda_graph_runners
+from fxdream.sim.profile.op_keys import HOST_SYNC_OPS
 from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
 
 STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on

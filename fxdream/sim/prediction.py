@@ -7,13 +7,13 @@ import torch
 
 from fxdream.capturing.captured import Captured
 from fxdream.capturing.host_gaps import StepCalls
+from fxdream.sim.cost.devices import DEVICES, DeviceSpec
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.cost.profiled import Profiled
-from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.lower import OptimizerModel, lower, lower_captured
-from fxdream.sim.simulate import Contention, Timeline, simulate as simulate_graph
+from fxdream.sim.simulate import Contention, Timeline
+from fxdream.sim.simulate import simulate as simulate_graph
 from fxdream.sim.taskgraph import TaskGraph
-from fxdream.sim.cost.devices import DEVICES
 
 
 @dataclass(frozen=True)

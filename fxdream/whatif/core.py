@@ -14,9 +14,9 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
-from fxdream.sim.prediction import Prediction
 from fxdream.ir.nodes import is_view
 from fxdream.sim.cost.devices import DeviceSpec, get_device
+from fxdream.sim.prediction import Prediction
 from fxdream.sim.simulate import Contention, simulate
 from fxdream.sim.taskgraph import TaskGraph
 

@@ -27,15 +27,24 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxdream.ir.nodes import VIEW_OPS
 from fxdream.ir.flops import node_flops
+from fxdream.ir.nodes import VIEW_OPS, value_of
+from fxdream.ir.tensors import real_tensors
 from fxdream.sim.cost.devices import DeviceSpec
-from fxdream.sim.taskgraph import Task, TaskKind
-from fxdream.whatif.core import _UNSPECIFIED, WhatIf, _finish, _graphs_by_label, _spec, _start, _through_views, _with_durations
 from fxdream.sim.cost.profiled import _materialize
 from fxdream.sim.profile.host_timing import _time_calls
 from fxdream.sim.profile.op_keys import profile_key
-from fxdream.ir.tensors import real_tensors
+from fxdream.sim.taskgraph import Task, TaskKind
+from fxdream.whatif.core import (
+    _UNSPECIFIED,
+    WhatIf,
+    _finish,
+    _graphs_by_label,
+    _spec,
+    _start,
+    _through_views,
+    _with_durations,
+)
 
 # ops that autocast runs in fp16/bf16 on tensor cores: re-derived at the low-precision rate
 COMPUTE_OPS = frozenset({
@@ -114,13 +123,10 @@ def _amp_spec(spec: DeviceSpec, dtype: str) -> DeviceSpec:
     return dataclasses.replace(spec, peak_flops={**spec.peak_flops, dtype: rate})
 
 
-def _val(a):
-    return a.meta.get("val") if isinstance(a, fx.Node) else a
-
 
 def _bytes(node: fx.Node, half: bool) -> float:
     """Bytes the kernel reads and writes; with ``half`` every float32 tensor counts 2 bytes."""
-    leaves = tree_flatten(tree_map(_val, (node.args, node.kwargs)))[0] + tree_flatten(node.meta.get("val"))[0]
+    leaves = tree_flatten(tree_map(value_of, (node.args, node.kwargs)))[0] + tree_flatten(node.meta.get("val"))[0]
     total = 0.0
     for t in leaves:
         if isinstance(t, torch.Tensor):
@@ -159,7 +165,7 @@ def _measured_ratio(node: fx.Node, dtype: torch.dtype, cache: dict) -> float | N
         try:
             with real_tensors():
                 cpu = torch.device("cpu")
-                args, kwargs = tree_map(lambda v: _materialize(v, cpu), tree_map(_val, (node.args, node.kwargs)))
+                args, kwargs = tree_map(lambda v: _materialize(v, cpu), tree_map(value_of, (node.args, node.kwargs)))
                 low = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
                                and t.dtype == torch.float32 else t, (args, kwargs))
                 t32 = _time_calls(lambda: node.target(*args, **kwargs), rounds=3, target_block_us=1000.0)

@@ -9,6 +9,7 @@ from fxdream.sim.lower import OPTIMIZERS, gradient_values
 from fxdream.sim.taskgraph import TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations
 
+
 def fused_optimizer(x, *, captured=None, graphs=None, device=None,
                     contention: bool | None = None) -> WhatIf:
     """What if the optimizer were one fused kernel (e.g. ``Adam(fused=True)``) instead of

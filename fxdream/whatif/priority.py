@@ -21,7 +21,8 @@ from typing import Sequence
 from fxdream.sim.prediction import Prediction
 from fxdream.sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _simulate, _Start, _start
-from fxdream.whatif.data_parallel import MiB, Cluster, Gradient, _comm_deps, _need_grads, _ready_times, ddp_buckets
+from fxdream.whatif.data_parallel import Cluster, Gradient, MiB, _comm_deps, _need_grads, _ready_times, ddp_buckets
+
 
 def _slices(grads: Sequence[Gradient], order: Sequence[Gradient], slice_bytes: int) -> list:
     """Cut the gradients, concatenated in ``order``, into slices of ``slice_bytes``:

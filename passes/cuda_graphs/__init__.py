@@ -43,19 +43,15 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from fxdream.runtime.cuda_graph_runner import MAX_SHAPES, CudaGraphFallback
-from fxdream.pass_api import PassBase, PassContext, PassResult, copy_graph_module, register_pass
-
-from fxdream.sim.prediction import graph_prediction
-from fxdream.sim.cost.analytic import Analytic
 from fxdream.ir.nodes import is_view
+from fxdream.pass_api import PassBase, PassContext, PassResult, copy_graph_module, register_pass
+from fxdream.passes.cuda_graphs.partition import RunnerOptions, layer_of, partition, replace_regions
+from fxdream.passes.mark_incompatible import mark_incompatible, marked_notes
+from fxdream.runtime.cuda_graph_runner import MAX_SHAPES, CudaGraphFallback
+from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import get_device
 from fxdream.sim.graph_regions import cuda_graph_regions, inline_cuda_graph_runners
-
-from fxdream.passes.cuda_graphs.partition import RunnerOptions, layer_of, partition, replace_regions
-
-from fxdream.passes.mark_incompatible import mark_incompatible, marked_notes
-from fxdream.sim.prediction import this_machine_device
+from fxdream.sim.prediction import graph_prediction, this_machine_device
 
 DEFAULT_GPU = "h100"
 NEEDS_CUDA = "CUDA graphs need a CUDA device"

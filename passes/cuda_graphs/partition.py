@@ -13,11 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxdream.ir.nodes import LAYER, ROOT_LAYER_LABEL
-from fxdream.runtime.cuda_graph_runner import MAX_SHAPES, CudaGraphRunner, clone_outputs
-from fxdream.ir.nodes import is_view
 from fxdream.ir.aliasing import aliases_input
-
+from fxdream.ir.nodes import LAYER, ROOT_LAYER_LABEL, is_view
+from fxdream.runtime.cuda_graph_runner import MAX_SHAPES, CudaGraphRunner, clone_outputs
 
 # --- partition ------------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-
 from types import MappingProxyType
 
 import torch
@@ -30,13 +29,22 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
-from fxdream.ops import fused_conv as ops
-
-from fxdream.runtime.onednn_direct import call_onednn_directly
-from fxdream.pass_api import LAYER, Note, PassBase, PassContext, PassResult, choose, copy_graph_module, real_tensors, register_pass
-
 from fxdream.ir.aliasing import aliases_input
-from fxdream.passes.fuse_conv_bias_act.sites import SKIPPED, Site, find_sites, fusable_acts, onednn_act, value_of
+from fxdream.ops import fused_conv as ops
+from fxdream.pass_api import (
+    LAYER,
+    Note,
+    PassBase,
+    PassContext,
+    PassResult,
+    choose,
+    copy_graph_module,
+    real_tensors,
+    register_pass,
+    value_of,
+)
+from fxdream.passes.fuse_conv_bias_act.sites import SKIPPED, Site, find_sites, fusable_acts, onednn_act
+from fxdream.runtime.onednn_direct import call_onednn_directly
 
 CLONE = torch.ops.aten.clone.default
 NCHW = torch.contiguous_format

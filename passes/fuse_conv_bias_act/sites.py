@@ -11,8 +11,7 @@ import torch
 import torch.fx as fx
 
 from fxdream.ops import fused_conv as ops
-
-from fxdream.pass_api import LAYER, Note, PassContext
+from fxdream.pass_api import LAYER, Note, PassContext, value_of
 
 aten = torch.ops.aten
 CONV, RELU, ADD = aten.convolution.default, aten.relu.default, aten.add.Tensor
@@ -42,9 +41,6 @@ class Site:
     def layer(self) -> str:
         return self.conv.meta.get(LAYER) or self.conv.name
 
-
-def value_of(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def _users(node: fx.Node) -> str:

@@ -36,12 +36,16 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxdream.ir.nodes import ROOT_LAYER_LABEL, op_name, schema_arguments
-from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, register_pass
-
-from fxdream.passes.mark_incompatible.registry import _COMPATIBLE, _registered, cuda_graph_compatible, cuda_graph_incompatible, forget_cuda_graph_op  # noqa: F401  (public here too)
-from fxdream.ir.nodes import is_view
 from fxdream.ir.aliasing import aliases_input
+from fxdream.ir.nodes import ROOT_LAYER_LABEL, is_view, op_name, schema_arguments
+from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, register_pass, value_of
+from fxdream.passes.mark_incompatible.registry import (  # noqa: F401  (public here too)
+    _COMPATIBLE,
+    _registered,
+    cuda_graph_compatible,
+    cuda_graph_incompatible,
+    forget_cuda_graph_op,
+)
 
 CUDA_GRAPH = "fxdream.cuda_graph"  # node.meta key: why the node cannot be in a CUDA graph
 
@@ -54,9 +58,6 @@ def _tag(name: str):
 def _tags(node: fx.Node) -> tuple:
     return tuple(getattr(node.target, "tags", ()) or ())
 
-
-def _val(arg):
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
 def _is_symbolic(x) -> bool:
@@ -79,7 +80,7 @@ def _tensor_args(node: fx.Node):
     found = []
     flat, _ = tree_flatten((node.args, node.kwargs))
     for position, arg in enumerate(flat):
-        value = _val(arg)
+        value = value_of(arg)
         if isinstance(value, torch.Tensor):
             label = f"'{arg.name}'" if isinstance(arg, fx.Node) else f"argument {position}"
             found.append((label, arg if isinstance(arg, fx.Node) else None, value))
@@ -97,8 +98,8 @@ def _dynamic_shape_output(node, ctx, op, tags):
         return None
     if op == "aten.index":  # static unless an index is a boolean mask
         indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices", ())
-        masks = [_val(i) for i in indices or () if isinstance(_val(i), torch.Tensor)
-                 and _val(i).dtype in (torch.bool, torch.uint8)]
+        masks = [value_of(i) for i in indices or () if isinstance(value_of(i), torch.Tensor)
+                 and value_of(i).dtype in (torch.bool, torch.uint8)]
         if not masks:
             return None
     if op == "aten.repeat_interleave" and node.kwargs.get("output_size") is not None:

@@ -44,12 +44,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxdream.ir.nodes import op_name
-from fxdream.sim.cost.analytic import Analytic
-from fxdream.ir.nodes import is_view, node_bytes, node_dtype
+from fxdream.ir.nodes import is_view, node_bytes, node_dtype, op_name, value_of
 from fxdream.ir.tensors import tensor_bytes
-from fxdream.runtime.streams import is_event_node
-from fxdream.runtime.streams import OnStream
+from fxdream.runtime.streams import OnStream, is_event_node
+from fxdream.sim.cost.analytic import Analytic
 
 TILE = 128
 BLOCKS_PER_SM = 1
@@ -88,12 +86,9 @@ class Gemm:
         return (self.split() - 1) * self.m * self.n * self.groups * 4
 
 
-def _val(arg):
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
 
 def _shape(arg):
-    value = _val(arg)
+    value = value_of(arg)
     return tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else None
 
 
@@ -227,7 +222,7 @@ class OccupancyAware:
         mask = node.args[10]
         if not mask[2]:
             return 0.0
-        grad = _val(node.args[0])
+        grad = value_of(node.args[0])
         nbytes = tensor_bytes(grad) if isinstance(grad, torch.Tensor) else 0
         return max(self.device.kernel_min_us, nbytes / self.device.mem_bandwidth * 1e6)
 
@@ -271,7 +266,7 @@ def _conv_bw_bytes(node: fx.Node, gemms: list[Gemm]) -> list[int]:
     """Bytes each part of a convolution_backward moves: dgrad reads grad_output and weight and
     writes an input-sized gradient, wgrad reads grad_output and input and writes a
     weight-sized one: both move grad_output + input + weight bytes."""
-    grad, x, w = (tensor_bytes(_val(a)) for a in node.args[:3])
+    grad, x, w = (tensor_bytes(value_of(a)) for a in node.args[:3])
     return [grad + x + w for _ in gemms]
 
 

@@ -18,18 +18,31 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
-from fxdream.runtime.direct_calls import direct
-from fxdream.sim.cost.devices import DeviceSpec
-from fxdream.sim.profile.cuda_timing import graph_kernel_saving_us, time_calls_cuda
-from fxdream.sim.profile.host_timing import (ModuleBuilder, _time_calls, as_graph_module, measure_call_overhead_us,
-                                             measure_graph_call_us, measure_view_us)
-from fxdream.sim.profile.in_context import HOST, MIN_ROUNDS, compute_keys, compute_nodes, ones_like, owned_copies, time_graph  # noqa: F401  (MIN_ROUNDS)
 from fxdream.ir.nodes import arg_values, is_view
-from fxdream.sim.profile.op_keys import profile_key
 from fxdream.ir.tensors import real_tensors, size_hint  # noqa: F401  (re-exported)
+from fxdream.runtime.direct_calls import direct
 from fxdream.sim.cost.analytic import Analytic
+from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.cost.model import CostModel
-
+from fxdream.sim.profile.cuda_timing import graph_kernel_saving_us, time_calls_cuda
+from fxdream.sim.profile.host_timing import (
+    ModuleBuilder,
+    _time_calls,
+    as_graph_module,
+    measure_call_overhead_us,
+    measure_graph_call_us,
+    measure_view_us,
+)
+from fxdream.sim.profile.in_context import (  # noqa: F401  (MIN_ROUNDS)
+    HOST,
+    MIN_ROUNDS,
+    compute_keys,
+    compute_nodes,
+    ones_like,
+    owned_copies,
+    time_graph,
+)
+from fxdream.sim.profile.op_keys import profile_key
 
 # In-context profiling of one graph: no new round past this (seconds), after MIN_ROUNDS, so a
 # graph whose run takes more than PROFILE_BUDGET_S / MIN_ROUNDS stops at MIN_ROUNDS: more rounds

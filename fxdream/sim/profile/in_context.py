@@ -14,13 +14,13 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from fxdream.ir.aliasing import written_inputs
+from fxdream.ir.nodes import is_view, op_name
+from fxdream.ir.tensors import real_tensors, size_hint
 from fxdream.runtime.cuda_graph_runner import capture_paused
 from fxdream.sim.profile import cuda_timing
 from fxdream.sim.profile.cuda_timing import HOLD_EXTRA_US, HOLD_MARGIN
 from fxdream.sim.profile.op_keys import HOST_SYNC_OPS, profile_key
-from fxdream.ir.nodes import is_view, op_name
-from fxdream.ir.tensors import real_tensors, size_hint
-from fxdream.ir.aliasing import written_inputs
 
 HOST = "host|"  # prefix of the keys of host (dispatch + launch) times, on a GPU
 

@@ -4,13 +4,11 @@ Apart from ``cost`` so that the in-context timing (``in_context``) and the cost 
 both use them without importing each other."""
 from __future__ import annotations
 
-
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxdream.ir.nodes import op_name
-from fxdream.ir.nodes import arg_values
+from fxdream.ir.nodes import arg_values, op_name
 from fxdream.ir.tensors import size_hint
 
 # Ops that make the host wait for the device (a value read back, a data-dependent shape).

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.cost.profiled import Profiled
 from fxdream.sim.profile.host_timing import ModuleBuilder, as_graph_module
-from fxdream.sim.cost.devices import DeviceSpec
 
 PROFILE_DIR_ENV = "FXDREAM_PROFILE_DIR"
 MAX_SAMPLES_KEPT = 25  # per key on disk: the latest, enough for a stable median
