@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import torch
+
 GiB = 2 ** 30
 
 
@@ -93,8 +95,6 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
     the default is short because a longer calibration gives the same peaks within a few %."""
     if "cpu" in _CPU_CACHE and not refresh:
         return _CPU_CACHE["cpu"]
-    import torch
-
     budget = max(0.05, float(seconds)) / 3
 
     def best(fn, min_reps=3):
