@@ -23,8 +23,8 @@ def test_an_outer_freeze_is_left_as_it_is():
         with older_objects_frozen():
             with older_objects_frozen():
                 pass
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen  # the user's freeze is not undone
+            assert 0 < gc.get_freeze_count() <= frozen  # neither undone nor frozen again (frozen
+        assert 0 < gc.get_freeze_count() <= frozen  # objects that die leave the count: it may drop)
     finally:
         gc.unfreeze()
 
