@@ -23,7 +23,7 @@ import torch
 
 from fxdream import models
 from fxdream.build import cost_model_for, optimize
-from fxdream.capturing.arguments import check_counts
+from fxdream.capturing.arguments import check_counts, check_inputs
 from fxdream.capturing.host_gaps import StepCalls, measure_host_gaps, worth_measuring
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import differentiable_scalar
@@ -104,7 +104,8 @@ class ABResult:
 def user_build(function: Callable, device: str = "cpu", label: str | None = None) -> Callable:
     """``function(batch)`` returning (model, inputs) or (model, inputs, loss_fn or None) as the
     ``build(batch) -> (model, inputs tuple, loss_fn)`` an A/B runs, on ``device``; without a loss,
-    training sums the outputs (as the CLI's ``FILE.py:FUNCTION``)."""
+    training sums the outputs (as the CLI's ``FILE.py:FUNCTION``). ``inputs``: a tensor, a tuple
+    of forward's positional arguments, or a dict of its keyword arguments (``input_ids=``...)."""
     name = getattr(function, "__name__", "build")
     label = label or name
 
@@ -114,7 +115,7 @@ def user_build(function: Callable, device: str = "cpu", label: str | None = None
             raise TypeError(f"{label}({batch}) must return (model, inputs) or (model, inputs, loss_fn), "
                             f"got {type(built).__name__}" + (f" of {len(built)}" if isinstance(built, tuple) else ""))
         model, inputs = built[:2]
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        inputs = check_inputs((), inputs, model) if isinstance(inputs, dict) else check_inputs(inputs)
         inputs = torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
         loss_fn = built[2] if len(built) == 3 and built[2] is not None else differentiable_scalar
         return model.to(device), inputs, loss_fn

@@ -12,7 +12,7 @@ import torch
 from fxdream.capturing.arguments import check_flag, check_inputs, check_memory_budget, check_model, resolve_device
 from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
-from fxdream.capturing.dynamo import describe_error, graph_break_counts, new_graph_breaks
+from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
@@ -33,11 +33,14 @@ from fxdream.sim.profile.store import save_profile, shared_profile
 log = logging.getLogger("fxdream")  # INFO: a build's progress (each pass's row as it is decided)
 
 
-def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool = False,
+def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: bool = False,
              device=None, strict: bool = False, cost: str | None = "auto",
              memory_budget: int | None = None, verify: bool = False, measure: bool = False,
-             eager_check: bool | None = None) -> OptimizedModule:
-    """Capture ``model`` at ``example_inputs``, apply ``passes``, and return a module equal to eager.
+             eager_check: bool | None = None, example_kwargs: dict | None = None) -> OptimizedModule:
+    """Capture ``model`` at ``example_inputs`` (forward's positional arguments) and
+    ``example_kwargs`` (its keyword arguments, as torch.export takes them: Hugging Face models'
+    ``input_ids=``, ``attention_mask=``, ``labels=``), apply ``passes``, and return a module equal
+    to eager, called the same ways as the model.
 
     The module runs through the captured graphs (with ``training=False`` always under
     ``torch.no_grad()``: folded weights are constants); ``.report`` tells what was captured,
@@ -62,7 +65,7 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     eagerly and the report says so, with both times.
     """
     check_model(model)
-    inputs = check_inputs(example_inputs)
+    inputs = check_inputs(example_inputs, example_kwargs, model)
     training = check_flag("training", training)
     memory_budget = check_memory_budget(memory_budget)
     strict, verify, measure = (check_flag(n, v) for n, v in (("strict", strict), ("verify", verify),
@@ -75,7 +78,7 @@ def optimize(model: torch.nn.Module, example_inputs, passes=(), training: bool =
     switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
     # the user's RNG, BN statistics, grads, inputs
-    with preserved_state(model), preserved_inputs(inputs), older_objects_frozen():
+    with preserved_state(model), preserved_inputs(inputs), older_objects_frozen(), dynamo_state_kept():
         started = time.perf_counter()
         log.info("building %s (%s, %s, passes: %s) ...", type(model).__name__, "training" if training else "inference",
                  target, "auto" if auto else ", ".join(p.name for p in selected) or "none")
@@ -116,8 +119,19 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
                                               module._extras.get("predicted_baseline_ms")))
 
 
+# dynamo cannot trace DDP's forward (its logger, its hooks' bookkeeping); wrapped around the
+# optimized module, DDP's gradient hooks fire on the same parameters the captured graphs update
+DDP_OUTSIDE = ("the model is a DistributedDataParallel: it runs as it is; wrap DDP around the optimized module "
+               "instead, DistributedDataParallel(fxdream.optimize(model, ...)), which keeps DDP's gradient hooks")
+
+
 def _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget) -> OptimizedModule:
     """Capture (one throw-away step) with the pass pipeline as the graph transform."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        if strict:
+            raise CaptureError(f"strict=True: {DDP_OUTSIDE}")
+        return OptimizedModule(model, model, CaptureSession(model), PassPipeline((), PassContext()), training,
+                               target, strict, capture="none", fallback_reason=DDP_OUTSIDE)
     cost_model = cost_model_for(this_machine_device(target), cost, reuse=True) if selected and cost else None
     if isinstance(cost_model, Profiled):
         cost_model.measure_overheads()  # before the capture: inside it they read several times higher

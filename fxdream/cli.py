@@ -44,7 +44,8 @@ def build_model(name: str, batch: int, tiny: bool = False, training: bool = Fals
 def user_model(spec: str, device: str = "cpu", tiny: bool = False):
     """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` → ``build(batch) -> (model, inputs, loss_fn)``
     on ``device``; None for a zoo name. FUNCTION(batch_size) returns (model, inputs) or (model,
-    inputs, loss_fn); inputs a tensor or a tuple; without a loss, training sums the outputs."""
+    inputs, loss_fn); inputs a tensor, a tuple, or a dict of forward's keyword arguments; without a
+    loss, training sums the outputs."""
     where, colon, name = spec.rpartition(":")
     if not colon:
         return None

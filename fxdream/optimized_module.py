@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from fxdream.capturing.arguments import positional_call
 from fxdream.capturing.dynamo import describe_error
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import autocast_enabled
@@ -61,6 +62,11 @@ class OptimizedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self._fallback_reason is not None:
             return self._call(self.model, args, kwargs)
+        if kwargs:  # by keyword as by position: the call the capture saw (positional_call)
+            try:
+                args, kwargs = positional_call(self.model.forward, args, kwargs), {}
+            except TypeError:  # a keyword forward's signature does not place: passed on as it is
+                pass
         compiled = len(self._session.records)
         try:
             output = self._call(self._runner, args, kwargs)

@@ -13,10 +13,12 @@ from fxdream.sim.lower import OPTIMIZERS
 from fxdream.sim.prediction import Prediction, predict
 
 
-def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = "cpu",
+def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec = "cpu",
              training: bool = False, cost: str = "auto", optimizer: str | None = "sgd",
-             contention: bool = True, passes=(), memory_budget: int | None = None) -> Prediction:
-    """Predict one iteration of ``model`` on ``device`` (a DeviceSpec name such as "h100").
+             contention: bool = True, passes=(), memory_budget: int | None = None,
+             example_kwargs: dict | None = None) -> Prediction:
+    """Predict one iteration of ``model`` on ``device`` (a DeviceSpec name such as "h100"), called
+    with ``example_inputs`` and the keyword inputs ``example_kwargs``.
 
     Training includes backward and the optimizer step (``optimizer``: "sgd", "adam" or None).
     ``passes`` ("auto" or names) rewrite the captured graphs for ``device`` first (nothing runs
@@ -27,7 +29,8 @@ def simulate(model: torch.nn.Module, example_inputs, device: str | DeviceSpec = 
     model_cost = cost_model_for(device, cost, reuse=True)
     # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
     captured, step, notes = capture_with_host_gaps(model, example_inputs, training,
-                                                   measure=isinstance(model_cost, Profiled))
+                                                   measure=isinstance(model_cost, Profiled),
+                                                   example_kwargs=example_kwargs)
     if not passes:
         prediction = predict(captured, model_cost, training, OPTIMIZERS.get(optimizer),
                              contention=contention, step=step)

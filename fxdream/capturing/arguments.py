@@ -1,7 +1,8 @@
 """Argument checks with one clear line each: what was wrong and what is valid."""
 from __future__ import annotations
 
-from typing import Iterable
+import inspect
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -11,17 +12,28 @@ def check_model(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def check_inputs(example_inputs) -> tuple:
-    """A tensor or a tuple/list of example positional arguments, at least one of them a tensor."""
+def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
+                 model: torch.nn.Module | None = None) -> tuple:
+    """The example call as one positional tuple, at least one of its values a tensor:
+    ``example_inputs`` (a tensor, or a tuple/list of forward's positional arguments) and
+    ``example_kwargs`` (forward's keyword arguments, as torch.export takes them), put in place by
+    ``positional_call`` on ``model``'s forward."""
     if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,)
+        example_inputs = (example_inputs,)
     if not isinstance(example_inputs, (tuple, list)):
-        hint = (": keyword arguments are not taken; give forward's arguments positionally, in order "
-                "(a dict inside the tuple reaches forward as one argument)") if isinstance(example_inputs, dict) else ""
+        hint = (": give keyword arguments as example_kwargs={...} (a dict inside the tuple reaches forward as one "
+                "positional argument)") if isinstance(example_inputs, dict) else ""
         raise TypeError("example_inputs must be a torch.Tensor or a tuple/list of forward's positional "
                         f"arguments (tensors, numbers, strings, None, and lists/dicts of them), "
                         f"got {type(example_inputs).__name__}{hint}")
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise TypeError(f"example_kwargs must be a dict of forward's keyword arguments, got "
+                        f"{type(example_kwargs).__name__}")
     inputs = tuple(example_inputs)
+    if example_kwargs:
+        if model is None:
+            raise TypeError("example_kwargs needs the model, whose forward's signature places them")
+        inputs = positional_call(model.forward, inputs, example_kwargs)
     allowed = (torch.Tensor, bool, int, float, str, type(None))
     leaves = []
     for i, value in enumerate(inputs):
@@ -34,6 +46,37 @@ def check_inputs(example_inputs) -> tuple:
     if not any(isinstance(v, torch.Tensor) for v in leaves):
         raise TypeError("example_inputs holds no torch.Tensor; pass the model's tensor arguments")
     return inputs
+
+
+def positional_call(forward: Callable, args: tuple, kwargs: Mapping) -> tuple:
+    """``forward(*args, **kwargs)`` as one positional call that means the same: each keyword at
+    its parameter's position, the parameters between them at their defaults. Raises TypeError for
+    a keyword that is not one of forward's positional parameters (keyword-only, or caught by
+    ``**kwargs``), naming the ones that are, and for an argument given twice or missing."""
+    if not kwargs:
+        return tuple(args)
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+        raise TypeError("keyword inputs need an inspectable forward signature; pass them positionally") from None
+    positional = [p for p in signature.parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in positional]
+    unknown = [name for name in kwargs if name not in names]
+    if unknown:
+        raise TypeError(f"keyword input(s) {', '.join(map(repr, unknown))} are not positional parameters of "
+                        f"forward ({', '.join(names) or 'none'}); keyword-only and **kwargs arguments are not "
+                        f"supported as inputs")
+    bound = signature.bind_partial(*args, **kwargs).arguments  # TypeError: given twice
+    values = []
+    for parameter in positional[: max(names.index(name) for name in bound) + 1]:
+        if parameter.name in bound:
+            values.append(bound[parameter.name])
+        elif parameter.default is not parameter.empty:
+            values.append(parameter.default)
+        else:
+            raise TypeError(f"forward's argument {parameter.name!r} has no default and no example value")
+    return tuple(values)
 
 
 def available_devices() -> tuple[str, ...]:

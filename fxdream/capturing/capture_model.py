@@ -6,7 +6,7 @@ import torch
 from fxdream.capturing.arguments import check_inputs, check_model
 from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
-from fxdream.capturing.dynamo import describe_error, graph_break_counts, new_graph_breaks
+from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.model_state import preserved_modes, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
@@ -14,23 +14,24 @@ from fxdream.capturing.steps import run_once
 from fxdream.capturing.torch_fx import compile_model
 
 
-def capture(model: torch.nn.Module, example_inputs, training: bool = False):
-    """Capture ``model`` at ``example_inputs``: a ``Captured``, or a tuple of them after graph breaks.
+def capture(model: torch.nn.Module, example_inputs=(), training: bool = False, example_kwargs: dict | None = None):
+    """Capture ``model`` at ``example_inputs`` (and keyword inputs ``example_kwargs``): a
+    ``Captured``, or a tuple of them after graph breaks.
 
     The model's grads, buffers, RNG state and every submodule's train/eval flag are left as they
     were (during the capture, a model whose own flag is not ``training`` is switched whole:
     ``switch_to_build_mode``). Raises ``CaptureError`` when dynamo captured nothing.
     """
-    return capture_with_host_gaps(model, example_inputs, training, measure=False)[0]
+    return capture_with_host_gaps(model, example_inputs, training, measure=False, example_kwargs=example_kwargs)[0]
 
 
-def capture_with_host_gaps(model: torch.nn.Module, example_inputs, training: bool = False,
-                           measure: bool = True) -> tuple:
+def capture_with_host_gaps(model: torch.nn.Module, example_inputs=(), training: bool = False,
+                           measure: bool = True, example_kwargs: dict | None = None) -> tuple:
     """``capture``, plus (when ``measure`` and it is a training step or the graph broke) the
     graph calls and host time outside the graphs of a few steps: (captured, StepCalls or None, notes)."""
     check_model(model)
-    inputs = check_inputs(example_inputs)
-    with preserved_modes(model):
+    inputs = check_inputs(example_inputs, example_kwargs, model)
+    with preserved_modes(model), dynamo_state_kept():
         switch_to_build_mode(model, training)
         return _capture(model, inputs, training, measure)
 

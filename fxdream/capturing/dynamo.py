@@ -3,6 +3,8 @@ graph breaks it saw, and the headline of its errors. Private dynamo APIs used he
 isolated in a try or a small function."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 from typing import Callable
 
@@ -21,6 +23,28 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
                              f"compilations earlier in this process); cleared it to capture this one")
     _clear_skip_marks(model)
     return torch.compile(model, backend=session, dynamic=False)
+
+
+@contextlib.contextmanager
+def dynamo_state_kept():
+    """What dynamo learns about the user's code while fxdream captures it stays with the build:
+    the sizes it saw per code object (its automatic-dynamic profile, which would make the user's
+    own later ``torch.compile`` of the same class compile for dynamic shapes, and run slower) and
+    the recompile limit raised for the build's own compilations. Private state, isolated here."""
+    try:
+        from torch._dynamo import pgo
+        saved = copy.deepcopy(pgo._CODE_STATE)
+    except Exception:  # another torch: nothing to keep
+        pgo = saved = None
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    limit = getattr(config, name)
+    try:
+        yield
+    finally:
+        setattr(config, name, limit)
+        if pgo is not None:
+            pgo._CODE_STATE = saved
 
 
 def _clear_skip_marks(model: torch.nn.Module) -> None:

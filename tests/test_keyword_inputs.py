@@ -1,0 +1,147 @@
+"""Keyword inputs, as torch.export takes them: ``example_kwargs`` in optimize, capture and
+simulate, and an optimized module called by keyword as the model is."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+import fxdream
+from fxdream.ab import user_build
+from fxdream.capturing.arguments import check_inputs, positional_call
+
+
+class Masked(nn.Module):
+    """A forward whose optional arguments sit between the ones a caller gives by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale: float = 2.0, bias=None):
+        y = self.proj(x) * scale
+        if mask is not None:
+            y = y.masked_fill(~mask, 0.0)
+        if bias is not None:
+            y = y + bias
+        return y.relu()
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(2, 8), torch.rand(2, 8) > 0.5, torch.randn(8)
+
+
+def test_keywords_take_their_parameters_places_and_the_defaults_fill_the_gaps():
+    def forward(x, mask=None, scale=2.0, bias=None):
+        pass
+    assert positional_call(forward, (1,), {"bias": 5}) == (1, None, 2.0, 5)
+    assert positional_call(forward, (), {"x": 1, "scale": 3.0}) == (1, None, 3.0)
+    assert positional_call(forward, (1, 2), {}) == (1, 2)
+
+
+def test_a_keyword_forward_does_not_place_is_refused_with_the_ones_it_does():
+    def forward(x, mask=None, *, flag=False, **extra):
+        pass
+    with pytest.raises(TypeError, match=r"'flag' are not positional parameters of forward \(x, mask\)"):
+        positional_call(forward, (1,), {"flag": True})
+    with pytest.raises(TypeError, match="multiple values for argument 'x'"):
+        positional_call(forward, (1,), {"x": 2})
+    with pytest.raises(TypeError, match="'x' has no default and no example value"):
+        positional_call(forward, (), {"mask": 2})
+
+
+def test_example_kwargs_must_be_a_dict_and_a_dict_as_inputs_says_where_keywords_go():
+    model = Masked()
+    with pytest.raises(TypeError, match="example_kwargs must be a dict"):
+        check_inputs((torch.randn(2, 8),), [("mask", None)], model)
+    with pytest.raises(TypeError, match=r"give keyword arguments as example_kwargs=\{\.\.\.\}"):
+        fxdream.optimize(model, {"x": torch.randn(2, 8)})
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_optimize_with_keyword_inputs_equals_eager_called_either_way(training):
+    x, mask, bias = _inputs()
+    model = Masked().train(training)
+    optimized = fxdream.optimize(model, (x,), example_kwargs={"mask": mask, "bias": bias}, training=training,
+                                 cost=None)
+    assert optimized.report.fallback_reason is None
+    with torch.set_grad_enabled(training):
+        expected = model(x, mask=mask, bias=bias)
+        torch.testing.assert_close(optimized(x, mask=mask, bias=bias), expected, rtol=0, atol=0)
+        torch.testing.assert_close(optimized(x, mask, 2.0, bias), expected, rtol=0, atol=0)
+        torch.testing.assert_close(optimized(bias=bias, x=x, mask=mask), expected, rtol=0, atol=0)
+    assert len(optimized.report.graphs) == 1  # the keyword calls are the call the capture saw
+
+
+def test_a_module_given_its_input_by_keyword_as_module_db_does():
+    linear = nn.Linear(4, 3).eval()
+    x = torch.randn(5, 4)
+    optimized = fxdream.optimize(linear, example_kwargs={"input": x}, cost=None)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(input=x), linear(input=x), rtol=0, atol=0)
+
+
+def test_capture_and_simulate_take_keyword_inputs():
+    x, mask, bias = _inputs()
+    model = Masked().eval()
+    captured = fxdream.capture(model, (x,), example_kwargs={"mask": mask, "bias": bias})
+    assert any(str(n.target).startswith("aten.masked_fill") for n in captured.forward.graph.nodes)
+    prediction = fxdream.simulate(model, example_kwargs={"x": x, "mask": mask}, device="h100", cost="analytic")
+    assert prediction.time_ms > 0
+
+
+def test_an_ab_build_may_return_keyword_inputs():
+    x, mask, _ = _inputs()
+    build = user_build(lambda batch: (Masked(), {"x": x[:batch], "mask": mask[:batch]}))
+    model, inputs, _ = build(1)
+    assert len(inputs) == 2 and torch.equal(inputs[1], mask[:1])
+
+
+class _Output(dict):
+    """An output container of the model's own (as Hugging Face's ``ModelOutput``)."""
+
+
+pytree.register_pytree_node(_Output, lambda d: (list(d.values()), list(d)), lambda values, keys: _Output(zip(keys, values)))
+
+
+class ReturnsItsOwnContainer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.proj(x)
+        # a trace builds a plain dict where eager builds the model's container
+        return {"y": y, "relu": y.relu()} if isinstance(x, torch.fx.Proxy) else _Output(y=y, relu=y.relu())
+
+
+def test_a_trace_whose_output_differs_only_in_its_container_is_kept_and_returns_eagers():
+    model, x = ReturnsItsOwnContainer().eval(), torch.randn(2, 4)
+    optimized = fxdream.optimize(model, (x,), cost=None)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    with torch.no_grad():
+        out = optimized(x)
+    assert type(out) is _Output and torch.equal(out["relu"], model(x)["relu"])
+
+
+def test_hugging_face_classifier_with_labels_by_keyword_trains_equal_to_eager():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).train()
+    inputs = dict(input_ids=torch.randint(0, 50, (2, 8)), attention_mask=torch.ones(2, 8, dtype=torch.long),
+                  labels=torch.tensor([0, 1]))
+    optimized = fxdream.optimize(model, example_kwargs=inputs, training=True, cost=None)
+    assert optimized.report.fallback_reason is None
+    grads = []
+    for module in (optimized, model):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(1)
+        loss = module(**inputs).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for got, want in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(got, want)
