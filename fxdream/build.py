@@ -203,7 +203,7 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     step, notes = None, ()
     if isinstance(cost, Profiled) and worth_measuring(training, len(module.captured)):
         step = measure_model_gaps(module, model, inputs, training, module._session.clock)
-        notes = describe_gaps(step, len(module.captured), training)
+        notes = describe_gaps(step, len(module.captured), training) if step is not None else ()
     before = predict(module.captured, cost, training, step=step)
     after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)
     return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,

@@ -55,5 +55,5 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
         raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
     if measure and worth_measuring(training, len(captured)):
         step = measure_model_gaps(runner, model, inputs, training, session.clock)
-        notes = describe_gaps(step, len(captured), training)
+        notes = describe_gaps(step, len(captured), training) if step is not None else ()
     return (captured[0] if len(captured) == 1 else captured), step, notes

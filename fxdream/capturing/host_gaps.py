@@ -60,10 +60,13 @@ def worth_measuring(training: bool, subgraphs: int) -> bool:
 
 
 class SubgraphClock:
-    """Records (label, start, end) of each compiled-graph call while ``events`` is a list."""
+    """Records (label, start, end) of each compiled-graph call while ``events`` is a list, and
+    counts the graphs the session compiles (``compilations``): a step that compiled is not a
+    step whose host time the model spends."""
 
     def __init__(self):
         self.events: list[tuple[str, float, float]] | None = None
+        self.compilations = 0
 
     def wrap(self, boxed: Callable, label: str) -> Callable:
         """``boxed`` (aot's boxed calling convention: one list argument) with a time stamp."""
@@ -90,32 +93,43 @@ def step_calls(events: list[tuple[str, float, float]], started: float, ended: fl
     return StepCalls(tuple(calls), tuple(gaps), max(0.0, ended - cursor) * 1e6)
 
 
+# Steps that compile (a recompilation after the first call changed a value dynamo guards on)
+# run beyond warmup + rounds before the measurement gives up on a steady step
+COMPILING_STEPS = 3
+
+
 def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: int = 3,
-                      warmup: int = 1, budget_s: float = 1.0) -> StepCalls:
+                      warmup: int = 1, budget_s: float = 1.0) -> StepCalls | None:
     """Run ``step`` ``warmup + rounds`` times with the graph calls time-stamped; the median step.
 
-    Stops early once ``budget_s`` is spent (with one sample at least), and keeps a warm-up step
-    that alone took longer than the budget: on a large model the gaps are a small share of a
-    long step, and more steps would cost seconds of build time."""
-    samples = []
+    A step during which the session compiled a graph is never a sample (its host time is the
+    compiler's) nor a warm-up; None where every step compiled. Stops early once ``budget_s`` is
+    spent (with one sample at least), and keeps a warm-up step that alone took longer than the
+    budget: on a large model the gaps are a small share of a long step, and more steps would
+    cost seconds of build time."""
+    samples, steady = [], 0
     begun = time.perf_counter()
     try:
-        for i in range(warmup + rounds):
+        for _ in range(warmup + rounds + COMPILING_STEPS):
             clock.events = []
+            compilations = clock.compilations
             started = time.perf_counter()
             step()
             ended = time.perf_counter()
-            if i >= warmup or ended - started > budget_s:
+            if clock.compilations != compilations:
+                continue
+            steady += 1
+            if steady > warmup or ended - started > budget_s:
                 samples.append(step_calls(clock.events, started, ended))
-            if samples and ended - begun > budget_s:
+            if len(samples) >= rounds or (samples and ended - begun > budget_s):
                 break
     finally:
         clock.events = None
-    return StepCalls.median(samples)
+    return StepCalls.median(samples) if samples else None
 
 
 def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
-                       rounds: int = 3, warmup: int = 1) -> StepCalls:
+                       rounds: int = 3, warmup: int = 1) -> StepCalls | None:
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
     gradients, buffers and RNG are left as they were."""

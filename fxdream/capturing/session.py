@@ -100,6 +100,8 @@ class CaptureSession:
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
                                  _user_input_shapes(gm, example_inputs))
         record.code = compiling_code()
+        self.clock.compilations += 1
+        self._note_recompilation(record)
         self.records.append(record)
         names = self.state_names or _state_names_from_sources(gm, example_inputs)
         prefix = frame_prefix(gm, example_inputs, names)
@@ -143,6 +145,7 @@ class CaptureSession:
         @outside_keep_ops_whole()
         def compile_backward(bw: fx.GraphModule, _inputs):
             started = time.perf_counter()
+            self.clock.compilations += 1
             call_ops_directly(bw, recompile=False)
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
             bw.graph.output_node().meta[PARAMETER_GRADIENTS] = parameter_positions
@@ -159,6 +162,21 @@ class CaptureSession:
                 return boxed_caller(compile_forward(fw, None), own)
             return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
                                          bw_compiler=compile_backward)
+
+    def _note_recompilation(self, record: _SubgraphRecord) -> None:
+        """A graph compiled again from the same code for the same inputs is a recompilation: a
+        value dynamo guards on changed after an earlier call (an attribute forward sets on its
+        first call, as Hugging Face classifiers set ``config.problem_type``). Said once; the
+        steps that follow run the new graph, and host time is never taken from a step that
+        compiled (``measure_host_gaps``)."""
+        if record.code is None:
+            return
+        earlier = next((r for r in self.records if r.code is record.code and r.input_shapes == record.input_shapes
+                        and r.training == record.training), None)
+        if earlier is not None:
+            self.notes.append(f"graph {record.index} recompiles graph {earlier.index} (same code, same input shapes): "
+                              f"a value dynamo guards on changed after an earlier call (e.g. an attribute forward "
+                              f"sets on its first call); later calls run graph {record.index}")
 
     def _rewrite_failed(self, record: _SubgraphRecord, error: Exception) -> None:
         failed = getattr(self.transform, "rewrite_failed", None)
