@@ -91,7 +91,7 @@ def _cuda_round(timed, inputs, hold_us: float) -> tuple:
     _LAST_EVENT.clear()
     cuda_timing.hold_gpu(hold_us)
     began = time.perf_counter()
-    outputs = timed(*inputs)
+    outputs = timed.forward(*inputs)  # not __call__: torch.fx prints a failing graph's traceback there
     host_s = time.perf_counter() - began
     torch.cuda.synchronize()
     stamps = [(index, max(start.elapsed_time(end) * 1e-3 - gap_s, 0.0), host) for index, host, start, end in _STAMPS]
@@ -170,7 +170,7 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                     outputs, host_s, stamps = _cuda_round(timed, inputs, hold_us)
                     hold_us = host_s * 1e6 * HOLD_MARGIN + HOLD_EXTRA_US if holds else 0.0
                 else:
-                    outputs = timed(*inputs)
+                    outputs = timed.forward(*inputs)  # not __call__ (see _cuda_round)
                     stamps = [(index, seconds, seconds) for index, seconds in _STAMPS]
                 if i >= warmup:
                     this_round: dict[str, list[float]] = {}
@@ -213,8 +213,11 @@ def owned_copies(inputs, gm: fx.GraphModule | None = None) -> list:
 
 
 def ones_like(value, device: torch.device):
+    """A real tensor of ones with ``value``'s shape, dtype and strides (a backward graph traced
+    with channels_last tangents runs only on those), other values as they are."""
     if isinstance(value, torch.Tensor):
-        return torch.ones(tuple(map(size_hint, value.shape)), dtype=value.dtype, device=device)
+        shape, stride = tuple(map(size_hint, value.shape)), tuple(map(size_hint, value.stride()))
+        return torch.empty_strided(shape, stride, dtype=value.dtype, device=device).fill_(1)
     return value
 
 

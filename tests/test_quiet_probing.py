@@ -1,0 +1,25 @@
+"""fxdream's own probing prints nothing: a graph that fails when timed in context gives None
+(its caller says what failed), not torch.fx's traceback on stderr; synthetic tangents have the
+strides the graph was traced with."""
+import torch
+import torch.fx as fx
+
+from fxdream.runtime.direct_calls import call_ops_directly
+from fxdream.sim.profile.in_context import ones_like, time_graph
+
+
+def test_a_graph_that_raises_when_timed_prints_nothing(capsys):
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.view.default, (x, [16])))
+    gm = call_ops_directly(fx.GraphModule(torch.nn.Module(), graph))  # as captured graphs call ops
+    not_viewable = torch.randn(4, 4).t()
+    assert time_graph(gm, [not_viewable], torch.device("cpu"), {}, rounds=2, warmup=0) is None
+    assert capsys.readouterr().err == ""
+
+
+def test_synthetic_tangents_keep_the_traced_strides():
+    traced = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    made = ones_like(traced, torch.device("cpu"))
+    assert made.stride() == traced.stride() and made.shape == traced.shape and bool((made == 1).all())
+    assert ones_like(3, torch.device("cpu")) == 3
