@@ -2,8 +2,9 @@
 little while other work runs, so benchmarks record it and can wait for a quiet moment."""
 from __future__ import annotations
 
-import os
 import time
+
+from fxdream.sim.profile.machine_load import cpu_ticks, foreign_cpu_seconds  # noqa: F401  (benchmarks import them here)
 
 
 def cpu_busy_pct(seconds: float = 1.0) -> float | None:
@@ -19,35 +20,6 @@ def cpu_busy_pct(seconds: float = 1.0) -> float | None:
     except OSError:
         return None
     return 100.0 * (1 - (i1 - i0) / max(t1 - t0, 1))
-
-
-def cpu_ticks() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, user + system clock ticks) of every process (/proc; Linux)."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def foreign_cpu_seconds(before: dict, after: dict) -> float:
-    """CPU seconds used between two ``cpu_ticks`` snapshots by processes outside this one's
-    tree: other people's work that ran beside the measurement."""
-    mine, changed = {os.getpid()}, True
-    while changed:
-        changed = False
-        for pid, (ppid, _) in after.items():
-            if ppid in mine and pid not in mine:
-                mine.add(pid)
-                changed = True
-    ticks = sum(t - before.get(pid, (0, 0))[1] for pid, (_, t) in after.items() if pid not in mine)
-    return max(ticks, 0) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_until_quiet(max_seconds: float, threshold_pct: float = 15.0) -> float | None:

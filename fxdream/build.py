@@ -28,6 +28,7 @@ from fxdream.pass_runner import PassPipeline, failed_to_run
 from fxdream.report import MEASURED_SLOWER
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
 from fxdream.sim.prediction import predict, this_machine_device
+from fxdream.sim.profile.machine_load import watch_machine_load
 from fxdream.sim.profile.store import save_profile, shared_profile
 
 log = logging.getLogger("fxdream")  # INFO: a build's progress (each pass's row as it is decided)
@@ -82,11 +83,12 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         started = time.perf_counter()
         log.info("building %s (%s, %s, passes: %s) ...", type(model).__name__, "training" if training else "inference",
                  target, "auto" if auto else ", ".join(p.name for p in selected) or "none")
-        module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
+        module, disturbed = _measured_build(model, inputs, selected, auto, training, target, strict, cost,
+                                            memory_budget)
         build_seconds = time.perf_counter() - started
         if switched:
             module._note(f"{switched}; it stays in that mode", first=True)
-        _check_built(module, model, inputs, training, target, verify, measure, eager_check)
+        _check_built(module, model, inputs, training, target, verify, measure, eager_check, disturbed)
         log.info("built %s in %.1f s (%s)%s", type(model).__name__, time.perf_counter() - started, module._capture,
                  f"; runs eagerly: {module._fallback_reason}" if module._fallback_reason else "")
     save_profile(module._cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
@@ -96,13 +98,31 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     return module
 
 
+def _measured_build(model, inputs, selected, auto, training, target, strict, cost, memory_budget,
+                    tries: int = 2) -> tuple[OptimizedModule, bool]:
+    """``_build`` and its whole-model prediction (with a cost model), watching the machine's load
+    while they measure: (module, whether other processes disturbed the measurements). Disturbed,
+    the report says so and marks the decisions; ``strict=True`` builds again, then raises."""
+    for attempt in range(tries):
+        with watch_machine_load() as load:
+            module = _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget)
+            if module._fallback_reason is None and module._cost_model is not None:
+                module._record(**_whole_model_prediction(module, model, inputs, training))
+        measured = isinstance(module._cost_model, Profiled)
+        if not (measured and load.disturbed):
+            return module, False
+        if not strict:
+            module._mark_disturbed(load.describe())
+            return module, True
+        log.info("measurements disturbed (%s); building again", load.describe())
+    raise CaptureError(f"strict=True: the build's measurements were disturbed {tries} times: {load.describe()}")
+
+
 def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, target: torch.device,
-                 verify: bool, measure: bool, eager_check: bool) -> None:
-    """What the build checks on the module it made: the whole-model prediction (with a cost
-    model), ``verify`` against eager, ``measure`` against the capture without passes, and the
-    eager check (which may send the module to run eagerly)."""
-    if module._fallback_reason is None and module._cost_model is not None:
-        module._record(**_whole_model_prediction(module, model, inputs, training))
+                 verify: bool, measure: bool, eager_check: bool, disturbed: bool = False) -> None:
+    """What the build checks on the module it made: ``verify`` against eager, ``measure``
+    against the capture without passes, and the eager check (which may send the module to run
+    eagerly; on disturbed measurements it times eager itself instead of trusting the prediction)."""
     if verify:
         diff = max_abs_diff(model, module, inputs, training)
         module._record(verified_max_abs_diff=diff)
@@ -115,8 +135,8 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
     if measure:
         module._record(**_measure_against_capture(model, module, inputs, training, target))
     if eager_check and module._fallback_reason is None:
-        module._record(**_check_against_eager(model, module, inputs, training,
-                                              module._extras.get("predicted_baseline_ms")))
+        predicted = None if disturbed else module._extras.get("predicted_baseline_ms")
+        module._record(**_check_against_eager(model, module, inputs, training, predicted))
 
 
 # dynamo cannot trace DDP's forward (its logger, its hooks' bookkeeping); wrapped around the

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Callable
 
 import torch
@@ -124,6 +125,14 @@ class OptimizedModule(torch.nn.Module):
     def _record(self, **results) -> None:
         """Results of the build's checks (predictions, verification, timings) for the report."""
         self._extras.update(results)
+
+    def _mark_disturbed(self, why: str) -> None:
+        """The build measured while other work ran: said in the report, and every pass decision
+        made on predictions marked."""
+        self._extras["measurements_disturbed"] = why
+        self._pipeline.rows[:] = [
+            dataclasses.replace(r, reason=f"{r.reason} [decided on measurements taken while the machine was busy]")
+            if r.predicted_delta_us is not None or r.name == "auto" else r for r in self._pipeline.rows]
 
     def _finish(self, build_seconds: float, rebuild: Callable[[torch.nn.Module], "OptimizedModule"]) -> None:
         """The build's time, and how to build the same for another model (``copy.deepcopy``)."""

@@ -64,6 +64,7 @@ class Report:
     measured_optimized_ms: float | None = None
     measured_eager_ms: float | None = None        # eager_check: eager and the built module, interleaved
     measured_built_ms: float | None = None
+    measurements_disturbed: str | None = None     # why the build's measurements describe a busy machine
 
     @property
     def ran_eagerly(self) -> bool:
@@ -85,6 +86,9 @@ class Report:
         lines = [f"## fxdream report: {self.model} ({mode}, {self.device})", ""]
         if self.fallback_reason:
             lines += [f"**Runs eagerly**: {self.fallback_reason}", ""]
+        if self.measurements_disturbed:
+            lines += [f"**Measurements disturbed**: {self.measurements_disturbed}; the passes' choices and the "
+                      f"predictions below were made on them (marked): rebuild on a quiet machine", ""]
         later = " (the build's; later calls of other kinds by dynamo)" \
             if len(self.graphs) > 1 and self.capture.startswith("torch.fx") else ""
         lines.append(f"Captured {len(self.graphs)} subgraph(s) by {self.capture}{later}; "

@@ -24,6 +24,21 @@ def fresh_dynamo(monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Builds see a quiet machine: what the report says does not depend on what else runs
+    beside the tests (tests/test_disturbed_measurements.py sets the load it tests)."""
+    import contextlib
+
+    import fxdream.build as build
+    from fxdream.sim.profile.machine_load import LoadWatch
+
+    @contextlib.contextmanager
+    def quiet():
+        yield LoadWatch(foreign_cpu_s=0.0, window_s=1.0)
+    monkeypatch.setattr(build, "watch_machine_load", quiet)
+
+
 @pytest.fixture
 def no_tf32():
     """Convolutions in full fp32: cuDNN's TF32 default (Ampere and later) lets two runs of one

@@ -1,0 +1,62 @@
+"""Measurements taken while other processes ran are said in the report, the decisions made on
+them are marked, and strict=True builds again, then raises."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+import fxdream.build as build
+from fxdream.sim.profile.machine_load import LoadWatch, foreign_cpu_seconds, watch_machine_load
+
+
+def _busy_machine(cores: float):
+    @contextlib.contextmanager
+    def watch():
+        yield LoadWatch(foreign_cpu_s=cores * 2.0, window_s=2.0)
+    return watch
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval(), torch.randn(1, 3, 12, 12)
+
+
+def test_a_build_on_a_busy_machine_says_so_and_marks_its_decisions(monkeypatch):
+    monkeypatch.setattr(build, "watch_machine_load", _busy_machine(1.0))
+    model, x = _net()
+    report = fxdream.optimize(model, (x,), passes="auto").report
+    assert report.measurements_disturbed.startswith("other processes kept 1.00 core(s) busy")
+    decided = [r for r in report.passes if r.name == "auto" or r.predicted_delta_us is not None]
+    assert decided and all(r.reason.endswith("[decided on measurements taken while the machine was busy]")
+                           for r in decided)
+    assert "**Measurements disturbed**" in report.to_markdown()
+
+
+def test_a_quiet_machine_leaves_the_report_as_it_was(monkeypatch):
+    monkeypatch.setattr(build, "watch_machine_load", _busy_machine(0.1))
+    model, x = _net()
+    report = fxdream.optimize(model, (x,), passes="auto").report
+    assert report.measurements_disturbed is None
+    assert not any("while the machine was busy" in r.reason for r in report.passes)
+
+
+def test_strict_builds_again_then_raises(monkeypatch):
+    monkeypatch.setattr(build, "watch_machine_load", _busy_machine(1.0))
+    builds, real_build = [], build._build
+    monkeypatch.setattr(build, "_build", lambda *a: builds.append(a[2]) or real_build(*a))
+    model, x = _net()
+    with pytest.raises(fxdream.CaptureError, match="measurements were disturbed 2 times"):
+        fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], strict=True)
+    assert len([passes for passes in builds if passes]) == 2  # (the graph-call probe builds without passes)
+
+
+def test_other_processes_cpu_time_counts_and_this_process_tree_does_not():
+    before = {1: (0, 100), 50: (1, 10)}
+    after = {1: (0, 300), 50: (1, 10), 60: (1, 50)}  # pid 1 ran 200 ticks, a new process 50
+    assert foreign_cpu_seconds(before, after) == pytest.approx(250 / __import__("os").sysconf("SC_CLK_TCK"))
+    with watch_machine_load() as watch:
+        pass
+    assert watch.window_s >= 0.0 and (watch.foreign_cpu_s is None or watch.foreign_cpu_s >= 0.0)
+    assert not LoadWatch().disturbed and LoadWatch(None, 1.0).cores is None
