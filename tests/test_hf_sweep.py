@@ -25,22 +25,24 @@ def bert():
 
 def gpt2():
     ids, mask = _text()
-    config = transformers.GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2)
-    return transformers.GPT2LMHeadModel(config), dict(input_ids=ids, attention_mask=mask, labels=ids)
+    config = transformers.GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config), dict(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
 
 
 def llama():
     ids, mask = _text()
     config = transformers.LlamaConfig(vocab_size=100, max_position_embeddings=64, num_key_value_heads=1, **SMALL)
-    return transformers.LlamaForCausalLM(config), dict(input_ids=ids, attention_mask=mask, labels=ids)
+    return transformers.LlamaForCausalLM(config), dict(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
 
 
 def t5():
     ids, mask = _text()
     config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
-                                   decoder_start_token_id=0)
+                                   decoder_start_token_id=0, use_cache=False)
     return transformers.T5ForConditionalGeneration(config), dict(input_ids=ids, attention_mask=mask,
-                                                                 decoder_input_ids=ids[:, :6], labels=ids[:, 1:7])
+                                                                 decoder_input_ids=ids[:, :6].contiguous(),
+                                                                 labels=ids[:, 1:7].contiguous())
 
 
 def vit():
