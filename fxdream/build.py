@@ -227,6 +227,7 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     before = predict(module.captured, cost, training, step=step)
     after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)
     return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,
+                predicted_baseline_ms_range=before.range_ms, predicted_optimized_ms_range=after.range_ms,
                 predicted_peak_delta_bytes=after.peak_memory_bytes - before.peak_memory_bytes,
                 top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)), notes=notes)
 

@@ -56,6 +56,9 @@ class Report:
     notes: tuple[str, ...] = field(default=())
     predicted_baseline_ms: float | None = None    # predicted: the capture without passes
     predicted_optimized_ms: float | None = None   # predicted: with the passes applied
+    # predicted (low, high) ms of each: every op at the fastest / slowest of its measured samples
+    predicted_baseline_ms_range: tuple[float, float] | None = None
+    predicted_optimized_ms_range: tuple[float, float] | None = None
     predicted_peak_delta_bytes: int | None = None
     top_layers: tuple = ()                        # predicted (layer, ms) with the passes, costliest first
     verified_max_abs_diff: float | None = None    # verify=True: vs eager, outputs (and grads)
@@ -65,6 +68,22 @@ class Report:
     measured_eager_ms: float | None = None        # eager_check: eager and the built module, interleaved
     measured_built_ms: float | None = None
     measurements_disturbed: str | None = None     # why the build's measurements describe a busy machine
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """Predicted baseline time over optimized time (the passes' predicted gain)."""
+        if self.predicted_baseline_ms is None or not self.predicted_optimized_ms:
+            return None
+        return self.predicted_baseline_ms / self.predicted_optimized_ms
+
+    @property
+    def predicted_speedup_range(self) -> tuple[float, float] | None:
+        """(low, high) of the predicted gain: the slowest optimized against the fastest baseline,
+        and the other way round (the widest the two ranges allow)."""
+        base, optimized = self.predicted_baseline_ms_range, self.predicted_optimized_ms_range
+        if base is None or optimized is None or not optimized[0] or not optimized[1]:
+            return None
+        return base[0] / optimized[1], base[1] / optimized[0]
 
     @property
     def ran_eagerly(self) -> bool:
@@ -112,10 +131,13 @@ class Report:
                              f"| {_fmt(p.measured_delta_us)} |")
             lines += _pass_notes(self.passes)
         if self.predicted_baseline_ms is not None:
-            lines += ["", f"Predicted: {self.predicted_baseline_ms:.3f} ms without passes → "
-                      f"{self.predicted_optimized_ms:.3f} ms with them "
-                      f"({_pct(self.predicted_optimized_ms, self.predicted_baseline_ms)}), "
-                      f"peak memory {_fmt_mb(self.predicted_peak_delta_bytes)} MB."]
+            gain = self.predicted_speedup_range
+            lines += ["", f"Predicted: {self.predicted_baseline_ms:.3f} ms{_range(self.predicted_baseline_ms_range)} "
+                      f"without passes → {self.predicted_optimized_ms:.3f} ms"
+                      f"{_range(self.predicted_optimized_ms_range)} with them "
+                      f"({_pct(self.predicted_optimized_ms, self.predicted_baseline_ms)}"
+                      + (f"; {self.predicted_speedup:.2f}x ({gain[0]:.2f}–{gain[1]:.2f})" if gain else "")
+                      + f"), peak memory {_fmt_mb(self.predicted_peak_delta_bytes)} MB."]
         if self.measured_baseline_ms is not None:
             lines.append(f"Measured: {self.measured_baseline_ms:.3f} ms → {self.measured_optimized_ms:.3f} ms "
                          f"({_pct(self.measured_optimized_ms, self.measured_baseline_ms)}).")
@@ -146,6 +168,10 @@ def _pass_notes(passes, shown: int = 5) -> list[str]:
             more = f" … and {len(notes) - shown} more" if len(notes) > shown else ""
             lines.append(f"- {p.name} ({p.graph_index}/{p.phase}): {'; '.join(notes[:shown])}{more}")
     return ["", "Notes from the passes:"] + lines if lines else []
+
+
+def _range(bounds: tuple[float, float] | None) -> str:
+    return "" if bounds is None else f" ({bounds[0]:.3f}–{bounds[1]:.3f})"
 
 
 def _pct(new: float, old: float) -> str:

@@ -10,6 +10,7 @@ from fxdream.capturing.host_gaps import StepCalls
 from fxdream.sim.cost.devices import DEVICES, DeviceSpec
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.cost.profiled import Profiled
+from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.lower import OptimizerModel, lower, lower_captured
 from fxdream.sim.simulate import Contention, Timeline
 from fxdream.sim.simulate import simulate as simulate_graph
@@ -26,10 +27,19 @@ class Prediction:
     static_bytes: int
     passes: tuple = ()  # PassReport rows when predicted with passes (simulate(..., passes=...))
     notes: tuple = ()   # e.g. the measured host time outside the graphs it includes
+    # (low, high) ms: simulated with every op at the fastest and the slowest of its measured
+    # in-context samples (``SpreadBound``); None where the costs are not measured (analytic)
+    range_ms: tuple[float, float] | None = None
 
     @property
     def time_ms(self) -> float:
         return self.timeline.makespan_us / 1e3
+
+    @property
+    def time_ms_range(self) -> tuple[float, float]:
+        """(low, high) ms the iteration is predicted to take: the measured spread of its costs;
+        (time, time) where nothing was measured."""
+        return self.range_ms if self.range_ms is not None else (self.time_ms, self.time_ms)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -84,9 +94,17 @@ def predict(captured: Captured | tuple, cost: CostModel, training: bool,
     ``step``: the graph calls and host time of a measured step (``fxdream.host_gaps``)."""
     if isinstance(cost, Profiled):
         cost.profile_in_context(captured, graphs=graphs)
-    lowered = lower_captured(captured, cost, optimizer if training else None, graphs, step)
-    timeline = simulate_graph(lowered.graph, Contention() if contention else None,
-                              initial_memory_bytes=lowered.static_bytes)
-    return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes)
+
+    def simulated(model: CostModel):
+        lowered = lower_captured(captured, model, optimizer if training else None, graphs, step)
+        return lowered, simulate_graph(lowered.graph, Contention() if contention else None,
+                                       initial_memory_bytes=lowered.static_bytes)
+    lowered, timeline = simulated(cost)
+    range_ms = None
+    if isinstance(cost, Profiled):
+        ms = timeline.makespan_us / 1e3
+        low, high = (simulated(SpreadBound(cost, side))[1].makespan_us / 1e3 for side in ("low", "high"))
+        range_ms = (min(low, ms), max(high, ms))
+    return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes, range_ms=range_ms)
 
 

@@ -1,0 +1,71 @@
+"""Every prediction carries a range: simulated with each op at the fastest and the slowest of
+its measured in-context samples (hand-computed on a two-op graph), shown in the report."""
+import pytest
+import torch
+import torch.fx as fx
+
+from fxdream.report import Report
+from fxdream.sim.cost import Profiled, get_device
+from fxdream.sim.cost.spread import SpreadBound
+from fxdream.sim.lower import lower
+from fxdream.sim.prediction import Prediction
+from fxdream.sim.profile.op_keys import profile_key
+from fxdream.sim.simulate import simulate
+from conftest import graph_with_values
+
+
+def _relu_then_sigmoid():
+    def build(graph, x):
+        a = graph.call_function(torch.ops.aten.relu.default, (x,))
+        return graph.call_function(torch.ops.aten.sigmoid.default, (a,))
+    return graph_with_values(build, (4, 4))
+
+
+def _measured(gm) -> Profiled:
+    """A profiled model with in-context samples set by hand (nothing is timed)."""
+    cost = Profiled(get_device("cpu"))
+    relu, sigmoid = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for node, samples in ((relu, [1.0, 2.0, 3.0]), (sigmoid, [10.0, 20.0, 30.0])):
+        key = profile_key(node, "cpu")
+        cost.samples[key] = samples
+        cost.measurements[key] = 2.0 if node is relu else 20.0
+    cost._call_overhead_us = 0.0
+    cost.measurements["__graph_call__|cpu"] = 0.0
+    return cost
+
+
+def _makespan(gm, cost) -> float:
+    lowered = lower([("g.fw", gm)], cost)
+    return simulate(lowered.graph).makespan_us
+
+
+def test_each_bound_takes_the_fastest_or_slowest_sample_of_every_op():
+    gm = _relu_then_sigmoid()
+    cost = _measured(gm)
+    relu, sigmoid = [n for n in gm.graph.nodes if n.op == "call_function"]
+    low, high = SpreadBound(cost, "low"), SpreadBound(cost, "high")
+    assert (low.kernel_us(relu), low.kernel_us(sigmoid)) == (1.0, 10.0)
+    assert (high.kernel_us(relu), high.kernel_us(sigmoid)) == (3.0, 30.0)
+    assert low.dispatch_us(relu) == cost.dispatch_us(relu)  # the rest is the measured model's
+    middle = _makespan(gm, cost)
+    assert _makespan(gm, low) == pytest.approx(middle - 1.0 - 10.0)
+    assert _makespan(gm, high) == pytest.approx(middle + 1.0 + 10.0)
+    with pytest.raises(ValueError, match="side='middle'; valid: 'low', 'high'"):
+        SpreadBound(cost, "middle")
+
+
+def test_an_unmeasured_prediction_has_a_zero_width_range():
+    prediction = Prediction(get_device("h100"), False, None, type("T", (), {"makespan_us": 2000.0})(), 0)
+    assert prediction.time_ms_range == (2.0, 2.0)
+    assert Prediction(get_device("cpu"), False, None, None, 0, range_ms=(1.5, 2.5)).time_ms_range == (1.5, 2.5)
+
+
+def test_the_report_shows_each_prediction_with_its_range_and_the_gain_with_its_own():
+    report = Report(model="M", training=False, device="cpu", graphs=(), predicted_baseline_ms=84.0,
+                    predicted_optimized_ms=42.0, predicted_baseline_ms_range=(80.0, 88.0),
+                    predicted_optimized_ms_range=(40.0, 44.0), predicted_peak_delta_bytes=0)
+    assert report.predicted_speedup == pytest.approx(2.0)
+    assert report.predicted_speedup_range == pytest.approx((80.0 / 44.0, 88.0 / 40.0))
+    text = report.to_markdown()
+    assert "84.000 ms (80.000–88.000) without passes → 42.000 ms (40.000–44.000) with them" in text
+    assert "2.00x (1.82–2.20)" in text
