@@ -95,7 +95,9 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
                 measured_ms=measured.median_ms, spread_pct=measured.spread_pct,
                 predicted_ms=prediction.time_ms, error_pct=100 * (prediction.time_ms / measured.median_ms - 1),
                 predicted_after_ms=after.time_ms,
-                error_after_pct=100 * (after.time_ms / measured.median_ms - 1))
+                error_after_pct=100 * (after.time_ms / measured.median_ms - 1),
+                predicted_range_ms=prediction.time_ms_range,
+                in_range=prediction.time_ms_range[0] <= measured.median_ms <= prediction.time_ms_range[1])
 
 
 def to_markdown(rows: list[dict]) -> str:
@@ -115,6 +117,10 @@ def to_markdown(rows: list[dict]) -> str:
         if errors:
             lines.append(f"\n{label}: mean |error| {statistics.mean(errors):.1f} %, max {max(errors):.1f} % "
                          f"over {len(rows)} rows")
+    hits = [r["in_range"] for r in rows if "in_range" in r]
+    if hits:
+        lines.append(f"\ncoverage: the measured time inside the predicted range in {sum(hits)} of {len(hits)} "
+                     f"rows ({100 * sum(hits) / len(hits):.0f} %)")
     return "\n".join(lines)
 
 

@@ -49,6 +49,20 @@ class ABRow:
     max_abs_diff: float
     pass_reasons: tuple[str, ...]
     predicted_at_build_ms: float | None = None  # optimize()'s own prediction, from its build's costs
+    predicted_optimized_ms_range: tuple[float, float] | None = None  # (low, high): the costs' measured spread
+    predicted_at_build_ms_range: tuple[float, float] | None = None
+
+    @property
+    def in_range(self) -> bool | None:
+        """Whether the measured optimized time falls in its predicted range (None: no range)."""
+        bounds = self.predicted_optimized_ms_range
+        return None if bounds is None else bounds[0] <= self.optimized.median_ms <= bounds[1]
+
+    @property
+    def in_range_at_build(self) -> bool | None:
+        """The same for optimize()'s own prediction, made at build time."""
+        bounds = self.predicted_at_build_ms_range
+        return None if bounds is None else bounds[0] <= self.optimized.median_ms <= bounds[1]
 
     @property
     def measured_delta_pct(self) -> float:
@@ -66,7 +80,7 @@ class ABRow:
     def to_dict(self) -> dict:
         data = asdict(self)
         data.update(measured_delta_pct=self.measured_delta_pct, predicted_delta_pct=self.predicted_delta_pct,
-                    error_pct=self.error_pct)
+                    error_pct=self.error_pct, in_range=self.in_range, in_range_at_build=self.in_range_at_build)
         return data
 
 
@@ -77,9 +91,18 @@ class ABResult:
     date: str
     rows: tuple[ABRow, ...]
 
+    def coverage(self, at_build: bool = False) -> float | None:
+        """Share of the rows whose measured optimized time fell in the predicted range (between
+        the timed blocks, or ``at_build``); None where no row has a range."""
+        hits = [r.in_range_at_build if at_build else r.in_range for r in self.rows]
+        hits = [h for h in hits if h is not None]
+        return sum(hits) / len(hits) if hits else None
+
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "torch": self.torch_version, "date": self.date,
-                           "host": platform.node(), "rows": [r.to_dict() for r in self.rows]}, indent=1)
+                           "host": platform.node(), "coverage": self.coverage(),
+                           "coverage_at_build": self.coverage(at_build=True),
+                           "rows": [r.to_dict() for r in self.rows]}, indent=1)
 
     def to_markdown(self) -> str:
         lines = [f"A/B on {self.device} (torch {self.torch_version}, {self.date}); times are measured "
@@ -98,6 +121,12 @@ class ABResult:
                 f"| {r.optimized.median_ms:.2f} ±{r.optimized.spread_pct / 2:.0f}% | {r.predicted_baseline_ms:.2f} "
                 f"| {r.predicted_optimized_ms:.2f} | {r.measured_delta_pct:+.1f} % | {r.predicted_delta_pct:+.1f} % "
                 f"| {r.error_pct:+.1f} % | {at_build} | {r.max_abs_diff:.1e} |")
+        coverage, at_build = self.coverage(), self.coverage(at_build=True)
+        if coverage is not None or at_build is not None:
+            lines += ["", "Measured optimized time inside its predicted range: "
+                      + ", ".join(f"{label} {100 * share:.0f} %" for label, share in
+                                  (("between the blocks", coverage), ("at build", at_build)) if share is not None)
+                      + f" of {len(self.rows)} row(s)."]
         return "\n".join(lines)
 
 
@@ -195,7 +224,8 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
         rows.append(ABRow(model_name, batch, training, names, measured["eager"], measured["baseline"],
                           measured["optimized"], before.time_ms, after.time_ms,
                           max_abs_diff(model, optimized, inputs, training, loss_fn), reasons,
-                          optimized.report.predicted_optimized_ms))
+                          optimized.report.predicted_optimized_ms, after.range_ms,
+                          optimized.report.predicted_optimized_ms_range))
     return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
 
 

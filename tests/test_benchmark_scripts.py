@@ -82,6 +82,9 @@ def test_fidelity_measures_and_predicts_each_case(tmp_path):
     assert [r["training"] for r in result["rows"]] == [False, True]
     for row in result["rows"]:
         assert row["measured_ms"] > 0 and row["predicted_ms"] > 0
+        low, high = row["predicted_range_ms"]
+        assert low <= row["predicted_ms"] <= high and row["in_range"] == (low <= row["measured_ms"] <= high)
+    assert "coverage: the measured time inside the predicted range in " in pathlib.Path(out + ".md").read_text()
 
 
 def test_fidelity_fails_when_every_case_is_skipped(tmp_path, capsys):

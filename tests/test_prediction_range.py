@@ -69,3 +69,21 @@ def test_the_report_shows_each_prediction_with_its_range_and_the_gain_with_its_o
     text = report.to_markdown()
     assert "84.000 ms (80.000–88.000) without passes → 42.000 ms (40.000–44.000) with them" in text
     assert "2.00x (1.82–2.20)" in text
+
+
+def _row(optimized_ms: float, predicted_range, at_build_range=None):
+    from fxdream.ab import ABRow
+    from fxdream.measure import Measurement
+    m = Measurement(optimized_ms, optimized_ms, optimized_ms, 5, 10)
+    return ABRow("m", 1, False, ("p",), m, m, m, 10.0, 9.0, 0.0, (), 9.5, predicted_range, at_build_range)
+
+
+def test_ab_rows_say_whether_the_measured_time_fell_in_its_range_and_the_result_counts_them():
+    from fxdream.ab import ABResult
+    rows = (_row(9.0, (8.0, 10.0), (9.5, 9.9)), _row(12.0, (8.0, 10.0), (11.0, 13.0)), _row(9.0, None))
+    assert [r.in_range for r in rows] == [True, False, None]
+    assert [r.in_range_at_build for r in rows] == [False, True, None]
+    result = ABResult("cpu", "2.x", "today", rows)
+    assert result.coverage() == pytest.approx(0.5) and result.coverage(at_build=True) == pytest.approx(0.5)
+    assert "inside its predicted range: between the blocks 50 %, at build 50 % of 3 row(s)" in result.to_markdown()
+    assert ABResult("cpu", "2.x", "today", (rows[2],)).coverage() is None
