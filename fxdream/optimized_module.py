@@ -154,7 +154,7 @@ class OptimizedModule(torch.nn.Module):
         captured = self._session.captured()
         extras = dict(self._extras, notes=tuple(self._session.notes) + tuple(self._extras.get("notes", ())))
         return Report(model=type(self.model).__name__, training=not self._inference,
-                      device=str(self._device), graphs=tuple(GraphReport.of(c) for c in captured),
+                      device=str(self._device), graphs=_graphs_with_ops(captured),
                       graph_breaks=self._graph_breaks, fallback_reason=self._fallback_reason,
                       passes=tuple(self._pipeline.rows), build_seconds=self._build_seconds,
                       capture=self._capture, **extras)
@@ -168,3 +168,9 @@ class OptimizedModule(torch.nn.Module):
     def rewritten_graphs(self) -> dict:
         """(subgraph index, phase) → the graph the passes produced (absent: ran as captured)."""
         return dict(self._pipeline.rewritten)
+
+
+def _graphs_with_ops(captured) -> tuple[GraphReport, ...]:
+    """The report's subgraphs: those that compute something (dynamo can hand the backend a graph
+    of no op, between two breaks, which runs nothing)."""
+    return tuple(g for g in map(GraphReport.of, captured) if g.forward_ops or g.backward_ops)

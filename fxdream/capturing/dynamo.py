@@ -96,6 +96,7 @@ def _raise_recompile_limit(at_least: int = 64) -> int:
 
 
 _SKIPPED = "\0skipped\0"  # marks a reason dynamo gave for running a whole function eagerly
+WHOLE_FUNCTION = " (dynamo ran that whole function eagerly)"
 
 
 def graph_break_counts() -> dict[str, int]:
@@ -107,11 +108,14 @@ def graph_break_counts() -> dict[str, int]:
 
 
 def new_graph_breaks(before: dict[str, int]) -> tuple[str, ...]:
+    """The breaks seen since ``before``, each once, in order: a reason dynamo counted both as a
+    break and as giving up on the whole function is listed as the latter."""
     after = graph_break_counts()
+    new = [reason for reason, n in after.items() if n > before.get(reason, 0)]
+    whole = {_first_line(r[len(_SKIPPED):]) for r in new if r.startswith(_SKIPPED)}
     return tuple(dict.fromkeys(  # distinct, in order
-        _first_line(reason[len(_SKIPPED):]) + " (dynamo ran that whole function eagerly)"
-        if reason.startswith(_SKIPPED) else _first_line(reason)
-        for reason, n in after.items() if n > before.get(reason, 0)))
+        _first_line(reason[len(_SKIPPED):]) + WHOLE_FUNCTION if reason.startswith(_SKIPPED) else _first_line(reason)
+        for reason in new if reason.startswith(_SKIPPED) or _first_line(reason) not in whole))
 
 
 def _first_line(reason: str) -> str:
