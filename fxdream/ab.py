@@ -98,6 +98,12 @@ class ABResult:
         hits = [h for h in hits if h is not None]
         return sum(hits) / len(hits) if hits else None
 
+    def _mean_width(self, prediction: str) -> str:
+        """The ranges' mean width as a share of their prediction: a wide range covers easily."""
+        widths = [(bounds[1] - bounds[0]) / getattr(r, prediction) for r in self.rows
+                  if (bounds := getattr(r, prediction + "_range")) is not None and getattr(r, prediction)]
+        return f"±{50 * sum(widths) / len(widths):.0f} % wide on average" if widths else "–"
+
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "torch": self.torch_version, "date": self.date,
                            "host": platform.node(), "coverage": self.coverage(),
@@ -124,8 +130,10 @@ class ABResult:
         coverage, at_build = self.coverage(), self.coverage(at_build=True)
         if coverage is not None or at_build is not None:
             lines += ["", "Measured optimized time inside its predicted range: "
-                      + ", ".join(f"{label} {100 * share:.0f} %" for label, share in
-                                  (("between the blocks", coverage), ("at build", at_build)) if share is not None)
+                      + ", ".join(f"{label} {100 * share:.0f} % (ranges {width})" for label, share, width in
+                                  (("between the blocks", coverage, self._mean_width("predicted_optimized_ms")),
+                                   ("at build", at_build, self._mean_width("predicted_at_build_ms")))
+                                  if share is not None)
                       + f" of {len(self.rows)} row(s)."]
         return "\n".join(lines)
 

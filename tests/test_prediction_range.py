@@ -85,5 +85,7 @@ def test_ab_rows_say_whether_the_measured_time_fell_in_its_range_and_the_result_
     assert [r.in_range_at_build for r in rows] == [False, True, None]
     result = ABResult("cpu", "2.x", "today", rows)
     assert result.coverage() == pytest.approx(0.5) and result.coverage(at_build=True) == pytest.approx(0.5)
-    assert "inside its predicted range: between the blocks 50 %, at build 50 % of 3 row(s)" in result.to_markdown()
+    text = result.to_markdown()
+    assert "between the blocks 50 % (ranges ±11 % wide on average)" in text  # 2 / 9 ms wide: ±11 %
+    assert "at build 50 % (ranges ±6 % wide on average) of 3 row(s)" in text  # (0.4 + 2) / 2 / 9.5 ms
     assert ABResult("cpu", "2.x", "today", (rows[2],)).coverage() is None
