@@ -89,3 +89,16 @@ def test_ab_rows_say_whether_the_measured_time_fell_in_its_range_and_the_result_
     assert "between the blocks 50 % (ranges ±11 % wide on average)" in text  # 2 / 9 ms wide: ±11 %
     assert "at build 50 % (ranges ±6 % wide on average) of 3 row(s)" in text  # (0.4 + 2) / 2 / 9.5 ms
     assert ABResult("cpu", "2.x", "today", (rows[2],)).coverage() is None
+
+
+def test_timing_rounds_times_each_graph_that_many_times_and_keeps_every_round():
+    import fxdream
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+    optimized = fxdream.optimize(model, (torch.randn(1, 3, 12, 12),), passes=["fuse_conv_bias_act"], timing_rounds=6)
+    samples = optimized._cost_model.samples
+    assert samples and all(len(times) == 6 for times in samples.values())  # no early stop, no faster-of-two
+    low, high = optimized.report.predicted_optimized_ms_range
+    assert low <= optimized.report.predicted_optimized_ms <= high
+    with pytest.raises(ValueError, match="timing_rounds must be an integer ≥ 1, got 0"):
+        fxdream.optimize(model, (torch.randn(1, 3, 12, 12),), timing_rounds=0)

@@ -78,8 +78,11 @@ class Profiled:
 
     def __init__(self, device: DeviceSpec, torch_device: str | torch.device = "cpu",
                  measurements: dict | None = None, rounds: int = 5, target_block_us: float = 2000.0,
-                 build_module: ModuleBuilder = as_graph_module):
+                 build_module: ModuleBuilder = as_graph_module, context_rounds: int | None = None):
         self.device = device
+        # timed runs of each graph profiled in context: None for the default (up to 5, stopping
+        # once PROFILE_BUDGET_S is spent past MIN_ROUNDS); a number for exactly that many
+        self.context_rounds = context_rounds
         self.build_module = build_module  # how the graph-call probe builds its one-op module
         self.torch_device = torch.device(torch_device)
         self.measurements: dict[str, float] = dict(measurements or {})
@@ -194,7 +197,7 @@ class Profiled:
         """Keys measured inside a real graph run."""
         return set(self.samples)
 
-    def profile_in_context(self, captured, rounds: int = 5, warmup: int = 2, graphs: dict | None = None,
+    def profile_in_context(self, captured, rounds: int | None = None, warmup: int = 2, graphs: dict | None = None,
                            again: bool = False) -> None:
         """Time every node where it really runs: the captured graphs on their real inputs.
 
@@ -231,8 +234,8 @@ class Profiled:
                     if gm is not None:
                         self.profile_graph(gm, bw_inputs, rounds, warmup, new_keys_only=new_only)
 
-    def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int = 5, warmup: int = 0,
-                      budget_s: float = PROFILE_BUDGET_S, new_keys_only: bool = False,
+    def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int | None = None, warmup: int = 0,
+                      budget_s: float | None = None, new_keys_only: bool = False,
                       give_up_above_us: float = math.inf, raise_errors: bool = False) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
@@ -245,11 +248,15 @@ class Profiled:
         the costs a prediction of the unrewritten graph used stay as they were.
         ``give_up_above_us``: no third round where both first ones took longer (``time_graph``).
         ``raise_errors``: a graph that raises when run raises here, instead of giving None."""
+        if rounds is None:
+            rounds = self.context_rounds or 5
+        if budget_s is None:
+            budget_s = math.inf if self.context_rounds else PROFILE_BUDGET_S
         inputs = owned_copies(inputs, gm)
         samples: dict[str, list[float]] = {}
         with real_tensors():
             values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s, give_up_above_us,
-                                raise_errors)
+                                raise_errors, every_round=self.context_rounds is not None)
         for key, times in samples.items():
             if new_keys_only and key in self.samples:
                 continue

@@ -136,7 +136,7 @@ def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, li
 
 def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
                warmup: int, budget_s: float = math.inf, give_up_above_us: float = math.inf,
-               raise_errors: bool = False) -> dict | None:
+               raise_errors: bool = False, every_round: bool = False) -> dict | None:
     """Add each profile key's in-context time per round to ``samples``; return the output values
     by node name. No third round where both timed ones took more than ``give_up_above_us`` in
     all: a candidate clearly slower than another needs no median, but one run can be cold (a
@@ -149,7 +149,9 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     cost times its count is what those instances took. Instances of one op and shape need not
     cost the same in context (one can run slower than the others, run after run): the median of
     their pooled times would be the fast ones', and the graph predicted faster than it runs.
-    A graph that raises gives None, or with ``raise_errors`` the error."""
+    A graph that raises gives None, or with ``raise_errors`` the error. ``every_round``: all
+    ``rounds`` run and every one is a sample (no stop on agreement, no faster-of-two): the spread
+    the prediction's range is read from (``SpreadBound``)."""
     outputs, taken = None, []
     cuda = device.type == "cuda"
     if cuda:  # the first run on a GPU autotunes (cuDNN) and tells how long the host takes to queue it
@@ -180,8 +182,9 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                             this_round.setdefault(HOST + keys[index], []).append(host * 1e6)
                     taken.append((sum(seconds for _, seconds, _ in stamps) * 1e6,
                                   {key: sum(times) / len(times) for key, times in this_round.items()}))
-                    if i == warmup + 1 and (min(total for total, _ in taken) > give_up_above_us
-                                            or _agreed(taken, time.perf_counter() - timed_from)):
+                    if i == warmup + 1 and not every_round and (
+                            min(total for total, _ in taken) > give_up_above_us
+                            or _agreed(taken, time.perf_counter() - timed_from)):
                         break
     except Exception:  # a graph that cannot run outside its wrappers: keep micro-benchmarks
         if raise_errors:
@@ -189,7 +192,7 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
         return None
     finally:
         _STAMPS.clear()
-    for _, this_round in [min(taken, key=lambda t: t[0])] if len(taken) == 2 else taken:  # see above
+    for _, this_round in [min(taken, key=lambda t: t[0])] if len(taken) == 2 and not every_round else taken:
         for key, us in this_round.items():
             samples.setdefault(key, []).append(us)
     output = next(n for n in gm.graph.nodes if n.op == "output")

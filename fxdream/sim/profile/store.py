@@ -28,12 +28,12 @@ _STORES: dict[tuple, tuple[dict, dict]] = {}  # store key → (measurements, in-
 
 
 def shared_profile(device: DeviceSpec, torch_device: str | torch.device,
-                   build_module: ModuleBuilder = as_graph_module) -> Profiled:
+                   build_module: ModuleBuilder = as_graph_module, context_rounds: int | None = None) -> Profiled:
     """A ``Profiled`` cost model whose measurements are this process's store for the device."""
     key = _store_key(device, torch.device(torch_device))
     if key not in _STORES:
         _STORES[key] = _load(key)
-    cost = Profiled(device, torch_device, build_module=build_module)
+    cost = Profiled(device, torch_device, build_module=build_module, context_rounds=context_rounds)
     cost.measurements, cost.samples = _STORES[key]
     return cost
 
