@@ -17,7 +17,6 @@ import torch
 import fxdream
 from fxdream import models, whatif
 from fxdream.ab import ab, check_device_here, plot_ab, user_build
-from fxdream.build import cost_model_for
 from fxdream.capturing.capture_model import capture
 from fxdream.explain import crossover
 from fxdream.measure import time_interleaved
@@ -27,7 +26,7 @@ from fxdream.sim.lower import OPTIMIZERS
 from fxdream.sim.prediction import predict
 from fxdream.sim.profile.store import PROFILE_DIR_ENV
 from fxdream.sim.trace import plot_comparison, plot_timeline, write_chrome_trace
-from fxdream.simulation import simulate
+from fxdream.simulation import prediction_inputs, simulate
 
 
 def build_model(name: str, batch: int, tiny: bool = False, training: bool = False):
@@ -137,8 +136,9 @@ def cmd_whatif(args) -> int:
 
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, True)
     print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
+    model, inputs, _, cost = prediction_inputs(model, inputs, None, args.device, args.cost)  # analytic: on meta
     captured = capture(model, inputs, training=True)
-    base = predict(captured, cost_model_for(args.device, args.cost), True, OPTIMIZERS[args.optimizer])
+    base = predict(captured, cost, True, OPTIMIZERS[args.optimizer])
     on_gpu = base.device.kind == "cuda"
     single = lambda run: (run, 1)  # noqa: E731  (scenario, GPUs it runs on)
     scenarios = {"AMP float16": single(lambda: whatif.amp(base, dtype="float16", captured=captured)),
@@ -218,6 +218,7 @@ def cmd_explain(args) -> int:
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} ...", flush=True)
+    model, inputs, _, _ = prediction_inputs(model, inputs, None, args.device, "auto")  # another device: on meta
     captured = fxdream.capture(model, inputs, training=args.training)
     model.train(args.training)
     result = plan(model, captured, device=args.device, training=args.training,

@@ -7,8 +7,9 @@ import torch
 
 from fxdream.build import cost_model_for
 from fxdream.capturing.capture_model import capture_with_host_gaps
+from fxdream.capturing.meta import meta_copy, on_meta
 from fxdream.plan import plan
-from fxdream.sim.cost.profiled import DeviceSpec, Profiled
+from fxdream.sim.cost import DeviceSpec, Profiled
 from fxdream.sim.lower import OPTIMIZERS
 from fxdream.sim.prediction import Prediction, predict
 
@@ -26,11 +27,22 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     """
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
-    model_cost = cost_model_for(device, cost, reuse=True)
-    # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
-    captured, step, notes = capture_with_host_gaps(model, example_inputs, training,
-                                                   measure=isinstance(model_cost, Profiled),
-                                                   example_kwargs=example_kwargs)
+    original = (model, example_inputs, example_kwargs)
+    model, example_inputs, example_kwargs, model_cost = prediction_inputs(model, example_inputs, example_kwargs,
+                                                                          device, cost)
+    measure, fallback = isinstance(model_cost, Profiled), ()
+    try:  # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
+        captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure,
+                                                       example_kwargs=example_kwargs)
+    except Exception as error:
+        if measure or model is original[0] or on_meta(*original):
+            raise
+        model, example_inputs, example_kwargs = original  # it reads tensor values: capture on its data
+        captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False,
+                                                       example_kwargs=example_kwargs)
+        fallback = (f"captured on the example's data here, not on the meta device: the model reads tensor values "
+                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",)
+    notes = fallback + tuple(notes)
     if not passes:
         prediction = predict(captured, model_cost, training, OPTIMIZERS.get(optimizer),
                              contention=contention, step=step)
@@ -38,3 +50,20 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     planned = plan(model, captured, device, training, passes, model_cost, memory_budget,
                    OPTIMIZERS.get(optimizer), contention, step=step)
     return dataclasses.replace(planned.after, passes=planned.rows, notes=notes)
+
+
+def prediction_inputs(model: torch.nn.Module, example_inputs, example_kwargs, device: str | DeviceSpec,
+                      cost: str) -> tuple:
+    """(model, inputs, kwargs, cost model) to capture for a prediction: with analytic costs (a
+    device that is not here, or ``cost="analytic"``) a copy on the meta device, so nothing runs
+    on real data here; a model already on the meta device takes analytic costs."""
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    meta = on_meta(model, inputs, example_kwargs)
+    if meta and cost == "profiled":
+        raise ValueError("cost='profiled' measures the model on this machine, and its tensors are on the meta "
+                         "device (no data): use cost='analytic' (or 'auto') for a meta model")
+    model_cost = cost_model_for(device, "analytic" if meta and cost == "auto" else cost, reuse=True)
+    if isinstance(model_cost, Profiled) or meta:
+        return model, example_inputs, example_kwargs, model_cost
+    model, inputs, kwargs = meta_copy(model, inputs, example_kwargs)
+    return model, inputs, kwargs, model_cost

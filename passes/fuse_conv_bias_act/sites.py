@@ -56,13 +56,15 @@ def _conv_problem(conv: fx.Node, ctx: PassContext) -> str | None:
         return "transposed convolution"
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         return "unknown input or weight"
-    if x.device.type == "cuda":
+    # a meta tensor (a capture for a device that is not here) runs on the device planned for
+    device = ctx.device if x.device.type == "meta" else x.device.type
+    if device == "cuda":
         if x.dim() != 4:
             return f"a {x.dim() - 2}-d convolution on CUDA (the cuDNN fused kernels this pass uses are 2-d)"
         return None if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {x.dtype}"
-    if x.device.type == "cpu" and x.dtype == torch.float32:
+    if device == "cpu" and x.dtype == torch.float32:
         return None if x.dim() in (3, 4, 5) else f"a {x.dim() - 2}-d convolution (oneDNN's fused conv is 1-d to 3-d)"
-    return f"{x.device.type} {x.dtype}: no fused kernel"
+    return f"{device} {x.dtype}: no fused kernel"
 
 
 def _sole_user(node: fx.Node, target) -> fx.Node | None:

@@ -1,0 +1,31 @@
+"""A model and its inputs on the meta device: shapes, dtypes and strides without data. A
+prediction for a device that is not here captures such a copy, so the model never runs on real
+data on this machine (no activations allocated: any batch size, any model size)."""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+
+def on_meta(model: torch.nn.Module, inputs=(), kwargs=None) -> bool:
+    """Whether the model's parameters or buffers, or the inputs, live on the meta device."""
+    tensors = itertools.chain(model.parameters(), model.buffers(), tree_leaves((inputs, kwargs or {})))
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
+
+
+def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None):
+    """(the model, inputs, kwargs) with every parameter, buffer and input tensor on the meta
+    device: the model is deep-copied with its tensors replaced by meta ones (no data copied),
+    the original is left as it was."""
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if id(tensor) not in memo:
+            meta = tensor.detach().to("meta")
+            memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+                if isinstance(tensor, torch.nn.Parameter) else meta
+    copied = copy.deepcopy(model, memo)
+    to_meta = lambda v: v.detach().to("meta").requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return copied, tree_map(to_meta, tuple(inputs)), tree_map(to_meta, dict(kwargs or {}))

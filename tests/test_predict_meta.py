@@ -1,0 +1,73 @@
+"""A prediction for a device that is not here (analytic costs) never runs the model on real data:
+it captures a copy on the meta device. Models and inputs already on the meta device are taken."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.build import cost_model_for
+from fxdream.capturing.meta import meta_copy, on_meta
+from fxdream.sim.lower import SGD
+from fxdream.sim.prediction import predict
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 10)
+        self.devices = []
+        self.conv.register_forward_hook(lambda m, inputs, out: self.devices.append(inputs[0].device.type))
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_a_prediction_for_another_device_runs_nothing_on_real_data_and_leaves_the_model_alone():
+    torch.manual_seed(0)
+    model, x = Net().train(), torch.randn(4, 3, 16, 16)
+    weight = model.conv.weight.detach().clone()
+    prediction = fxdream.simulate(model, (x,), device="h100", training=True)
+    assert prediction.time_ms > 0 and prediction.device.name == "h100"
+    # every forward that ran (the copy's hooks append to this list too) saw meta tensors, no data
+    assert model.devices and set(model.devices) == {"meta"}
+    assert model.conv.weight.device.type == "cpu" and torch.equal(model.conv.weight, weight)
+    assert model.conv.weight.grad is None and model.bn.num_batches_tracked.item() == 0
+
+
+def test_meta_capture_predicts_what_a_capture_on_real_data_predicts():
+    torch.manual_seed(0)
+    model, x = Net().train(), torch.randn(4, 3, 16, 16)
+    on_real = predict(fxdream.capture(model, (x,), training=True), cost_model_for("h100", "analytic"), True, SGD)
+    meta_model, meta_inputs, _ = meta_copy(model, (x,))
+    assert on_meta(meta_model) and not on_meta(model)
+    on_fake = fxdream.simulate(meta_model, meta_inputs, device="h100", training=True, optimizer="sgd")
+    assert on_fake.time_ms == pytest.approx(on_real.time_ms)
+    assert on_fake.peak_memory_bytes == on_real.peak_memory_bytes
+
+
+def test_a_model_built_on_the_meta_device_is_predicted_and_not_profiled():
+    with torch.device("meta"):
+        model, x = Net().train(), torch.randn(4, 3, 16, 16)
+    assert fxdream.simulate(model, (x,), device="cpu", training=True).time_ms > 0  # auto: analytic
+    with pytest.raises(ValueError, match="cost='profiled' measures the model on this machine, and its tensors are "
+                                         "on the meta device"):
+        fxdream.simulate(model, (x,), device="cpu", cost="profiled")
+
+
+class ReadsAValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 2 if y.sum().item() > 0 else y
+
+
+def test_a_model_that_reads_tensor_values_is_captured_on_its_data_and_the_prediction_says_why():
+    prediction = fxdream.simulate(ReadsAValue(), (torch.randn(2, 4),), device="h100")
+    assert prediction.time_ms > 0
+    assert prediction.notes[0].startswith("captured on the example's data here, not on the meta device: the model "
+                                          "reads tensor values (RuntimeError: Tensor.item() cannot be called on meta")
