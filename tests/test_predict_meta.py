@@ -71,3 +71,12 @@ def test_a_model_that_reads_tensor_values_is_captured_on_its_data_and_the_predic
     assert prediction.time_ms > 0
     assert prediction.notes[0].startswith("captured on the example's data here, not on the meta device: the model "
                                           "reads tensor values (RuntimeError: Tensor.item() cannot be called on meta")
+
+
+def test_the_predicted_peak_is_said_to_fit_or_not_in_the_devices_memory():
+    from fxdream.sim.cost import get_device
+    from fxdream.sim.prediction import Prediction
+    timeline = type("Timeline", (), {"peak_memory_bytes": 81 * 2**30, "makespan_us": 1.0})()
+    v100, h200 = (Prediction(get_device(name), True, None, timeline, 0) for name in ("v100", "h200"))
+    assert not v100.fits_in_memory and v100.memory_verdict() == "does not fit in v100 memory (32 GiB)"
+    assert h200.fits_in_memory and h200.memory_verdict() == "fits in h200 memory (141 GiB)"

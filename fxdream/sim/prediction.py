@@ -45,6 +45,16 @@ class Prediction:
     def peak_memory_bytes(self) -> int:
         return self.timeline.peak_memory_bytes
 
+    @property
+    def fits_in_memory(self) -> bool:
+        """Whether the predicted peak fits in the device's memory (``DeviceSpec.memory_bytes``)."""
+        return self.peak_memory_bytes <= self.device.memory_bytes
+
+    def memory_verdict(self) -> str:
+        """'fits in h100 memory (80 GiB)' or 'does not fit in ...': the predicted peak against it."""
+        verb = "fits" if self.fits_in_memory else "does not fit"
+        return f"{verb} in {self.device.name} memory ({self.device.memory_bytes / 2**30:.0f} GiB)"
+
     def top_layers(self, n: int = 10) -> tuple[tuple[str, float], ...]:
         ranked = sorted(self.timeline.per_layer_us.items(), key=lambda kv: -kv[1])
         return tuple(ranked[:n])
@@ -52,7 +62,7 @@ class Prediction:
     def summary(self, top: int = 10) -> str:
         mode = "training step" if self.training else "inference"
         lines = [f"predicted {mode} on {self.device.name}: {self.time_ms:.3f} ms per iteration, "
-                 f"peak memory {self.peak_memory_bytes / 2**20:.1f} MiB "
+                 f"peak memory {self.peak_memory_bytes / 2**20:.1f} MiB, {self.memory_verdict()} "
                  f"({len(self.task_graph)} tasks)"]
         busy = ", ".join(f"{r} {self.timeline.utilization(r) * 100:.0f} %" for r in sorted(self.timeline.busy_us))
         lines.append(f"busy: {busy}")
