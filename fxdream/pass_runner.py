@@ -23,6 +23,7 @@ from fxdream.pass_api import Pass, PassContext, PassResult, complete_new_nodes
 from fxdream.report import PassReport
 from fxdream.runtime.direct_calls import call_ops_directly
 from fxdream.sim.cost.profiled import Profiled
+from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.prediction import graph_prediction
 from fxdream.sim.profile.in_context import graph_fingerprint
 
@@ -234,6 +235,7 @@ class PassPipeline:
             # over the budget: the lowest peak first (the budget asks for memory before speed)
             scored.append((not within, 0 if within else peak, us, len(subset), subset, candidate, subset_rows))
         scored.sort(key=lambda item: item[:4])
+        scored, tied = self._simplest_of_ties(scored, ctx.phase)
         over, _, best_us, _, best, best_gm, best_rows = scored[0]
         names = lambda subset: "+".join(p.name for p in subset) or "none"  # noqa: E731
         summary = "; ".join(f"{names(s[4])} {s[2] / 1e3:.3f} ms" + (" (over budget)" if s[0] else "")
@@ -241,12 +243,29 @@ class PassPipeline:
         for row in rows + best_rows + _rows_not_chosen(candidates, best):
             self._add(row)
         over_budget = " (none fits memory_budget: the lowest predicted peak)" if over else ""
+        ties = (f"; {names(tied[4])}, predicted {tied[2] / 1e3:.3f} ms, is within the measured spread of "
+                f"this one (a tie): the simpler is kept") if tied else ""
         self._add(PassReport("auto", index, ctx.phase, bool(best), f"chose {names(best)}: predicted "
-                             f"{best_us / 1e3:.3f} ms of {len(scored)} subsets{over_budget}",
+                             f"{best_us / 1e3:.3f} ms of {len(scored)} subsets{over_budget}{ties}",
                              notes=(f"predicted: {summary}",)))
         for p in final:
             best_gm = self._finish(p, best_gm, ctx, index)
         return best_gm
+
+    def _simplest_of_ties(self, scored: list, phase: str) -> tuple[list, tuple | None]:
+        """Candidates predicted within the measured spread of the fastest (its range, from the
+        slowest of each op's in-context samples) are ties: the one with the fewest passes first.
+        Returns the candidates reordered, and the fastest where a simpler tie displaced it."""
+        cost = self.base_context.cost_model
+        best = scored[0]
+        if not isinstance(cost, Profiled) or best[0] or not best[4]:
+            return scored, None
+        high_us = graph_prediction(best[5], SpreadBound(cost, "high"), phase)[0]
+        ties = [s for s in scored if not s[0] and s[2] <= high_us]
+        simplest = min(ties, key=lambda s: (len(s[4]), s[2]))
+        if simplest is best:
+            return scored, None
+        return [simplest] + [s for s in scored if s is not simplest], best
 
     def _finish(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
         """A ``final`` pass (a clean-up that helps whichever graph it gets, as ``reinplace``) runs

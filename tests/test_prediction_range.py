@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 
 from fxdream.report import Report
-from fxdream.sim.cost import Profiled, get_device
+from fxdream.sim.cost import Analytic, Profiled, get_device
 from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.lower import lower
 from fxdream.sim.prediction import Prediction
@@ -102,3 +102,22 @@ def test_timing_rounds_times_each_graph_that_many_times_and_keeps_every_round():
     assert low <= optimized.report.predicted_optimized_ms <= high
     with pytest.raises(ValueError, match="timing_rounds must be an integer ≥ 1, got 0"):
         fxdream.optimize(model, (torch.randn(1, 3, 12, 12),), timing_rounds=0)
+
+
+def test_auto_keeps_the_simplest_candidate_within_the_fastest_ones_measured_spread():
+    from fxdream.pass_api import PassContext
+    from fxdream.pass_runner import PassPipeline
+    from fxdream.sim.prediction import graph_prediction
+    gm = _relu_then_sigmoid()
+    cost = _measured(gm)
+    pipeline = PassPipeline((), PassContext(cost_model=cost), auto=True)
+    high = graph_prediction(gm, SpreadBound(cost, "high"), "fw")[0]  # the fastest one's slowest
+    fastest = (False, 0, high - 20.0, 2, ("fuse", "pack"), gm, [])
+    tie = (False, 0, high - 1.0, 1, ("fuse",), gm, [])
+    slower = (False, 0, high + 5.0, 0, (), gm, [])
+    ordered, displaced = pipeline._simplest_of_ties([fastest, tie, slower], "fw")
+    assert ordered[0] is tie and displaced is fastest and len(ordered) == 3
+    clear = (False, 0, high + 1.0, 1, ("fuse",), gm, [])  # outside the spread: not a tie
+    assert pipeline._simplest_of_ties([fastest, clear, slower], "fw") == ([fastest, clear, slower], None)
+    analytic = PassPipeline((), PassContext(cost_model=Analytic(get_device("cpu"))), auto=True)
+    assert analytic._simplest_of_ties([fastest, tie], "fw") == ([fastest, tie], None)  # no measured spread
