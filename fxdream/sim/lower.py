@@ -21,7 +21,6 @@ are ignored (there are no CUDA graphs).
 from __future__ import annotations
 
 import collections
-import operator
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -30,11 +29,11 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from fxdream.capturing.host_gaps import END, StepCalls
-from fxdream.ir.aliasing import aliases_input
 from fxdream.ir.nodes import LAYER, PARAMETER_GRADIENTS, is_view, op_name
 from fxdream.ir.tensors import tensor_bytes
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph_regions, inline_cuda_graph_runners
+from fxdream.sim.liveness import Buffers
 from fxdream.sim.profile.op_keys import HOST_SYNC_OPS
 from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
 
@@ -70,82 +69,6 @@ class Lowered:
     static_bytes: int  # parameters and inputs alive before the iteration starts
 
 
-class _Buffers:
-    """Tracks which allocation each value lives in, across fw and bw graphs, for liveness."""
-
-    def __init__(self):
-        self.scope = ""                           # subgraph label prefix: "g0" for g0.fw and g0.bw
-        self.root: dict[str, tuple] = {}          # scoped value name → buffer id
-        self.size: dict[tuple, int] = {}
-        self.last_use: dict[tuple, tuple[int, str]] = {}  # buffer → (graph index, task name)
-        self.output_graph: dict[tuple, int] = {}
-        self.pooled: set[tuple] = set()           # in a CUDA graph's pool: never freed
-
-    def key(self, node: fx.Node) -> str:
-        return f"{self.scope}/{node.name}"
-
-    def known(self, node: fx.Node) -> bool:
-        return self.key(node) in self.root
-
-    def define(self, node: fx.Node) -> list[tuple]:
-        """Record the buffers ``node`` allocates (returns them) or aliases."""
-        key = self.key(node)
-        if node.op == "placeholder":
-            self.root.setdefault(key, ("input", key))
-            return []
-        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-            base = self.root.get(self.key(node.args[0]))
-            multi = base is not None and base[0] == "multi"
-            self.root[key] = ("buf", base[1], node.args[1]) if multi else base
-            return []
-        if is_view(node) or aliases_input(node):
-            first = next((a for a in node.all_input_nodes), None)
-            self.root[key] = self.root.get(self.key(first)) if first is not None else ("input", key)
-            return []
-        value = node.meta.get("val")
-        if isinstance(value, (tuple, list)):
-            created = [("buf", key, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
-            for buffer, v in zip(created, [v for v in value if isinstance(v, torch.Tensor)]):
-                self.size[buffer] = tensor_bytes(v)
-            self.root[key] = ("multi", key)
-        else:
-            created = [("buf", key)]
-            self.size[("buf", key)] = tensor_bytes(value)
-            self.root[key] = ("buf", key)
-        return created
-
-    def use(self, node: fx.Node, task: str, graph_index: int) -> None:
-        for arg in node.all_input_nodes:
-            for buffer in self._buffers_of(arg):
-                self.last_use[buffer] = (graph_index, task)
-
-    def output(self, node: fx.Node, graph_index: int) -> None:
-        for arg in node.all_input_nodes:
-            for buffer in self._buffers_of(arg):
-                self.output_graph[buffer] = graph_index
-
-    def _buffers_of(self, arg: fx.Node) -> list[tuple]:
-        root = self.root.get(self.key(arg))
-        if root is None or root[0] == "input":
-            return []
-        if root[0] == "multi":
-            return [b for b in self.size if b[:2] == ("buf", root[1])]
-        return [root]
-
-    def frees(self) -> dict[str, int]:
-        """Task name → bytes freed when it ends (buffers that do not leave the iteration)."""
-        freed: dict[str, int] = {}
-        for buffer, size in self.size.items():
-            if buffer in self.pooled:
-                continue
-            used = self.last_use.get(buffer)
-            out = self.output_graph.get(buffer)
-            if used is None or (out is not None and out >= used[0]):
-                continue  # never read, or leaves as an output / saved tensor not read later
-            freed[used[1]] = freed.get(used[1], 0) + size
-        return freed
-
-
 def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
           optimizer: OptimizerModel | None = None, host_gaps: Mapping[str, float] | None = None) -> Lowered:
     """``graphs`` are (label, GraphModule) in execution order, e.g. [("g0.fw", fw), ("g0.bw", bw)].
@@ -172,7 +95,7 @@ class _Lowering:
 
     def __init__(self, cost: CostModel):
         self.cost, self.on_gpu = cost, cost.device.kind != "cpu"
-        self.tg, self.buffers = TaskGraph(), _Buffers()
+        self.tg, self.buffers = TaskGraph(), Buffers()
         self.kernel_of: dict[str, str] = {}
         self.allocs: dict[str, int] = {}
         self.static = 0
@@ -258,7 +181,7 @@ def _append_host_gap(tg: TaskGraph, before: str, us: float, phase: str) -> None:
         tg.append(Task(f"host_gap:{before}", TaskKind.CPU, float(us), "cpu:0", op="host_gap", phase=phase))
 
 
-def _wait_for_inputs(tg: TaskGraph, node: fx.Node, work: str, kernel_of: dict, buffers: _Buffers) -> None:
+def _wait_for_inputs(tg: TaskGraph, node: fx.Node, work: str, kernel_of: dict, buffers: Buffers) -> None:
     """Inputs produced by kernels on other streams: an event record → wait."""
     stream = tg.task(work).resource
     for arg in node.all_input_nodes:
@@ -278,7 +201,7 @@ def graph_launch_us(cost: CostModel, kernels: int) -> float:
 
 
 def _lower_graph_launch(tg: TaskGraph, label: str, phase: str, region: GraphRegion, cost: CostModel,
-                        kernel_of: dict, buffers: _Buffers) -> str:
+                        kernel_of: dict, buffers: Buffers) -> str:
     """The copy of the inputs into the static buffers (one batched copy), then the graph launch."""
     device = cost.device
     name = f"{label}:cuda_graph{region.region}"
@@ -300,7 +223,7 @@ def _lower_graph_launch(tg: TaskGraph, label: str, phase: str, region: GraphRegi
 
 
 def _lower_region_node(tg: TaskGraph, node: fx.Node, name: str, common: dict, launch: str, cost: CostModel,
-                       kernel_of: dict, buffers: _Buffers) -> str:
+                       kernel_of: dict, buffers: Buffers) -> str:
     """A node inside a captured graph: its kernel only, launched by the graph; a view costs nothing."""
     if is_view(node):
         if node.all_input_nodes:

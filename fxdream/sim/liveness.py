@@ -1,0 +1,88 @@
+"""Which allocation each value of the lowered graphs lives in, across forward and backward, and
+when each is last used: the allocations and frees the simulated timeline carries."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxdream.ir.aliasing import aliases_input
+from fxdream.ir.nodes import is_view
+from fxdream.ir.tensors import tensor_bytes
+
+
+class Buffers:
+    """Tracks which allocation each value lives in, across fw and bw graphs, for liveness."""
+
+    def __init__(self):
+        self.scope = ""                           # subgraph label prefix: "g0" for g0.fw and g0.bw
+        self.root: dict[str, tuple] = {}          # scoped value name → buffer id
+        self.size: dict[tuple, int] = {}
+        self.last_use: dict[tuple, tuple[int, str]] = {}  # buffer → (graph index, task name)
+        self.output_graph: dict[tuple, int] = {}
+        self.pooled: set[tuple] = set()           # in a CUDA graph's pool: never freed
+
+    def key(self, node: fx.Node) -> str:
+        return f"{self.scope}/{node.name}"
+
+    def known(self, node: fx.Node) -> bool:
+        return self.key(node) in self.root
+
+    def define(self, node: fx.Node) -> list[tuple]:
+        """Record the buffers ``node`` allocates (returns them) or aliases."""
+        key = self.key(node)
+        if node.op == "placeholder":
+            self.root.setdefault(key, ("input", key))
+            return []
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            base = self.root.get(self.key(node.args[0]))
+            multi = base is not None and base[0] == "multi"
+            self.root[key] = ("buf", base[1], node.args[1]) if multi else base
+            return []
+        if is_view(node) or aliases_input(node):
+            first = next((a for a in node.all_input_nodes), None)
+            self.root[key] = self.root.get(self.key(first)) if first is not None else ("input", key)
+            return []
+        value = node.meta.get("val")
+        if isinstance(value, (tuple, list)):
+            created = [("buf", key, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+            for buffer, v in zip(created, [v for v in value if isinstance(v, torch.Tensor)]):
+                self.size[buffer] = tensor_bytes(v)
+            self.root[key] = ("multi", key)
+        else:
+            created = [("buf", key)]
+            self.size[("buf", key)] = tensor_bytes(value)
+            self.root[key] = ("buf", key)
+        return created
+
+    def use(self, node: fx.Node, task: str, graph_index: int) -> None:
+        for arg in node.all_input_nodes:
+            for buffer in self._buffers_of(arg):
+                self.last_use[buffer] = (graph_index, task)
+
+    def output(self, node: fx.Node, graph_index: int) -> None:
+        for arg in node.all_input_nodes:
+            for buffer in self._buffers_of(arg):
+                self.output_graph[buffer] = graph_index
+
+    def _buffers_of(self, arg: fx.Node) -> list[tuple]:
+        root = self.root.get(self.key(arg))
+        if root is None or root[0] == "input":
+            return []
+        if root[0] == "multi":
+            return [b for b in self.size if b[:2] == ("buf", root[1])]
+        return [root]
+
+    def frees(self) -> dict[str, int]:
+        """Task name → bytes freed when it ends (buffers that do not leave the iteration)."""
+        freed: dict[str, int] = {}
+        for buffer, size in self.size.items():
+            if buffer in self.pooled:
+                continue
+            used = self.last_use.get(buffer)
+            out = self.output_graph.get(buffer)
+            if used is None or (out is not None and out >= used[0]):
+                continue  # never read, or leaves as an output / saved tensor not read later
+            freed[used[1]] = freed.get(used[1], 0) + size
+        return freed
