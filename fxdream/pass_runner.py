@@ -33,6 +33,8 @@ MAX_EXHAUSTIVE = 5  # up to 2**5 subsets are simulated; beyond that, greedy
 # far: no third run. Not one run: a graph's first run can be cold (a quarter slower than the next
 # ones), and either run can be a noise spike (see ``in_context.time_graph``).
 GIVE_UP_SLOWER_THAN = 1.25
+# A simpler candidate ties with the fastest only within this share of it (and within its spread)
+TIE_MAX_GAIN = 0.05
 
 
 class RewriteFailed(RuntimeError):
@@ -243,8 +245,8 @@ class PassPipeline:
         for row in rows + best_rows + _rows_not_chosen(candidates, best):
             self._add(row)
         over_budget = " (none fits memory_budget: the lowest predicted peak)" if over else ""
-        ties = (f"; {names(tied[4])}, predicted {tied[2] / 1e3:.3f} ms, is within the measured spread of "
-                f"this one (a tie): the simpler is kept") if tied else ""
+        ties = (f"; it ties with the fastest, {names(tied[4])} at {tied[2] / 1e3:.3f} ms (within that one's "
+                f"measured spread and {TIE_MAX_GAIN:.0%}): the simpler is kept") if tied else ""
         self._add(PassReport("auto", index, ctx.phase, bool(best), f"chose {names(best)}: predicted "
                              f"{best_us / 1e3:.3f} ms of {len(scored)} subsets{over_budget}{ties}",
                              notes=(f"predicted: {summary}",)))
@@ -254,13 +256,15 @@ class PassPipeline:
 
     def _simplest_of_ties(self, scored: list, phase: str) -> tuple[list, tuple | None]:
         """Candidates predicted within the measured spread of the fastest (its range, from the
-        slowest of each op's in-context samples) are ties: the one with the fewest passes first.
-        Returns the candidates reordered, and the fastest where a simpler tie displaced it."""
+        slowest of each op's in-context samples) and within ``TIE_MAX_GAIN`` of it are ties: the
+        one with the fewest passes first (a larger predicted gain is not given up to noise: on a
+        busy machine the spread is wide). Returns the candidates reordered, and the fastest where
+        a simpler tie displaced it."""
         cost = self.base_context.cost_model
         best = scored[0]
         if not isinstance(cost, Profiled) or best[0] or not best[4]:
             return scored, None
-        high_us = graph_prediction(best[5], SpreadBound(cost, "high"), phase)[0]
+        high_us = min(graph_prediction(best[5], SpreadBound(cost, "high"), phase)[0], best[2] * (1 + TIE_MAX_GAIN))
         ties = [s for s in scored if not s[0] and s[2] <= high_us]
         simplest = min(ties, key=lambda s: (len(s[4]), s[2]))
         if simplest is best:

@@ -2,7 +2,6 @@
 its measured in-context samples (hand-computed on a two-op graph), shown in the report."""
 import pytest
 import torch
-import torch.fx as fx
 
 from fxdream.report import Report
 from fxdream.sim.cost import Analytic, Profiled, get_device
@@ -112,12 +111,16 @@ def test_auto_keeps_the_simplest_candidate_within_the_fastest_ones_measured_spre
     cost = _measured(gm)
     pipeline = PassPipeline((), PassContext(cost_model=cost), auto=True)
     high = graph_prediction(gm, SpreadBound(cost, "high"), "fw")[0]  # the fastest one's slowest
-    fastest = (False, 0, high - 20.0, 2, ("fuse", "pack"), gm, [])
-    tie = (False, 0, high - 1.0, 1, ("fuse",), gm, [])
+    assert high > 20.0  # so that 5 % of the fastest is more than the 0.5 µs below
+    fastest = (False, 0, high - 0.5, 2, ("fuse", "pack"), gm, [])
+    tie = (False, 0, high - 0.1, 1, ("fuse",), gm, [])
     slower = (False, 0, high + 5.0, 0, (), gm, [])
     ordered, displaced = pipeline._simplest_of_ties([fastest, tie, slower], "fw")
     assert ordered[0] is tie and displaced is fastest and len(ordered) == 3
-    clear = (False, 0, high + 1.0, 1, ("fuse",), gm, [])  # outside the spread: not a tie
+    clear = (False, 0, high + 0.2, 1, ("fuse",), gm, [])  # outside the spread: not a tie
     assert pipeline._simplest_of_ties([fastest, clear, slower], "fw") == ([fastest, clear, slower], None)
+    much_faster = (False, 0, high / 2, 2, ("fuse", "pack"), gm, [])  # within the spread, 20 % behind it:
+    behind = (False, 0, high * 0.6, 1, ("fuse",), gm, [])               # a gain not given up to noise
+    assert pipeline._simplest_of_ties([much_faster, behind], "fw") == ([much_faster, behind], None)
     analytic = PassPipeline((), PassContext(cost_model=Analytic(get_device("cpu"))), auto=True)
     assert analytic._simplest_of_ties([fastest, tie], "fw") == ([fastest, tie], None)  # no measured spread
