@@ -55,3 +55,28 @@ def test_optimizing_a_ddp_model_runs_it_as_it_is_and_says_to_wrap_ddp_outside(gl
     torch.testing.assert_close(_grads(optimized, net, x), _grads(ddp, net, x))
     with pytest.raises(fxdream.CaptureError, match="strict=True: the model is a DistributedDataParallel"):
         fxdream.optimize(ddp, (x,), training=True, cost=None, strict=True)
+
+
+def test_two_gloo_ranks_reduce_the_optimized_modules_gradients_as_eager(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).with_name("ddp_two_ranks.py")
+    out = str(tmp_path / "grads")
+    ranks = [subprocess.Popen([sys.executable, str(worker), str(rank), f"tcp://127.0.0.1:{port}", out])
+             for rank in (0, 1)]
+    try:
+        codes = [p.wait(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert codes == [0, 0]
+    for rank in (0, 1):
+        grads = torch.load(f"{out}.{rank}")
+        for got, want in zip(grads["fxdream"], grads["eager"]):
+            torch.testing.assert_close(got, want)
+    first, second = (torch.load(f"{out}.{rank}")["fxdream"] for rank in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))  # all-reduced: the same on both ranks
