@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from typing import Callable
 
 import torch
@@ -65,8 +66,8 @@ class OptimizedModule(torch.nn.Module):
             return self._call(self.model, args, kwargs)
         if kwargs:  # by keyword as by position: the call the capture saw (positional_call)
             try:
-                args, kwargs = positional_call(self.model.forward, args, kwargs), {}
-            except TypeError:  # a keyword forward's signature does not place: passed on as it is
+                args, kwargs = positional_call(self.model.forward, args, kwargs, self._forward_signature()), {}
+            except (TypeError, ValueError):  # a keyword forward's signature does not place: passed on as it is
                 pass
         compiled = len(self._session.records)
         try:
@@ -84,6 +85,12 @@ class OptimizedModule(torch.nn.Module):
             key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
             self._count_compilation(key, self._session.records[compiled:])
         return output
+
+    def _forward_signature(self) -> inspect.Signature:
+        """The model's forward signature, read once: a model called by keyword places every call."""
+        if "_signature" not in self.__dict__:
+            self.__dict__["_signature"] = inspect.signature(self.model.forward)
+        return self.__dict__["_signature"]
 
     def __deepcopy__(self, memo) -> "OptimizedModule":
         """The same build of a deep copy of the model: the graphs run on this model's own tensors

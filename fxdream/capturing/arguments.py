@@ -48,15 +48,17 @@ def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
     return inputs
 
 
-def positional_call(forward: Callable, args: tuple, kwargs: Mapping) -> tuple:
+def positional_call(forward: Callable, args: tuple, kwargs: Mapping,
+                    signature: inspect.Signature | None = None) -> tuple:
     """``forward(*args, **kwargs)`` as one positional call that means the same: each keyword at
     its parameter's position, the parameters between them at their defaults. Raises TypeError for
     a keyword that is not one of forward's positional parameters (keyword-only, or caught by
-    ``**kwargs``), naming the ones that are, and for an argument given twice or missing."""
+    ``**kwargs``), naming the ones that are, and for an argument given twice or missing.
+    ``signature``: forward's, where the caller keeps it (a module called by keyword every call)."""
     if not kwargs:
         return tuple(args)
     try:
-        signature = inspect.signature(forward)
+        signature = signature or inspect.signature(forward)
     except (TypeError, ValueError):
         raise TypeError("keyword inputs need an inspectable forward signature; pass them positionally") from None
     positional = [p for p in signature.parameters.values()

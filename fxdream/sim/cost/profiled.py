@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
 from fxdream.ir.nodes import arg_values, is_view
-from fxdream.ir.tensors import real_tensors, size_hint  # noqa: F401  (re-exported)
+from fxdream.ir.tensors import real_tensors, size_hint
 from fxdream.runtime.direct_calls import direct
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import DeviceSpec
