@@ -51,7 +51,15 @@ def vit():
                                                                 labels=torch.tensor([0, 2]))
 
 
-MODELS = [bert, gpt2, llama, t5, vit]
+def beit():
+    """Rebuilds its relative position index with in-place slice writes on every call."""
+    config = transformers.BeitConfig(image_size=16, patch_size=8, num_channels=3, num_labels=3,
+                                     use_relative_position_bias=True, **SMALL)
+    return transformers.BeitForImageClassification(config), dict(pixel_values=torch.randn(2, 3, 16, 16),
+                                                                  labels=torch.tensor([0, 2]))
+
+
+MODELS = [bert, gpt2, llama, t5, vit, beit]
 
 
 def _loss_or_sum(out):

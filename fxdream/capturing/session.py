@@ -18,6 +18,7 @@ import torch.fx as fx
 from functorch.compile import aot_module_simplified, make_boxed_func
 
 from fxdream.capturing.captured import Captured
+from fxdream.capturing.constants import fold_input_free_values
 from fxdream.capturing.dead_copies import drop_dead_copies
 from fxdream.capturing.dynamo import compiling_code
 from fxdream.capturing.host_gaps import SubgraphClock
@@ -126,6 +127,7 @@ class CaptureSession:
                 if dropped:
                     self.notes.append(f"graph {record.index}: dropped {len(dropped)} copies of intermediates that "
                                       f"nothing else reads (aot_autograd makes them, e.g. one per eval-mode dropout)")
+            self._fold_input_free(fw, record.index, "forward")
             record.forward = fw
             runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
                                          record.example_inputs)
@@ -149,6 +151,7 @@ class CaptureSession:
             call_ops_directly(bw, recompile=False)
             record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
             bw.graph.output_node().meta[PARAMETER_GRADIENTS] = parameter_positions
+            self._fold_input_free(bw, record.index, "backward")
             record.backward = bw
             runnable = self._transformed(bw, "bw", record.index, {}, None)
             if runnable is bw:
@@ -177,6 +180,13 @@ class CaptureSession:
             self.notes.append(f"graph {record.index} recompiles graph {earlier.index} (same code, same input shapes): "
                               f"a value dynamo guards on changed after an earlier call (e.g. an attribute forward "
                               f"sets on its first call); later calls run graph {record.index}")
+
+    def _fold_input_free(self, gm: fx.GraphModule, index: int, phase: str) -> None:
+        folded = fold_input_free_values(gm)
+        if folded:
+            where = ", ".join(sorted(set(folded))[:3]) + (", ..." if len(set(folded)) > 3 else "")
+            self.notes.append(f"graph {index}: {len(folded)} value(s) the {phase} computes from no input (in {where}) "
+                              f"computed once at capture instead of on every call")
 
     def _rewrite_failed(self, record: _SubgraphRecord, error: Exception) -> None:
         failed = getattr(self.transform, "rewrite_failed", None)

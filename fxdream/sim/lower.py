@@ -121,7 +121,7 @@ class _Lowering:
             if node.op == "output":
                 self.buffers.output(node, graph_index)
                 continue
-            if node.op == "get_attr" and phase == "fw":  # a pass's constant (packed, folded weights):
+            if node.op == "get_attr":  # a constant (packed or folded weights, values made from no input):
                 self.static += tensor_bytes(node.meta.get("val"))  # alive beside the model's own
             if node.op != "call_function":
                 continue
