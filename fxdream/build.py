@@ -24,7 +24,7 @@ from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
-from fxdream.capturing.steps import one_step, run_once
+from fxdream.capturing.steps import breaks_after_the_first_call, one_step, run_once
 from fxdream.capturing.torch_fx import compile_model
 from fxdream.measure import time_interleaved
 from fxdream.numerics import max_abs_diff
@@ -192,7 +192,13 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
                 return without
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
         failure = f"the model's capture ({how}) failed: {describe_error(error)}"
-    graph_breaks = new_graph_breaks(breaks_before)
+    graph_breaks, first_call_only = new_graph_breaks(breaks_before), ()
+    if failure is None:
+        graph_breaks, first_call_only = breaks_after_the_first_call(
+            runner, model, inputs, training, lambda: session.clock.compilations, graph_breaks)
+    if first_call_only:
+        session.notes.append(f"the first call changed the model and met {len(first_call_only)} graph break(s) later "
+                             f"calls do not (they recompiled): " + "; ".join(first_call_only))
     if failure is None and not session.captured():  # second and last chances
         retried = capture_after_nothing(model, inputs, session, training, graph_breaks)
         if retried is not None:

@@ -1,8 +1,11 @@
 """Graph breaks are listed once each; subgraphs that compute nothing are not counted."""
+import pytest
 import torch
 import torch.fx as fx
 
+import fxdream
 from fxdream.capturing import dynamo
+from fxdream.capturing.dynamo import compile_with
 from fxdream.capturing.captured import Captured
 from fxdream.optimized_module import _graphs_with_ops
 
@@ -28,3 +31,52 @@ def _captured(index: int, ops: int) -> Captured:
 def test_subgraphs_with_no_op_are_left_out_of_the_report():
     graphs = _graphs_with_ops([_captured(0, 2), _captured(1, 0), _captured(2, 1)])
     assert [g.index for g in graphs] == [0, 2] and [g.forward_ops for g in graphs] == [2, 1]
+
+
+def test_a_reason_reads_the_same_in_every_build():
+    text = "Backend compiler exception\nExplanation: Backend compiler `<a.b.Session object at 0x7f1db4f05490>` failed"
+    assert dynamo._first_line(text) == "Backend compiler exception — Backend compiler `<a.b.Session>` failed"
+
+
+class ChangesItselfOnItsFirstCall(torch.nn.Module):
+    """Breaks the graph on its first call only, then never again (as Hugging Face BigBird swaps
+    its attention module on a first call with a short sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.first_call = True
+
+    def forward(self, x):
+        if self.first_call:
+            torch._dynamo.graph_break()
+            self.first_call = False
+        return self.linear(x).relu()
+
+
+class AlwaysBreaks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.linear(x)
+        torch._dynamo.graph_break()
+        return x.relu()
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_breaks_of_the_first_call_only_are_a_note_and_the_same_build_twice_lists_the_same(monkeypatch, training):
+    monkeypatch.setattr(fxdream.build, "compile_model", lambda model, inputs, session, training: (
+        compile_with(model, session), "dynamo (test)"))
+    model, x = ChangesItselfOnItsFirstCall(), torch.randn(2, 4)
+    first = fxdream.optimize(model, (x,), passes=(), cost=None, training=training)
+    second = fxdream.optimize(model, (x,), passes=(), cost=None, training=training)
+    assert first.report.graph_breaks == second.report.graph_breaks == ()
+    (note,) = [n for n in first.report.notes if "the first call changed the model" in n]
+    assert "met 1 graph break(s) later calls do not" in note and "graph_break()" in note
+    with torch.no_grad():
+        torch.testing.assert_close(first(x), model(x))
+    always = fxdream.optimize(AlwaysBreaks(), (x,), passes=(), cost=None, training=training)
+    assert len(always.report.graph_breaks) == 1 and "graph_break()" in always.report.graph_breaks[0]
+    assert not [n for n in always.report.notes if "first call" in n]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 from typing import Callable
 
 import torch
@@ -130,7 +131,10 @@ def _first_line(reason: str) -> str:
     if "from user code:" in lines:
         where = lines[lines.index("from user code:") + 1:][:1]
         text += "" if not where else f" (at {where[0]})"
-    return text
+    return _ADDRESS.sub("", text)  # the same break reads the same in every build
+
+
+_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")  # an object's repr names its memory address
 
 
 def describe_error(error: BaseException) -> str:

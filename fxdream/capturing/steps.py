@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from fxdream.capturing.dynamo import graph_break_counts, new_graph_breaks
 from fxdream.capturing.model_state import preserved_inputs, preserved_state
 
 
@@ -46,3 +47,21 @@ def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
     with preserved_state(model), preserved_inputs(inputs), tracing_config(training):
         return one_step(compiled, inputs, training)
+
+
+def breaks_after_the_first_call(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool,
+                                compilations: Callable[[], int], first_breaks: tuple[str, ...]
+                                ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Split the first call's graph breaks into (those later calls meet, those of the first call
+    only). A model may change itself on its first call (Hugging Face BigBird swaps its attention
+    module for a sequence too short for block-sparse attention): that call breaks where the
+    model no longer runs, and every later call recompiles. A second step tells: where it compiled
+    again, only the breaks it met are the model's. Without breaks there is nothing to split."""
+    if not first_breaks:
+        return (), ()
+    compiled_before, breaks_before = compilations(), graph_break_counts()
+    run_once(compiled, model, inputs, training)
+    if compilations() == compiled_before:
+        return first_breaks, ()
+    later = new_graph_breaks(breaks_before)
+    return later, tuple(b for b in first_breaks if b not in later)
