@@ -35,6 +35,10 @@ MAX_EXHAUSTIVE = 5  # up to 2**5 subsets are simulated; beyond that, greedy
 GIVE_UP_SLOWER_THAN = 1.25
 # A simpler candidate ties with the fastest only within this share of it (and within its spread)
 TIE_MAX_GAIN = 0.05
+# Candidates predicted within this share of the fastest are timed again side by side with it and
+# the graph as captured (``Profiled.profile_side_by_side``) before the choice; slower ones cannot win.
+SIDE_BY_SIDE_MARGIN = 0.25
+SIDE_BY_SIDE_NEW_SHARE = 0.05
 
 
 class RewriteFailed(RuntimeError):
@@ -64,6 +68,7 @@ class PassPipeline:
         self._by_nodes: dict[tuple, tuple[float, int]] = {}  # (graph_fingerprint, phase) → prediction, per graph
         self._best_us: dict[tuple[int, str], float] = {}  # (subgraph, phase) → best candidate predicted
         self._ran_alone: set[tuple[int, str]] = set()  # graphs that ran on their real inputs (or did before)
+        self._timed_now: set[tuple[int, str]] = set()  # graphs this build timed (a rebuild reuses costs)
 
     # --- predictions -------------------------------------------------------------------------
     def predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
@@ -92,6 +97,7 @@ class PassPipeline:
             self._inputs[(index, "fw")] = inputs
             if not cost.measured_in_context(gm):
                 values = cost.profile_graph(gm, inputs)
+                self._timed_now.add((index, "fw"))
             else:  # the backward's saved tensors, only if a backward candidate needs them
                 values = lambda: cost.run_graph(gm, inputs)  # noqa: E731
             if values is not None:
@@ -105,8 +111,11 @@ class PassPipeline:
                 values = fw_values() if callable(fw_values) else fw_values
                 return None if values is None else cost.backward_inputs(gm, values)
             self._inputs[(index, "bw")] = backward_inputs
-            if cost.measured_in_context(gm) or (self._real_inputs(index, "bw") is not None and
-                                                cost.profile_graph(gm, self._real_inputs(index, "bw")) is not None):
+            if not cost.measured_in_context(gm) and self._real_inputs(index, "bw") is not None:
+                self._timed_now.add((index, "bw"))
+                if cost.profile_graph(gm, self._real_inputs(index, "bw")) is not None:
+                    self._ran_alone.add((index, "bw"))
+            elif cost.measured_in_context(gm):
                 self._ran_alone.add((index, "bw"))
 
     def _real_inputs(self, index: int, phase: str):
@@ -132,6 +141,7 @@ class PassPipeline:
             inputs = self._real_inputs(index, phase)
             if inputs is not None:
                 best = self._best_us.get((index, phase), math.inf)
+                self._timed_now.add((index, phase))
                 try:
                     cost.profile_graph(gm, inputs, new_keys_only=True, give_up_above_us=GIVE_UP_SLOWER_THAN * best,
                                        raise_errors=(index, phase) in self._ran_alone)
@@ -154,9 +164,15 @@ class PassPipeline:
         if self.auto and ctx.cost_model is not None:
             gm = self._best_subset(gm, ctx, index)
         else:
+            steps = [(gm, gm, None)]
             for p in self.passes:
-                gm, row = self._run_one(p, gm, ctx, index)
-                self._add(row)
+                after, row = self._run_one(p, steps[-1][1], ctx, index)
+                steps.append((steps[-1][1], after, row))
+            gm = steps[-1][1]
+            if gm is not steps[0][0]:  # the report's before and after, from the same rounds
+                self._time_side_by_side([steps[0][0], gm], phase, index)
+            for before, after, row in steps[1:]:
+                self._add(self._repredicted(row, before, after, phase))
         self.rewritten[(index, phase)] = gm = compiled(gm)
         self._by_nodes.clear()  # a graph's candidates are not another graph's
         if phase == "bw" or not self.base_context.training:  # done with this subgraph: let its tensors go
@@ -230,6 +246,8 @@ class PassPipeline:
                 candidates[chosen + (p,)] = (trial_gm, candidates[chosen][1] + [row])
                 if self.predict(trial_gm, ctx.phase)[0] < self.predict(candidates[chosen][0], ctx.phase)[0]:
                     chosen = chosen + (p,)
+        if isinstance(ctx.cost_model, Profiled):
+            self._time_side_by_side(self._contenders(candidates, ctx.phase), ctx.phase, index)
         scored = []
         for subset, (candidate, subset_rows) in candidates.items():
             us, peak = self.predict(candidate, ctx.phase)
@@ -242,6 +260,8 @@ class PassPipeline:
         names = lambda subset: "+".join(p.name for p in subset) or "none"  # noqa: E731
         summary = "; ".join(f"{names(s[4])} {s[2] / 1e3:.3f} ms" + (" (over budget)" if s[0] else "")
                             for s in scored)
+        best_rows = [self._repredicted(row, candidates[best[:k]][0], candidates[best[:k + 1]][0], ctx.phase)
+                     for k, row in enumerate(best_rows)]
         for row in rows + best_rows + _rows_not_chosen(candidates, best):
             self._add(row)
         over_budget = " (none fits memory_budget: the lowest predicted peak)" if over else ""
@@ -253,6 +273,48 @@ class PassPipeline:
         for p in final:
             best_gm = self._finish(p, best_gm, ctx, index)
         return best_gm
+
+    def _repredicted(self, row: PassReport, before: fx.GraphModule, after: fx.GraphModule,
+                     phase: str) -> PassReport:
+        """``row`` with its predicted deltas from the costs as they are now (after the side-by-side
+        rounds), so that the rows add up to the report's predicted totals."""
+        if row.predicted_delta_us is None or before is after:
+            return row
+        (before_us, before_peak), (after_us, after_peak) = self.predict(before, phase), self.predict(after, phase)
+        return dataclasses.replace(row, predicted_delta_us=after_us - before_us,
+                                   predicted_delta_peak_bytes=after_peak - before_peak)
+
+    def _contenders(self, candidates: dict, phase: str) -> list[fx.GraphModule]:
+        """The graph as captured, then, fastest first, each candidate within ``SIDE_BY_SIDE_MARGIN``
+        of the fastest whose ops not in the graphs chosen before are ``SIDE_BY_SIDE_NEW_SHARE`` of
+        its time or more: one that differs from them by a packed linear layer, say, adds a whole
+        run per round to tell what its one op's samples tell already."""
+        cost = self.base_context.cost_model
+        predicted = sorted((self.predict(graph, phase)[0], len(subset), order, graph)
+                           for order, (subset, (graph, _)) in enumerate(candidates.items()))
+        chosen = [candidates[()][0]]
+        covered = set(cost.keys_of(chosen[0]))
+        for us, _, _, graph in predicted:
+            if us <= predicted[0][0] * (1 + SIDE_BY_SIDE_MARGIN) and \
+                    cost.share_outside(graph, covered) >= SIDE_BY_SIDE_NEW_SHARE:
+                chosen.append(graph)
+                covered.update(cost.keys_of(graph))
+        return chosen
+
+    def _time_side_by_side(self, graphs: list[fx.GraphModule], phase: str, index: int) -> None:
+        """Re-time ``graphs`` in the same interleaved rounds (``Profiled.profile_side_by_side``)
+        so that their predictions compare like with like; predictions made before are dropped.
+        Not where this build timed nothing of the graph: a rebuild predicts from the costs an
+        earlier build measured, as that build predicted."""
+        cost = self.base_context.cost_model
+        if not isinstance(cost, Profiled) or (index, phase) not in self._timed_now or len(graphs) < 2:
+            return
+        inputs = self._real_inputs(index, phase)
+        if inputs is None:
+            return
+        if cost.profile_side_by_side([(graph, inputs) for graph in graphs]):
+            self._by_nodes.clear()
+            self._predictions.clear()
 
     def _simplest_of_ties(self, scored: list, phase: str) -> tuple[list, tuple | None]:
         """Candidates predicted within the measured spread of the fastest (its range, from the

@@ -48,6 +48,9 @@ from fxdream.sim.profile.op_keys import profile_key
 # graph whose run takes more than PROFILE_BUDGET_S / MIN_ROUNDS stops at MIN_ROUNDS: more rounds
 # cost build time without a better prediction.
 PROFILE_BUDGET_S = 0.1
+# The interleaved rounds that time the graphs a decision compares side by side: as many as fit
+# this budget (seconds), at least 2 and at most 5.
+SIDE_BY_SIDE_BUDGET_S = 0.3
 FEW_NEW_OPS = 4     # worth_timing_in_context: at most this many distinct new ops, ...
 MIN_SHARE = 0.01    # ... under this share of the graph's time, are not timed in context
 
@@ -263,6 +266,47 @@ class Profiled:
             self.samples.setdefault(key, []).extend(times)
             self.measurements[key] = statistics.median(self.samples[key])
         return values
+
+    def profile_side_by_side(self, graphs: list[tuple[fx.GraphModule, object]], rounds: int | None = None) -> int:
+        """Time ``graphs`` ((graph, its real inputs), each run already once: warm) in the same
+        interleaved rounds, each round running every graph once in a rotated order, and make those
+        rounds the only samples of every key they timed. Two graphs a decision compares are then
+        costed from the same minutes of this machine: drift, a busy spell or a first-call effect
+        hits both alike, and their predicted ratio is a ratio measured side by side. Default
+        rounds: as many as ``SIDE_BY_SIDE_BUDGET_S`` allows, between 2 and 5 (``context_rounds``:
+        exactly that many). Returns the rounds run (0 where a graph did not run)."""
+        if rounds is None:
+            rounds = self.context_rounds or self._rounds_in_budget(graphs)
+        copies = [(gm, owned_copies(inputs, gm)) for gm, inputs in graphs]
+        samples: dict[str, list[float]] = {}
+        with real_tensors():
+            for round_index in range(rounds):
+                shift = round_index % len(copies)
+                for gm, inputs in copies[shift:] + copies[:shift]:
+                    if time_graph(gm, inputs, self.torch_device, samples, 1, 0, every_round=True) is None:
+                        return 0
+        for key, times in samples.items():
+            self.samples[key] = times
+            self.measurements[key] = statistics.median(times)
+        return rounds
+
+    def _rounds_in_budget(self, graphs: list[tuple[fx.GraphModule, object]]) -> int:
+        round_us = sum(self.graph_total_us(gm) for gm, _ in graphs)
+        return max(2, min(5, int(SIDE_BY_SIDE_BUDGET_S * 1e6 / max(round_us, 1.0))))
+
+    def keys_of(self, gm: fx.GraphModule) -> list[str]:
+        """The profile keys of ``gm``'s compute ops, in graph order."""
+        return compute_keys(gm, self.torch_device.type)
+
+    def share_outside(self, gm: fx.GraphModule, keys: set[str]) -> float:
+        """The share of ``gm``'s summed op costs in ops whose key is not in ``keys``."""
+        costs = [(key, self.measurements.get(key, 0.0)) for key in self.keys_of(gm)]
+        total = sum(us for _, us in costs)
+        return sum(us for key, us in costs if key not in keys) / total if total else 0.0
+
+    def graph_total_us(self, gm: fx.GraphModule) -> float:
+        """The sum of ``gm``'s compute ops' current costs (a run's length, for budgets)."""
+        return sum(self.measurements.get(key, 0.0) for key in self.keys_of(gm))
 
     def run_graph(self, gm: fx.GraphModule, inputs) -> dict | None:
         """``gm``'s outputs by node name from one untimed run (None if it cannot run alone)."""

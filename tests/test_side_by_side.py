@@ -1,0 +1,66 @@
+"""The graphs a build's decision compares are timed in the same interleaved rounds
+(``Profiled.profile_side_by_side``): their costs come from those rounds alone."""
+import torch
+
+import fxdream
+from fxdream.sim.cost import Profiled, get_device
+from fxdream.sim.profile.op_keys import profile_key
+from conftest import ConvBnNet, graph_with_values
+
+aten = torch.ops.aten
+
+
+def _graph(*ops):
+    def build(graph, x):
+        for op in ops:
+            x = graph.call_function(op, (x,))
+        return x
+    return graph_with_values(build, (64, 64))
+
+
+def test_rounds_interleave_the_graphs_and_replace_earlier_samples():
+    relu_sigmoid, relu_tanh = _graph(aten.relu.default, aten.sigmoid.default), _graph(aten.relu.default,
+                                                                                     aten.tanh.default)
+    cost = Profiled(get_device("cpu"))
+    keys = {op: profile_key(next(n for n in gm.graph.nodes if n.target is op), "cpu")
+            for gm, op in ((relu_sigmoid, aten.relu.default), (relu_sigmoid, aten.sigmoid.default),
+                           (relu_tanh, aten.tanh.default))}
+    cost.samples[keys[aten.relu.default]] = [1e6]  # an earlier, far slower sample: dropped
+    x = torch.randn(64, 64)
+    assert cost.profile_side_by_side([(relu_sigmoid, [x]), (relu_tanh, [x])], rounds=3) == 3
+    assert len(cost.samples[keys[aten.relu.default]]) == 6  # in both graphs, every round
+    assert len(cost.samples[keys[aten.sigmoid.default]]) == len(cost.samples[keys[aten.tanh.default]]) == 3
+    assert max(cost.samples[keys[aten.relu.default]]) < 1e6
+    assert cost.measurements[keys[aten.relu.default]] < 1e6
+
+
+def test_default_rounds_fit_the_budget_between_two_and_five():
+    gm = _graph(aten.relu.default)
+    cost = Profiled(get_device("cpu"))
+    key = profile_key(next(n for n in gm.graph.nodes if n.op == "call_function"), "cpu")
+    cost.measurements[key] = 1.0  # µs: five rounds fit
+    assert cost._rounds_in_budget([(gm, None)]) == 5
+    cost.measurements[key] = 1e6  # a second per run: still two (a median needs them)
+    assert cost._rounds_in_budget([(gm, None)]) == 2
+    assert Profiled(get_device("cpu"), context_rounds=4).context_rounds == 4
+
+
+def test_a_build_times_the_captured_graph_beside_its_candidates_and_a_rebuild_does_not(monkeypatch):
+    calls = []
+    original = Profiled.profile_side_by_side
+
+    def recording(self, graphs, rounds=None):
+        calls.append([gm for gm, _ in graphs])
+        return original(self, graphs, rounds)
+    monkeypatch.setattr(Profiled, "profile_side_by_side", recording)
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 16, 16)
+    first = fxdream.optimize(model, (x,), passes="auto", cost="profiled")
+    (graphs,) = calls
+    assert graphs[0] is first.captured[0].forward and len(graphs) >= 2
+    calls.clear()
+    fxdream.optimize(model, (x,), passes="auto", cost="profiled")
+    assert calls == []
+    new_shape = torch.randn(3, 3, 16, 16)  # costs not measured yet: timed, then side by side
+    named = fxdream.optimize(model, (new_shape,), passes=["fuse_conv_bias_act"], cost="profiled")
+    (graphs,) = calls
+    assert len(graphs) == 2 and graphs[1] is named.rewritten_graphs[(0, "fw")]
