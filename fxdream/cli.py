@@ -107,9 +107,22 @@ def cmd_demo(args) -> int:
         print(f"| {name} | {m.median_ms:.2f} | ±{m.spread_pct / 2:.1f} % | {base / m.median_ms:.2f}x |")
     print(f"\n(measured: median of {results['eager'].rounds} rounds x {args.block} calls, interleaved; "
           f"max abs diff of the outputs vs eager: {diff:.1e})")
+    print(_gain_against_prediction(results, optimized.report))
     print(f"\nnext: python -m fxdream explain {args.model} --batch {args.batch} --device h100   "
           "(what each pass would do on a GPU, predicted)")
     return 0
+
+
+def _gain_against_prediction(results: dict, report) -> str:
+    """The measured gain of the passes (auto over the capture without them) beside the build's
+    predicted gain and range."""
+    measured = results["fxdream, no passes"].median_ms / results["fxdream, auto"].median_ms
+    predicted = report.predicted_speedup_range
+    if predicted is None:
+        return f"measured gain of the passes: {measured:.2f}x (the build made no prediction)"
+    inside = "inside" if predicted[0] <= measured <= predicted[1] else "outside"
+    return (f"measured gain of the passes: {measured:.2f}x, {inside} the build's predicted "
+            f"{report.predicted_speedup:.2f}x ({predicted[0]:.2f}–{predicted[1]:.2f})")
 
 
 def cmd_simulate(args) -> int:

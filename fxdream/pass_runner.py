@@ -68,7 +68,7 @@ class PassPipeline:
         self._by_nodes: dict[tuple, tuple[float, int]] = {}  # (graph_fingerprint, phase) → prediction, per graph
         self._best_us: dict[tuple[int, str], float] = {}  # (subgraph, phase) → best candidate predicted
         self._ran_alone: set[tuple[int, str]] = set()  # graphs that ran on their real inputs (or did before)
-        self._timed_now: set[tuple[int, str]] = set()  # graphs this build timed (a rebuild reuses costs)
+        self._timed_now: set[tuple[int, str]] = set()  # graphs this build timed as captured (not a rebuild)
 
     # --- predictions -------------------------------------------------------------------------
     def predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
@@ -141,7 +141,6 @@ class PassPipeline:
             inputs = self._real_inputs(index, phase)
             if inputs is not None:
                 best = self._best_us.get((index, phase), math.inf)
-                self._timed_now.add((index, phase))
                 try:
                     cost.profile_graph(gm, inputs, new_keys_only=True, give_up_above_us=GIVE_UP_SLOWER_THAN * best,
                                        raise_errors=(index, phase) in self._ran_alone)
@@ -169,8 +168,9 @@ class PassPipeline:
                 after, row = self._run_one(p, steps[-1][1], ctx, index)
                 steps.append((steps[-1][1], after, row))
             gm = steps[-1][1]
-            if gm is not steps[0][0]:  # the report's before and after, from the same rounds
-                self._time_side_by_side([steps[0][0], gm], phase, index)
+            # the report's before and after, from the same rounds (the one graph alone where no pass
+            # changed it: its whole runs' spread, without the cold first run the profile began with)
+            self._time_side_by_side([steps[0][0]] + ([gm] if gm is not steps[0][0] else []), phase, index)
             for before, after, row in steps[1:]:
                 self._add(self._repredicted(row, before, after, phase))
         self.rewritten[(index, phase)] = gm = compiled(gm)
@@ -303,11 +303,12 @@ class PassPipeline:
 
     def _time_side_by_side(self, graphs: list[fx.GraphModule], phase: str, index: int) -> None:
         """Re-time ``graphs`` in the same interleaved rounds (``Profiled.profile_side_by_side``)
-        so that their predictions compare like with like; predictions made before are dropped.
-        Not where this build timed nothing of the graph: a rebuild predicts from the costs an
-        earlier build measured, as that build predicted."""
+        so that their predictions compare like with like, and each gets the spread of its whole
+        runs (its prediction's range); predictions made before are dropped.
+        Not where this build did not time the graph as captured: a rebuild predicts from the
+        costs an earlier build measured, as that build predicted."""
         cost = self.base_context.cost_model
-        if not isinstance(cost, Profiled) or (index, phase) not in self._timed_now or len(graphs) < 2:
+        if not isinstance(cost, Profiled) or (index, phase) not in self._timed_now:
             return
         inputs = self._real_inputs(index, phase)
         if inputs is None:

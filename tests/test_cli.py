@@ -1,5 +1,6 @@
 """python -m fxdream: each subcommand on a tiny zoo model, and its one-line errors."""
 import json
+import re
 
 import pytest
 import torch
@@ -97,6 +98,8 @@ def test_demo_on_a_tiny_model_reports_and_times(capsys):
     assert "fxdream, auto" in out and "rebuilt in" in out
     diff = float(out.split("max abs diff of the outputs vs eager: ")[1].split(")")[0])
     assert diff < 1e-4
+    assert re.search(r"measured gain of the passes: [\d.]+x, (inside|outside) the build's predicted [\d.]+x "
+                     r"\([\d.]+–[\d.]+\)", out)
 
 
 def test_quiet_leaves_stderr_without_progress_lines_and_the_logger_as_it_was(capsys):

@@ -1,9 +1,12 @@
 """The graphs a build's decision compares are timed in the same interleaved rounds
 (``Profiled.profile_side_by_side``): their costs come from those rounds alone."""
+import pytest
 import torch
 
 import fxdream
 from fxdream.sim.cost import Profiled, get_device
+from fxdream.sim.cost.profiled import RunSpread
+from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.profile.op_keys import profile_key
 from conftest import ConvBnNet, graph_with_values
 
@@ -56,7 +59,7 @@ def test_a_build_times_the_captured_graph_beside_its_candidates_and_a_rebuild_do
     model, x = ConvBnNet().eval(), torch.randn(2, 3, 16, 16)
     first = fxdream.optimize(model, (x,), passes="auto", cost="profiled")
     (graphs,) = calls
-    assert graphs[0] is first.captured[0].forward and len(graphs) >= 2
+    assert graphs[0] is first.captured[0].forward  # with the candidates that can win (none may)
     calls.clear()
     fxdream.optimize(model, (x,), passes="auto", cost="profiled")
     assert calls == []
@@ -64,3 +67,28 @@ def test_a_build_times_the_captured_graph_beside_its_candidates_and_a_rebuild_do
     named = fxdream.optimize(model, (new_shape,), passes=["fuse_conv_bias_act"], cost="profiled")
     (graphs,) = calls
     assert len(graphs) == 2 and graphs[1] is named.rewritten_graphs[(0, "fw")]
+
+
+def test_side_by_side_rounds_give_each_graph_its_whole_runs_spread():
+    gm = _graph(aten.relu.default, aten.sigmoid.default)
+    cost = Profiled(get_device("cpu"))
+    cost.profile_side_by_side([(gm, [torch.randn(64, 64)]), (_graph(aten.tanh.default), [torch.randn(64, 64)])],
+                              rounds=4)
+    spread = cost.run_spread_of(gm)
+    assert spread.keys == frozenset(cost.keys_of(gm)) and spread.low <= 1.0 <= spread.high
+
+
+def test_a_range_scales_a_graph_timed_side_by_side_by_its_runs_spread_not_each_ops_extremes():
+    gm = _graph(aten.relu.default, aten.sigmoid.default)
+    relu, sigmoid = [n for n in gm.graph.nodes if n.op == "call_function"]
+    cost = Profiled(get_device("cpu"))
+    for node, samples in ((relu, [1.0, 2.0, 9.0]), (sigmoid, [10.0, 20.0, 90.0])):
+        cost.samples[profile_key(node, "cpu")] = samples
+        cost.measurements[profile_key(node, "cpu")] = samples[1]
+    low, high = SpreadBound(cost, "low"), SpreadBound(cost, "high")
+    assert (high.kernel_us(relu), high.kernel_us(sigmoid)) == (9.0, 90.0)  # not timed side by side
+    cost.run_spreads.append(RunSpread(frozenset(cost.keys_of(gm)), 0.9, 1.25))
+    low, high = SpreadBound(cost, "low"), SpreadBound(cost, "high")
+    assert low.kernel_us(relu) == pytest.approx(1.8) and high.kernel_us(sigmoid) == pytest.approx(25.0)
+    other = _graph(aten.tanh.default)  # none of its cost in the timed graph: its own samples
+    assert cost.run_spread_of(other) is None

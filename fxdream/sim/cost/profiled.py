@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,8 +52,22 @@ PROFILE_BUDGET_S = 0.1
 # The interleaved rounds that time the graphs a decision compares side by side: as many as fit
 # this budget (seconds), at least 2 and at most 5.
 SIDE_BY_SIDE_BUDGET_S = 0.3
+# A graph shorter than this (µs) runs once untimed before its timed run in each side-by-side
+# round: right after another graph, its ops meet caches that graph filled, where a user's calls
+# come back to back.
+WARM_RUN_BELOW_US = 20_000.0
+RUN_SPREAD_COVER = 0.9  # run_spread_of: the share of a graph's cost a timed graph must hold
 FEW_NEW_OPS = 4     # worth_timing_in_context: at most this many distinct new ops, ...
 MIN_SHARE = 0.01    # ... under this share of the graph's time, are not timed in context
+
+
+@dataclass(frozen=True)
+class RunSpread:
+    """How a graph's whole runs spread over side-by-side rounds: its ops' keys, and its fastest
+    and slowest run over the median run (``low`` ≤ 1 ≤ ``high``)."""
+    keys: frozenset
+    low: float
+    high: float
 
 
 def _materialize(value, device: torch.device):
@@ -95,6 +110,7 @@ class Profiled:
         self._call_overhead_us: float | None = None
         self._profiled: set[int] = set()
         self.samples: dict[str, list[float]] = {}  # in-context times (µs) by key, every run so far
+        self.run_spreads: list[RunSpread] = []  # whole runs' spread, from side-by-side rounds
 
     def kernel_us(self, node: fx.Node) -> float:
         return self._cached(node, "")
@@ -279,15 +295,26 @@ class Profiled:
             rounds = self.context_rounds or self._rounds_in_budget(graphs)
         copies = [(gm, owned_copies(inputs, gm)) for gm, inputs in graphs]
         samples: dict[str, list[float]] = {}
+        totals: dict[int, list[float]] = {id(gm): [] for gm, _ in graphs}
         with real_tensors():
             for round_index in range(rounds):
                 shift = round_index % len(copies)
                 for gm, inputs in copies[shift:] + copies[:shift]:
-                    if time_graph(gm, inputs, self.torch_device, samples, 1, 0, every_round=True) is None:
+                    this_run: dict[str, list[float]] = {}
+                    warmup = int(self.graph_total_us(gm) < WARM_RUN_BELOW_US)
+                    if time_graph(gm, inputs, self.torch_device, this_run, 1, warmup, every_round=True) is None:
                         return 0
+                    totals[id(gm)].append(sum(this_run[key][0] for key in self.keys_of(gm)))
+                    for key, times in this_run.items():
+                        samples.setdefault(key, []).extend(times)
         for key, times in samples.items():
             self.samples[key] = times
             self.measurements[key] = statistics.median(times)
+        for gm, _ in graphs:
+            middle = statistics.median(totals[id(gm)])
+            if middle > 0:
+                self.run_spreads.append(RunSpread(frozenset(self.keys_of(gm)), min(totals[id(gm)]) / middle,
+                                                  max(totals[id(gm)]) / middle))
         return rounds
 
     def _rounds_in_budget(self, graphs: list[tuple[fx.GraphModule, object]]) -> int:
@@ -299,10 +326,24 @@ class Profiled:
         return compute_keys(gm, self.torch_device.type)
 
     def share_outside(self, gm: fx.GraphModule, keys: set[str]) -> float:
-        """The share of ``gm``'s summed op costs in ops whose key is not in ``keys``."""
+        """The share of ``gm``'s summed op costs in ops whose key is not in ``keys`` (of its ops,
+        where none has a cost yet)."""
         costs = [(key, self.measurements.get(key, 0.0)) for key in self.keys_of(gm)]
         total = sum(us for _, us in costs)
-        return sum(us for key, us in costs if key not in keys) / total if total else 0.0
+        if not total:  # nothing measured yet: the share of its ops
+            return sum(key not in keys for key, _ in costs) / len(costs) if costs else 0.0
+        return sum(us for key, us in costs if key not in keys) / total
+
+    def run_spread_of(self, gm: fx.GraphModule) -> RunSpread | None:
+        """The spread of whole runs measured for the graph timed side by side that holds most of
+        ``gm``'s cost (at least ``RUN_SPREAD_COVER`` of it): ``gm`` itself, or the graph a final
+        clean-up pass rewrote a few ops of. None where no such graph was timed."""
+        best = None
+        for spread in reversed(self.run_spreads):  # the latest first: it wins a tie
+            covered = 1.0 - self.share_outside(gm, spread.keys)
+            if covered >= RUN_SPREAD_COVER and (best is None or covered > best[0]):
+                best = (covered, spread)
+        return None if best is None else best[1]
 
     def graph_total_us(self, gm: fx.GraphModule) -> float:
         """The sum of ``gm``'s compute ops' current costs (a run's length, for budgets)."""

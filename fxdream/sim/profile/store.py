@@ -24,7 +24,8 @@ from fxdream.sim.profile.host_timing import ModuleBuilder, as_graph_module
 PROFILE_DIR_ENV = "FXDREAM_PROFILE_DIR"
 MAX_SAMPLES_KEPT = 25  # per key on disk: the latest, enough for a stable median
 
-_STORES: dict[tuple, tuple[dict, dict]] = {}  # store key → (measurements, in-context samples)
+# store key → (measurements, in-context samples, whole runs' spreads); the spreads stay in the process
+_STORES: dict[tuple, tuple[dict, dict, list]] = {}
 
 
 def shared_profile(device: DeviceSpec, torch_device: str | torch.device,
@@ -34,7 +35,7 @@ def shared_profile(device: DeviceSpec, torch_device: str | torch.device,
     if key not in _STORES:
         _STORES[key] = _load(key)
     cost = Profiled(device, torch_device, build_module=build_module, context_rounds=context_rounds)
-    cost.measurements, cost.samples = _STORES[key]
+    cost.measurements, cost.samples, cost.run_spreads = _STORES[key]
     return cost
 
 
@@ -72,15 +73,15 @@ def _store_path(key: tuple) -> Path | None:
     return Path(directory) / f"{safe}.json"
 
 
-def _load(key: tuple) -> tuple[dict, dict]:
+def _load(key: tuple) -> tuple[dict, dict, list]:
     path = _store_path(key)
     if path is None or not path.exists():
-        return {}, {}
+        return {}, {}, []
     try:
         data = json.loads(path.read_text())
         measurements = {str(k): float(v) for k, v in data["measurements_us"].items()}
         samples = {str(k): [float(x) for x in v] for k, v in data["samples_us"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         warnings.warn(f"ignoring the profile store {path} ({error}); measuring afresh", RuntimeWarning)
-        return {}, {}
-    return measurements, samples
+        return {}, {}, []
+    return measurements, samples, []
