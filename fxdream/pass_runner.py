@@ -38,7 +38,7 @@ TIE_MAX_GAIN = 0.05
 # Candidates predicted within this share of the fastest are timed again side by side with it and
 # the graph as captured (``Profiled.profile_side_by_side``) before the choice; slower ones cannot win.
 SIDE_BY_SIDE_MARGIN = 0.25
-SIDE_BY_SIDE_NEW_SHARE = 0.05
+SIDE_BY_SIDE_NEW_SHARE = 0.05  # ... unless its ops not in the graphs timed with it are less of its time
 
 
 class RewriteFailed(RuntimeError):
@@ -318,8 +318,8 @@ class PassPipeline:
             self._predictions.clear()
 
     def _simplest_of_ties(self, scored: list, phase: str) -> tuple[list, tuple | None]:
-        """Candidates predicted within the measured spread of the fastest (its range, from the
-        slowest of each op's in-context samples) and within ``TIE_MAX_GAIN`` of it are ties: the
+        """Candidates predicted within the measured spread of the fastest (the high end of its
+        range, ``SpreadBound``) and within ``TIE_MAX_GAIN`` of it are ties: the
         one with the fewest passes first (a larger predicted gain is not given up to noise: on a
         busy machine the spread is wide). Returns the candidates reordered, and the fastest where
         a simpler tie displaced it."""
