@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,22 +27,8 @@ from fxdream import models
 from fxdream.capturing.model_state import preserved_state
 from fxdream.measure import time_interleaved
 
-
-def _step(module, inputs, training):
-    """Inference: forward under no_grad. Training: forward and backward (the output's gradient
-    given: no eager loss outside what the build predicts)."""
-    if not training:
-        def infer():
-            with torch.no_grad():
-                module(*inputs)
-        return infer
-    output_grad = torch.ones_like(module(*inputs))
-
-    def train():
-        for p in module.parameters():
-            p.grad = None
-        module(*inputs).backward(output_grad)
-    return train
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity import step_of  # noqa: E402  (the same step, forward or forward and backward)
 
 
 def _built(name: str, batch: int, training: bool, max_step_s: float):
@@ -69,8 +56,8 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
     model, inputs, optimized, build_s, tiny = _built(name, batch, training, max_step_s)
     report = optimized.report
     baseline = fxdream.optimize(model, inputs, training=training)  # the capture without passes
-    runners = {"eager": _step(model, inputs, training), "no passes": _step(baseline, inputs, training),
-               "auto": _step(optimized, inputs, training)}
+    runners = {"eager": step_of(model, inputs, training), "no passes": step_of(baseline, inputs, training),
+               "auto": step_of(optimized, inputs, training)}
     started = time.perf_counter()
     runners["auto"]()
     block = max(1, min(10, int(0.2 / max(time.perf_counter() - started, 1e-6))))
@@ -101,7 +88,8 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
 def summary(rows: list[dict]) -> list[str]:
     lines = []
     for mode in ("infer", "train", "all"):
-        chosen = [r for r in rows if "optimized_error_pct" in r and (mode == "all" or r["training"] == (mode == "train"))]
+        chosen = [r for r in rows if "optimized_error_pct" in r
+                  and (mode == "all" or r["training"] == (mode == "train"))]
         if not chosen:
             continue
         for what in ("optimized", "gain", "baseline"):
@@ -127,8 +115,9 @@ def to_markdown(rows: list[dict]) -> str:
             continue
         b, a, g = r["predicted_baseline_range_ms"], r["predicted_optimized_range_ms"], r["predicted_gain_range"]
         body.append(
-            f"| {r['model']} | {r['batch']} | {mode} | {config} | {r['build_s']:.1f} | {'+'.join(r['chosen']) or 'none'}"
-            f" | {r['measured_baseline_ms']:.3f} | {r['predicted_baseline_ms']:.3f} ({b[0]:.3f}–{b[1]:.3f}) | "
+            f"| {r['model']} | {r['batch']} | {mode} | {config} | {r['build_s']:.1f} | "
+            f"{'+'.join(r['chosen']) or 'none'} | {r['measured_baseline_ms']:.3f} | "
+            f"{r['predicted_baseline_ms']:.3f} ({b[0]:.3f}–{b[1]:.3f}) | "
             f"{r['measured_optimized_ms']:.3f} | {r['predicted_optimized_ms']:.3f} ({a[0]:.3f}–{a[1]:.3f}) | "
             f"{r['optimized_error_pct']:+.1f} % | {r['measured_gain']:.2f}x | {r['predicted_gain']:.2f}x "
             f"({g[0]:.2f}–{g[1]:.2f}) | {r['gain_error_pct']:+.1f} % |")

@@ -32,7 +32,7 @@ from fxdream.measure import time_interleaved
 from fxdream.sim.prediction import predict
 
 
-def _step(module, inputs, loss_fn, training):
+def step_of(module, inputs, training):
     """Inference: forward under no_grad. Training: forward + backward of the captured graphs
     (the output's gradient is given, so no eager loss runs outside what is simulated)."""
     if not training:
@@ -52,18 +52,18 @@ def _step(module, inputs, loss_fn, training):
 
 def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: int, cost) -> dict:
     tiny = False
-    model, inputs, loss_fn = models.build(name, batch)
+    model, inputs, _ = models.build(name, batch)
     model.train(training)
     optimized = fxdream.optimize(model, inputs, training=training)
-    step = _step(optimized, inputs, loss_fn, training)
+    step = step_of(optimized, inputs, training)
     started = time.perf_counter()
     step()
     if time.perf_counter() - started > max_step_s:
         tiny = True
-        model, inputs, loss_fn = models.build(name, batch, tiny=True)
+        model, inputs, _ = models.build(name, batch, tiny=True)
         model.train(training)
         optimized = fxdream.optimize(model, inputs, training=training)
-        step = _step(optimized, inputs, loss_fn, training)
+        step = step_of(optimized, inputs, training)
         started = time.perf_counter()
         step()
     once_s = time.perf_counter() - started

@@ -87,6 +87,20 @@ def test_fidelity_measures_and_predicts_each_case(tmp_path):
     assert "coverage: the measured time inside the predicted range in " in pathlib.Path(out + ".md").read_text()
 
 
+def test_build_fidelity_puts_the_reports_predictions_beside_the_measured_modules(tmp_path):
+    build_fidelity = _script("build_fidelity")
+    out = str(tmp_path / "build")
+    assert build_fidelity.main(["--models", "mnist_convnet", "--batches", "2", "--modes", "infer",
+                                "--rounds", "2", "--out", out]) == 0
+    (row,) = json.loads(pathlib.Path(out + ".json").read_text())["rows"]
+    measured, predicted = row["measured_optimized_ms"], row["predicted_optimized_ms"]
+    assert row["optimized_error_pct"] == pytest.approx(100 * (predicted / measured - 1))
+    low, high = row["predicted_optimized_range_ms"]
+    assert low <= predicted <= high and row["optimized_in_range"] == (low <= measured <= high)
+    assert row["measured_gain"] == pytest.approx(row["measured_baseline_ms"] / measured)
+    assert "infer: gain prediction mean |error|" in pathlib.Path(out + ".md").read_text()
+
+
 def test_fidelity_fails_when_every_case_is_skipped(tmp_path, capsys):
     fidelity = _script("fidelity")
     assert fidelity.main(["--models", "no_such_model", "--batches", "1", "--modes", "infer",
