@@ -101,6 +101,16 @@ def test_build_fidelity_puts_the_reports_predictions_beside_the_measured_modules
     assert "infer: gain prediction mean |error|" in pathlib.Path(out + ".md").read_text()
 
 
+def test_memory_check_puts_the_predicted_peak_beside_the_measured_one(tmp_path):
+    memory_check = _script("memory_check")
+    out = str(tmp_path / "memory")
+    assert memory_check.main(["--models", "mnist_convnet", "--batches", "2", "--out", out]) == 0
+    (row,) = json.loads(pathlib.Path(out + ".json").read_text())["rows"]
+    assert row["training"] is False and row["measured_peak_mib"] > 0
+    assert row["error_pct"] == pytest.approx(100 * (row["predicted_peak_mib"] / row["measured_peak_mib"] - 1))
+    assert "inference: mean |error|" in pathlib.Path(out + ".md").read_text()
+
+
 def test_fidelity_fails_when_every_case_is_skipped(tmp_path, capsys):
     fidelity = _script("fidelity")
     assert fidelity.main(["--models", "no_such_model", "--batches", "1", "--modes", "infer",

@@ -27,8 +27,8 @@ class Prediction:
     static_bytes: int
     passes: tuple = ()  # PassReport rows when predicted with passes (simulate(..., passes=...))
     notes: tuple = ()   # e.g. the measured host time outside the graphs it includes
-    # (low, high) ms: simulated with every op at the fastest and the slowest of its measured
-    # in-context samples (``SpreadBound``); None where the costs are not measured (analytic)
+    # (low, high) ms: simulated at the fast and the slow end of the measured costs (``SpreadBound``:
+    # whole runs' spread, or each op's samples); None where the costs are not measured (analytic)
     range_ms: tuple[float, float] | None = None
 
     @property

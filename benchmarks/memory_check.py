@@ -1,0 +1,89 @@
+"""The simulator's predicted peak memory against the peak measured for the same step.
+
+For each zoo model × batch × inference (and, with --modes infer,train, training steps without an
+optimizer): ``simulate`` (no passes, no optimizer) predicts the peak above the static memory
+(weights and inputs), and the captured module's step is measured with
+``fxdream.memory_check.peak_bytes_during`` (on a CPU, the allocations torch.profiler records).
+Training rows are not a check on a CPU: the profiler books the frees inside aot_autograd's
+compiled functions at their start (see ``fxdream.memory_check``). Gradients are cleared before
+each measured step, so both count the gradients the step makes.
+
+    python benchmarks/memory_check.py --out benchmarks/results/memory_check_cpu_<date>
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+
+import torch
+
+import fxdream
+from fxdream import models
+from fxdream.memory_check import peak_bytes_during
+
+MIB = 2**20
+
+
+def one_row(name: str, batch: int, training: bool, tiny: bool) -> dict:
+    model, inputs, _ = models.build(name, batch, tiny=tiny)
+    model.train(training)
+    predicted = fxdream.simulate(model, inputs, device="cpu", training=training, cost="analytic", optimizer=None)
+    captured = fxdream.optimize(model, inputs, training=training, cost=None)
+    if training:
+        output_grad = torch.ones_like(captured(*inputs))
+
+        def step():
+            captured(*inputs).backward(output_grad)
+    else:
+        def step():
+            with torch.no_grad():
+                captured(*inputs)
+    step()
+    for p in model.parameters():
+        p.grad = None
+    measured = peak_bytes_during(step)
+    above_static = predicted.peak_memory_bytes - predicted.static_bytes
+    return dict(model=name, batch=batch, training=training, tiny=tiny, static_mib=predicted.static_bytes / MIB,
+                predicted_peak_mib=above_static / MIB, measured_peak_mib=measured / MIB,
+                error_pct=100 * (above_static / measured - 1) if measured else None)
+
+
+def to_markdown(rows: list[dict]) -> str:
+    lines = ["| model | batch | mode | config | static MiB | predicted peak MiB | measured peak MiB | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        error = "–" if r["error_pct"] is None else f"{r['error_pct']:+.1f} %"
+        lines.append(f"| {r['model']} | {r['batch']} | {'train' if r['training'] else 'infer'} | "
+                     f"{'tiny' if r['tiny'] else 'full'} | {r['static_mib']:.1f} | {r['predicted_peak_mib']:.2f} | "
+                     f"{r['measured_peak_mib']:.2f} | {error} |")
+    for mode in (False, True):
+        errors = [abs(r["error_pct"]) for r in rows if r["training"] == mode and r["error_pct"] is not None]
+        if errors:
+            lines.append(f"\n{'training' if mode else 'inference'}: mean |error| {statistics.mean(errors):.1f} %, "
+                         f"max {max(errors):.1f} % over {len(errors)} rows")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(models.NAMES))
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--modes", default="infer")
+    parser.add_argument("--tiny", action="store_true", help="the tiny configurations")
+    parser.add_argument("--out", default=f"benchmarks/results/memory_check_cpu_{datetime.date.today().isoformat()}")
+    args = parser.parse_args(argv)
+    rows = [one_row(name, batch, mode == "train", args.tiny) for name in args.models.split(",")
+            for batch in map(int, args.batches.split(",")) for mode in args.modes.split(",")]
+    with open(args.out + ".json", "w") as f:
+        json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(to_markdown(rows))
+    print(to_markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

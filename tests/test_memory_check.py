@@ -1,0 +1,41 @@
+"""A step's measured peak memory (fxdream.memory_check) and the simulator's predicted peak beside it."""
+import pytest
+import torch
+
+import fxdream
+from fxdream import models
+from fxdream.memory_check import peak_bytes_during
+
+MIB = 2**20
+
+
+def test_the_peak_of_a_step_counts_what_is_alive_at_once():
+    x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+
+    def step():  # each value 1 MiB: a and its relu alive together, then a freed before b
+        a = x @ w
+        r = a.relu()
+        del a
+        return r @ w
+    step()
+    assert peak_bytes_during(step) == 2 * MIB
+
+
+def test_memory_alive_before_the_step_is_not_counted():
+    kept = [torch.randn(1024, 256) for _ in range(4)]  # 4 MiB allocated before
+    assert peak_bytes_during(lambda: kept[0].relu()) == MIB
+
+
+@pytest.mark.parametrize("name", ["mnist_convnet", "resnet18"])
+def test_an_inference_steps_predicted_peak_is_the_measured_one(name):
+    model, inputs, _ = models.build(name, 2, tiny=True)
+    model.eval()
+    predicted = fxdream.simulate(model, inputs, device="cpu", cost="analytic")
+    captured = fxdream.optimize(model, inputs, cost=None)
+
+    def step():
+        with torch.no_grad():
+            captured(*inputs)
+    step()
+    measured = peak_bytes_during(step)
+    assert predicted.peak_memory_bytes - predicted.static_bytes == pytest.approx(measured, rel=0.01)
