@@ -163,16 +163,9 @@ class PassPipeline:
         if self.auto and ctx.cost_model is not None:
             gm = self._best_subset(gm, ctx, index)
         else:
-            steps = [(gm, gm, None)]
             for p in self.passes:
-                after, row = self._run_one(p, steps[-1][1], ctx, index)
-                steps.append((steps[-1][1], after, row))
-            gm = steps[-1][1]
-            # the report's before and after, from the same rounds (the one graph alone where no pass
-            # changed it: its whole runs' spread, without the cold first run the profile began with)
-            self._time_side_by_side([steps[0][0]] + ([gm] if gm is not steps[0][0] else []), phase, index)
-            for before, after, row in steps[1:]:
-                self._add(self._repredicted(row, before, after, phase))
+                gm, row = self._run_one(p, gm, ctx, index)
+                self._add(row)
         self.rewritten[(index, phase)] = gm = compiled(gm)
         self._by_nodes.clear()  # a graph's candidates are not another graph's
         if phase == "bw" or not self.base_context.training:  # done with this subgraph: let its tensors go
