@@ -14,4 +14,7 @@ def packages() -> list[str]:
     return found
 
 
-setup(packages=packages(), package_dir=PACKAGE_DIRS)
+# data files the code reads at run time: the fitted GPU parameters (fxdream.sim.cost.devices)
+PACKAGE_DATA = {"fxdream.sim.cost": ["fits/*.json"]}
+
+setup(packages=packages(), package_dir=PACKAGE_DIRS, package_data=PACKAGE_DATA)

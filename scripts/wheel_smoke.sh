@@ -21,6 +21,10 @@ for root, prefix in (("fxdream", "fxdream"), ("passes", "fxdream/passes"), ("mod
 missing = sorted(expected - in_wheel)
 if missing:
     sys.exit(f"wheel_smoke: the wheel lacks packages of the source tree: {missing}")
+fits = sorted(str(p) for p in pathlib.Path("fxdream/sim/cost/fits").glob("*.json"))
+missing_data = [f for f in fits if f not in names]
+if missing_data:
+    sys.exit(f"wheel_smoke: the wheel lacks data files of the source tree: {missing_data}")
 print(f"wheel_smoke: {len(in_wheel)} packages in {pathlib.Path(sys.argv[1]).name}")
 PY
 "$venv/bin/python" -m venv "$work/venv"
@@ -36,6 +40,7 @@ py="$work/venv/bin/python"
 "$py" -c "import fxdream, sys; assert not fxdream.__file__.startswith('$src'), fxdream.__file__; print('wheel_smoke: fxdream from', fxdream.__file__)"
 "$py" -m fxdream -q whatif resnet18 --device h100 --batch 2 > whatif.txt
 "$py" -m fxdream -q simulate mnist_convnet --batch 2 --device h100 > simulate.txt
+"$py" -c "from fxdream.sim.cost import get_device; s = get_device('h200').source; assert s.startswith('fitted'), s; print('wheel_smoke: h200', s)"
 "$py" -m fxdream -q explain mnist_convnet --tiny --batch 2 --out explain > explain.txt
 "$py" - <<'PY'
 import torch, fxdream

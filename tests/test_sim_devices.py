@@ -3,6 +3,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 from fxdream.sim import DEVICES, DeviceSpec, calibrate_cpu, get_device
 
@@ -65,3 +66,17 @@ def test_the_host_spec_calibrates_when_a_number_is_read(monkeypatch):
     widened = dataclasses.replace(host, peak_flops={"float32": 1.0, "bfloat16": 2.0})
     assert type(widened) is DeviceSpec and widened.flops("bfloat16") == 2.0
     assert widened.mem_bandwidth == host.mem_bandwidth
+
+
+def test_calibration_measures_the_autograd_engine():
+    host = calibrate_cpu(seconds=0.2, refresh=True)
+    assert 0 < host.autograd_node_us < 1000 and 0 <= host.accumulate_grad_us < 1000
+    assert get_device("cpu").autograd_node_us == host.autograd_node_us
+    assert get_device("h100").autograd_node_us > 0 and get_device("h100").accumulate_grad_us > 0
+
+
+def test_calibration_runs_inside_no_grad_and_inference_mode():
+    with torch.no_grad():
+        assert calibrate_cpu(seconds=0.05, refresh=True).autograd_node_us > 0
+    with torch.inference_mode():
+        assert calibrate_cpu(seconds=0.05, refresh=True).autograd_node_us > 0

@@ -134,3 +134,23 @@ def test_optimizer_updates_the_parameters_of_every_subgraph():
     lowered = lower_captured(captured, Analytic(get_device("h100")), SGD)
     updates = [name for name in lowered.graph.select(phase="optim") if not name.endswith(":k")]
     assert len(updates) == 4  # two weights and two biases, one update each
+
+
+def test_autograd_engine_tasks_surround_a_backward_unless_measured_gaps_hold_them():
+    """Engine node 2 µs before the backward, AccumulateGrad 3 µs per gradient after it (two
+    gradients here: neg and relu outputs); with measured host gaps the gaps hold that time."""
+    import dataclasses
+
+    def build(graph, x):
+        return _call(graph, aten.neg.default, (x,), "neg"), _call(graph, aten.relu.default, (x,), "relu")
+    bw = graph_with_values(build, (4,))
+    device = dataclasses.replace(GPU, autograd_node_us=2.0, accumulate_grad_us=3.0)
+    lowered = lower([("g.bw", bw)], FixedCost(device))
+    names = [t.name for t in lowered.graph.tasks if t.kind is TaskKind.CPU]
+    assert names == ["g.bw:autograd", "g.bw:neg", "g.bw:relu", "g.bw:accumulate_grad"]
+    assert lowered.graph.task("g.bw:autograd").duration_us == 2.0
+    assert lowered.graph.task("g.bw:accumulate_grad").duration_us == 6.0
+    # cpu: engine [0,2], neg [2,3], relu [3,4], accumulate [4,10]; kernels neg [3,13], relu [13,23]
+    assert simulate(lowered.graph).makespan_us == pytest.approx(23.0)
+    measured = lower([("g.bw", bw)], FixedCost(device), host_gaps={"g.bw": 5.0})
+    assert not [t for t in measured.graph.tasks if t.op.startswith("autograd.")]

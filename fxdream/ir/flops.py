@@ -11,6 +11,33 @@ from torch.utils.flop_counter import flop_registry
 from fxdream.ir.nodes import op_name, value_of
 
 
+GEMM_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.linear", "aten._scaled_mm"})
+CONV_OPS = frozenset({"aten.convolution", "aten.convolution_backward", "aten.cudnn_convolution",
+                      "aten._convolution", "fxdream.conv_fused_inference", "fxdream.conv_bias_relu",
+                      "fxdream.conv_bias_add_relu"})
+BATCH_NORM_OPS = frozenset({"aten.native_batch_norm", "aten._native_batch_norm_legit",
+                            "aten._native_batch_norm_legit_functional", "aten._native_batch_norm_legit_no_training",
+                            "aten.native_batch_norm_backward", "aten.cudnn_batch_norm",
+                            "aten.cudnn_batch_norm_backward",
+                            "aten.miopen_batch_norm", "aten.miopen_batch_norm_backward"})
+KERNEL_CLASSES = ("conv", "gemm", "batch_norm", "other")
+
+
+def kernel_class(node: fx.Node) -> str:
+    """"conv" (convolutions and their gradients), "gemm" (matrix products, attention),
+    "batch_norm" (batch norm and its gradient: per-channel reductions over the batch) or
+    "other" (pointwise, copies, other norms and reductions: memory-bound). Libraries reach
+    different shares of the roofline on each (``DeviceSpec.roofline_share``)."""
+    name = op_name(node)
+    if name in CONV_OPS:
+        return "conv"
+    if name in GEMM_OPS or name in _SDPA_OPS or "scaled_dot_product" in name:
+        return "gemm"
+    if name in BATCH_NORM_OPS:
+        return "batch_norm"
+    return "other"
+
+
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one node from torch.utils.flop_counter's formulas on its fake tensors."""
     packet = getattr(node.target, "overloadpacket", None)

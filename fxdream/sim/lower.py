@@ -7,7 +7,9 @@ are one task. Views cost only dispatch. Data dependencies across streams become 
 edges; ops that read a device value on the host (``.item()``, nonzero) add a SYNC task.
 Memory: a kernel allocates its outputs when it starts; a buffer is freed when the last
 task using it (through any view) ends, unless it leaves the iteration (an output, a
-gradient). Training adds the optimizer step as its own tasks.
+gradient). Training adds the optimizer step as its own tasks, and, where no measured host
+gaps hold them, autograd's engine: a host task running each backward graph's node and one
+handing its parameters their gradients (AccumulateGrad).
 
 CUDA graphs: nodes with ``meta[CUDA_GRAPH_REGION]`` (or a runner module the cuda_graphs
 pass put in the graph, inlined first) form a captured region. On a GPU a region lowers to
@@ -78,7 +80,13 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
     gaps = dict(host_gaps or {})
     lowering = _Lowering(cost)
     for graph_index, (label, gm) in enumerate(graphs):
+        engine = host_gaps is None and label.endswith(".bw")  # measured gaps hold the engine's time
+        if engine:
+            _append_autograd(lowering.tg, f"{label}:autograd", cost.device.autograd_node_us)
         lowering.graph(graph_index, label, gm, gaps.pop(label, 0.0))
+        if engine:
+            _append_autograd(lowering.tg, f"{label}:accumulate_grad",
+                             len(gradient_outputs(gm)) * cost.device.accumulate_grad_us)
     tg = lowering.tg
     _append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw")
     if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
@@ -174,6 +182,14 @@ class _Lowering:
         created = buffers.define(node)
         self.allocs[work] = self.allocs.get(work, 0) + sum(buffers.size[b] for b in created)
         buffers.use(node, work, graph_index)
+
+
+def _append_autograd(tg: TaskGraph, name: str, us: float) -> None:
+    """Autograd's engine around a backward graph: running its node, or handing each parameter
+    its gradient (AccumulateGrad), host time (``DeviceSpec.autograd_node_us`` /
+    ``accumulate_grad_us``)."""
+    if us > 0:
+        tg.append(Task(name, TaskKind.CPU, float(us), "cpu:0", op=f"autograd.{name.rsplit(':', 1)[1]}", phase="bw"))
 
 
 def _append_host_gap(tg: TaskGraph, before: str, us: float, phase: str) -> None:

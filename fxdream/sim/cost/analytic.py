@@ -1,13 +1,18 @@
-"""``Analytic(DeviceSpec)``: a roofline, max(FLOPs / peak, bytes / bandwidth), floored at the
-device's smallest kernel, plus a fixed dispatch/launch cost per op. It predicts for any GPU
-from its datasheet."""
+"""``Analytic(DeviceSpec)``: a roofline, max(FLOPs / peak, bytes / bandwidth) over the share of
+it the kernel's class reaches, floored at the device's smallest kernel, plus a fixed
+dispatch/launch cost per op. It predicts for any GPU from its datasheet, or from the
+overheads and shares fitted to measurements (``DeviceSpec.source``, ``fxdream/sim/cost/fits``).
+
+A ``getitem`` is Python indexing the tuple an op returned: no dispatch, no kernel."""
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxdream.ir.flops import node_flops, rnn_sequential_steps
+from fxdream.ir.flops import kernel_class, node_flops, rnn_sequential_steps
 from fxdream.ir.nodes import is_view, node_bytes, node_dtype
 from fxdream.sim.cost.devices import DeviceSpec
 
@@ -23,12 +28,15 @@ class Analytic:
             return 0.0
         peak = self.device.peak_flops.get(node_dtype(node)) or self.device.peak_flops["float32"]
         flops = node_flops(node)
-        seconds = max(flops / peak, node_bytes(node) / self.device.mem_bandwidth)
+        roofline = max(flops / peak, node_bytes(node) / self.device.mem_bandwidth)
+        seconds = roofline / self.device.share(kernel_class(node))
         # a recurrence runs its steps in sequence: at least a GEMM and a pointwise kernel each
         sequential = 2 * rnn_sequential_steps(node) * self.device.kernel_min_us
         return max(seconds * 1e6, sequential, self.device.kernel_min_us)
 
     def dispatch_us(self, node: fx.Node) -> float:
+        if node.target is operator.getitem:
+            return 0.0
         launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us
         return self.device.dispatch_overhead_us + launch
 

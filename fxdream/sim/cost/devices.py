@@ -7,17 +7,26 @@ on no datasheet; they come from an H100 SXM machine (PyTorch 2.11, CUDA 13), whe
 ``torch.add`` costs 1.5 µs of CPU on CPU tensors (dispatch) and 6.6 µs on CUDA tensors, so
 launching costs ~5 µs more; a tiny kernel replayed in a CUDA graph takes 1.2 µs of GPU time.
 Hopper entries use these; V100/A100 use the same host costs and a longer floor (estimates).
-Replace them by calibration/profiling when it matters.
+
+A GPU with a ``fits/<name>.json`` (``benchmarks/fit_gpu_model.py``) takes the overheads, the
+kernel floor and the share of the roofline each kernel class reaches from that file: fitted
+to measurements of captured graphs on that GPU, which datasheet figures overrate several
+times at small batches. ``datasheet_device(name)`` keeps the datasheet-only spec.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
+
+from fxdream.ir.flops import KERNEL_CLASSES
 
 GiB = 2 ** 30
 
@@ -34,11 +43,27 @@ class DeviceSpec:
     kernel_min_us: float             # shortest kernel the device runs
     num_sms: int | None
     memory_bytes: int
+    # Share of the roofline kernels of each class reach ("conv", "gemm", "batch_norm", "other":
+    # ``fxdream.ir.flops.kernel_class``); a class not named reaches all of it.
+    roofline_share: Mapping[str, float] = field(default_factory=dict)
+    source: str = "datasheet"        # where the overheads and shares come from
+    # Host µs of autograd's engine in a training step: running one node (a compiled backward),
+    # and one AccumulateGrad (handing a parameter its .grad); host work whatever the device.
+    autograd_node_us: float = 0.0
+    accumulate_grad_us: float = 0.0
 
     def __post_init__(self):
         if self.kind not in ("cpu", "cuda"):
             raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        object.__setattr__(self, "roofline_share", MappingProxyType(dict(self.roofline_share)))
+        bad = {k: v for k, v in self.roofline_share.items() if not 0 < v <= 1}
+        if bad:
+            raise ValueError(f"DeviceSpec.roofline_share values must be in (0, 1], got {bad}")
+
+    def share(self, kernel_class: str) -> float:
+        """Share of the roofline a kernel of ``kernel_class`` reaches (1.0 where not fitted)."""
+        return self.roofline_share.get(kernel_class, 1.0)
 
     def flops(self, dtype="float32") -> float:
         """Peak FLOP/s for ``dtype`` (a torch.dtype or its name); a dtype without its own entry
@@ -48,9 +73,10 @@ class DeviceSpec:
                "fp32": "float32", "fp16": "float16"}.get(key, key)
         return self.peak_flops.get(key) or self.peak_flops["float32"]
 
-    def kernel_time_us(self, flops: float, bytes_moved: float, dtype="float32") -> float:
-        """Roofline time of one kernel: max(compute, memory), at least ``kernel_min_us``."""
-        t = max(flops / self.flops(dtype), bytes_moved / self.mem_bandwidth) * 1e6
+    def kernel_time_us(self, flops: float, bytes_moved: float, dtype="float32", kernel_class: str = "other") -> float:
+        """Roofline time of one kernel: max(compute, memory) over the class's share of the
+        roofline, at least ``kernel_min_us``."""
+        t = max(flops / self.flops(dtype), bytes_moved / self.mem_bandwidth) * 1e6 / self.share(kernel_class)
         return max(t, self.kernel_min_us)
 
 
@@ -60,11 +86,18 @@ def _gpu(name, fp32, tf32, fp16, bf16, bw, sms, mem_gib, launch=5.0, dispatch=1.
         peaks["tf32"] = tf32
     if bf16:
         peaks["bfloat16"] = bf16
-    return DeviceSpec(name, "cuda", peaks, bw, launch, dispatch, kmin, sms, mem_gib * GiB)
+    return DeviceSpec(name, "cuda", peaks, bw, launch, dispatch, kmin, sms, mem_gib * GiB,
+                      autograd_node_us=AUTOGRAD_NODE_US, accumulate_grad_us=ACCUMULATE_GRAD_US)
+
+
+# Autograd engine host costs for GPU specs: estimates of the order calibrate_cpu measures on a
+# 2-core x86 host (3.4 µs per engine node, 3.3 µs per AccumulateGrad that takes a new .grad).
+AUTOGRAD_NODE_US = 4.0
+ACCUMULATE_GRAD_US = 4.0
 
 
 T = 1e12
-_GPUS = {
+_DATASHEET = {
     # NVIDIA Tesla V100 GPU Accelerator datasheet (SXM2 32 GB, 2018): FP32 15.7 TFLOPS,
     # Tensor (FP16) 125 TFLOPS, HBM2 900 GB/s, 32 GB; 80 SMs (Volta V100 whitepaper).  No
     # TF32/BF16 (bf16 falls back to fp32 in DeviceSpec.flops).
@@ -83,19 +116,63 @@ _GPUS = {
     "h200": _gpu("h200", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 4.8e12, 132, 141),
 }
 
+FITS_DIR = Path(__file__).parent / "fits"  # <device>.json: parameters fitted to measurements
+FITTABLE = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us",
+            *(f"roofline_share.{c}" for c in KERNEL_CLASSES))
+
+
+def with_parameters(spec: DeviceSpec, values: Mapping[str, float], source: str | None = None) -> DeviceSpec:
+    """``spec`` with the ``FITTABLE`` fields in ``values`` replaced ("roofline_share.conv"
+    sets one class's share), and its ``source``."""
+    unknown = sorted(set(values) - set(FITTABLE))
+    if unknown:
+        raise ValueError(f"not fittable DeviceSpec parameters: {unknown}; valid: {', '.join(FITTABLE)}")
+    shares = dict(spec.roofline_share)
+    shares.update({k.split(".", 1)[1]: float(v) for k, v in values.items() if k.startswith("roofline_share.")})
+    plain = {k: float(v) for k, v in values.items() if not k.startswith("roofline_share.")}
+    return dataclasses.replace(spec, **plain, roofline_share=shares, source=source or spec.source)
+
+
+def parameters_of(spec: DeviceSpec, names=FITTABLE) -> dict[str, float]:
+    """The values of ``names`` (``FITTABLE`` entries) in ``spec``."""
+    return {n: spec.share(n.split(".", 1)[1]) if n.startswith("roofline_share.") else getattr(spec, n)
+            for n in names}
+
+
+def _fitted(spec: DeviceSpec) -> DeviceSpec:
+    """The datasheet spec with the parameters of ``fits/<name>.json`` where that file exists
+    (written by ``benchmarks/fit_gpu_model.py`` from measurements on that device)."""
+    path = FITS_DIR / f"{spec.name}.json"
+    if not path.exists():
+        return spec
+    fit = json.loads(path.read_text())
+    return with_parameters(spec, fit["parameters"], f"fitted to {fit['fitted_on']} ({path.name})")
+
+
+def datasheet_device(name: str) -> DeviceSpec:
+    """A GPU's spec from its datasheet alone, without fitted parameters."""
+    key = str(name).strip().lower()
+    if key not in _DATASHEET:
+        raise ValueError(f"no datasheet GPU {name!r}; valid names: {', '.join(_DATASHEET)}")
+    return _DATASHEET[key]
+
+
+_GPUS = {name: _fitted(spec) for name, spec in _DATASHEET.items()}
+
 _CPU_CACHE: dict[str, DeviceSpec] = {}  # the one global mutable: calibration, once per process
 
 
 def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
-    """Measure this host: fp32 matmul FLOP/s, copy bandwidth, per-op dispatch overhead.
+    """Measure this host: fp32 matmul FLOP/s, copy bandwidth, per-op dispatch overhead, and
+    autograd's engine costs (per node, per AccumulateGrad).
 
-    About ``seconds`` in total (split between the three), cached for the process unless
+    About ``seconds`` in total (split between the seven timings), cached for the process unless
     ``refresh``.  Best-of-N timings: the peak is what the roofline needs.  The host's spec in
     ``DEVICES`` calls it when one of its numbers is first read (analytic costs, what-ifs);
     the default is short because a longer calibration gives the same peaks within a few %."""
     if "cpu" in _CPU_CACHE and not refresh:
         return _CPU_CACHE["cpu"]
-    budget = max(0.05, float(seconds)) / 3
+    budget = max(0.05, float(seconds)) / 7
 
     def best(fn, min_reps=3):
         fn()  # warm-up
@@ -121,15 +198,39 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
         for _ in range(k):
             torch.add(x, y)
     dispatch_us = best(tiny) / k * 1e6
+    node_us, accumulate_us = _autograd_costs(best)
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 0
     spec = DeviceSpec("cpu", "cpu", {"float32": flops}, bw, launch_overhead_us=0.0,
                       dispatch_overhead_us=dispatch_us, kernel_min_us=0.0, num_sms=None,
-                      memory_bytes=mem)
+                      memory_bytes=mem, source="calibrated on this host", autograd_node_us=node_us,
+                      accumulate_grad_us=accumulate_us)
     _CPU_CACHE["cpu"] = spec
     return spec
+
+
+def _autograd_costs(best) -> tuple[float, float]:
+    """(µs per engine node, µs per AccumulateGrad): the slopes of a backward through a chain of
+    k adds, over k, without and with a leaf tensor (a parameter) at each add."""
+    def backward_us(k: int, leaves: bool) -> float:
+        x = torch.zeros(4, requires_grad=True)
+        addends = [torch.zeros(4, requires_grad=leaves) for _ in range(k)]
+
+        def step():
+            for t in (x, *addends):
+                t.grad = None
+            y = x
+            for a in addends:
+                y = y + a
+            y.sum().backward()
+        return best(step) * 1e6
+    short, long = 8, 64
+    with torch.inference_mode(False), torch.enable_grad():  # the caller may be in no_grad
+        node = max(0.0, (backward_us(long, False) - backward_us(short, False)) / (long - short))
+        with_leaves = max(0.0, (backward_us(long, True) - backward_us(short, True)) / (long - short))
+    return node, max(0.0, with_leaves - node)
 
 
 class _CalibratedOnUse(DeviceSpec):
@@ -144,11 +245,14 @@ class _CalibratedOnUse(DeviceSpec):
 
     def __init__(self):
         for name, value in (("name", "cpu"), ("kind", "cpu"), ("launch_overhead_us", 0.0),
-                            ("kernel_min_us", 0.0), ("num_sms", None)):
+                            ("kernel_min_us", 0.0), ("num_sms", None),
+                            ("roofline_share", MappingProxyType({})),
+                            ("source", "calibrated on this host")):
             object.__setattr__(self, name, value)
 
 
-for _measured in ("peak_flops", "mem_bandwidth", "dispatch_overhead_us", "memory_bytes"):
+for _measured in ("peak_flops", "mem_bandwidth", "dispatch_overhead_us", "memory_bytes", "autograd_node_us",
+                  "accumulate_grad_us"):
     setattr(_CalibratedOnUse, _measured, property(lambda self, name=_measured: getattr(calibrate_cpu(), name)))
 _HOST = _CalibratedOnUse()
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from fxdream.ir.flops import kernel_class
 from fxdream.ir.nodes import is_view, node_bytes, node_dtype, op_name, value_of
 from fxdream.ir.tensors import tensor_bytes
 from fxdream.runtime.streams import OnStream, is_event_node
@@ -200,7 +201,7 @@ class OccupancyAware:
         name = op_name(node)
         if name == "aten.convolution_backward":
             return sum(max(floor, self._roofline(node, g.flops, b) / g.fill(sms))
-                       for g, b in zip(gemms, _conv_bw_bytes(node, gemms))) + self._bias_us(node)
+                       for g, b in zip(gemms, _conv_bw_bytes(node, gemms))) + self.bias_gradient_us(node)
         if name == "aten.convolution":
             return max(floor, self._roofline(node, gemms[0].flops, node_bytes(node)) / gemms[0].fill(sms))
         t = self.base.kernel_us(node)
@@ -216,15 +217,20 @@ class OccupancyAware:
         return self.device.flops(dtype)
 
     def _roofline(self, node: fx.Node, flops: float, nbytes: float) -> float:
-        return max(flops / self.peak_flops(node), nbytes / self.device.mem_bandwidth) * 1e6
+        seconds = max(flops / self.peak_flops(node), nbytes / self.device.mem_bandwidth)
+        return seconds * 1e6 / self.device.share(kernel_class(node))
 
-    def _bias_us(self, node: fx.Node) -> float:
+    def bias_gradient_us(self, node: fx.Node) -> float:
+        """The bias-gradient kernel of a ``convolution_backward`` (a reduction of grad_output over
+        all but the channel dimension, memory-bound); 0 when the node computes none."""
+        if op_name(node) != "aten.convolution_backward" or len(node.args) != 11:
+            return 0.0
         mask = node.args[10]
         if not mask[2]:
             return 0.0
         grad = value_of(node.args[0])
         nbytes = tensor_bytes(grad) if isinstance(grad, torch.Tensor) else 0
-        return max(self.device.kernel_min_us, nbytes / self.device.mem_bandwidth * 1e6)
+        return self.device.kernel_time_us(0, nbytes)
 
     def dispatch_us(self, node: fx.Node) -> float:
         """A convolution_backward launches one kernel per gradient it computes (dgrad, wgrad,

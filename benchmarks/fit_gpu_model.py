@@ -1,0 +1,265 @@
+"""Fit the analytic GPU model to measurements of one model and check it on another (held out).
+
+The measurements are the committed results of a GPU lease (``benchmarks/results``); nothing
+runs on a GPU here. Every model is captured on the meta device (no data, no kernels) and its
+graphs are simulated with a DeviceSpec whose fitted parameters (``FITTABLE``: host cost of a
+view and of a kernel launch, the kernel floor, the share of the roofline convolutions and
+batch norms reach) are searched to match the fit cases (``fxdream.sim.cost.fitting``). The
+fit is written to ``fxdream/sim/cost/fits/<device>.json``, which ``get_device`` then applies.
+
+Fit cases, ResNet-50 in float16 on the H200 (gpu_ab_h200_*, gpu_aux_stream_h200_*):
+batch-1 inference as captured (host-bound), in CUDA graphs, fused + CUDA graphs (kernel floor),
+training steps (forward + backward, no optimizer) at batch 32 and 128 under autocast.
+Held out, BERT-base in float16 on the same machine (diag_hf_bert_h200_*): the zoo's bert_base at
+batch 1 as captured (wall and device time), and Hugging Face BertModel's eager device time at
+batch 128 and 1, against the summed kernels of its captured graph. A kernel class the fit
+model has no time in keeps the datasheet's share: GEMMs (ResNet-50's one linear layer) and
+"other" (pointwise kernels, which the fit cases cannot tell apart from the batch norms beside them).
+
+    python benchmarks/fit_gpu_model.py                 # fit, check, write the JSON (~3 min)
+    python benchmarks/fit_gpu_model.py --no-write      # fit and check only
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fxdream import models
+from fxdream.capturing.capture_model import capture
+from fxdream.plan import plan
+from fxdream.sim.cost.analytic import Analytic
+from fxdream.sim.cost.devices import FITS_DIR, DeviceSpec, datasheet_device, parameters_of, with_parameters
+from fxdream.sim.cost.fitting import fit_parameters
+from fxdream.sim.cost.occupancy import OccupancyAware
+from fxdream.sim.prediction import predict
+from fxdream.sim.taskgraph import TaskKind
+
+RESULTS = Path(__file__).parent / "results"
+AB = "gpu_ab_h200_2026-11-26_4_resnet50_bs1.json"
+AUX = "gpu_aux_stream_h200_2026-11-26.json"
+DIAG = "diag_hf_bert_h200_2026-11-26.txt"
+FITTED = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us", "roofline_share.conv",
+          "roofline_share.batch_norm")
+
+
+def log(message: str) -> None:
+    print(f"[fit_gpu_model {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured time and how to predict it from a DeviceSpec."""
+    name: str
+    measured_ms: float
+    predict_ms: Callable[[DeviceSpec], float]
+    source: str
+
+
+def wall_ms(captured, training: bool, graphs=None) -> Callable[[DeviceSpec], float]:
+    return lambda spec: predict(captured, Analytic(spec), training, graphs=graphs).time_ms
+
+
+def device_ms(captured) -> Callable[[DeviceSpec], float]:
+    """Summed kernel time: what a profiler's "device time" of the step adds up."""
+    def predicted(spec: DeviceSpec) -> float:
+        graph = predict(captured, Analytic(spec), False).task_graph
+        return sum(t.duration_us for t in graph.tasks if t.kind is TaskKind.GPU) / 1e3
+    return predicted
+
+
+class AutocastLike(torch.nn.Module):
+    """torch.autocast(float16)'s effect on a conv net, for capture on the meta device (where
+    autocast does not run): convolutions and linears cast input, weight and bias to float16
+    each call; the parameters stay float32, so their gradients are cast back in backward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+                module.forward = _half_forward(module)
+
+    def forward(self, *inputs):
+        return self.model(*inputs)
+
+
+def _half_forward(module):
+    def forward(x):
+        bias = module.bias.half() if module.bias is not None else None
+        if isinstance(module, torch.nn.Linear):
+            return F.linear(x.half(), module.weight.half(), bias)
+        return F.conv2d(x.half(), module.weight.half(), bias, module.stride, module.padding, module.dilation,
+                        module.groups)
+    return forward
+
+
+def _meta_model(name: str, batch: int, training: bool, dtype=torch.float16):
+    model, inputs, _ = models.build(name, batch, device="meta", dtype=dtype)
+    return (model.train() if training else model.eval()), inputs
+
+
+def resnet50_cases(base: DeviceSpec) -> list[Case]:
+    ab = json.loads((RESULTS / AB).read_text())["cases"][0]["runners"]
+    aux = {r["batch"]: r for r in json.loads((RESULTS / AUX).read_text())["rows"] if r["dtype"] == "fp16"}
+    model, inputs = _meta_model("resnet50", 1, False)
+    captured = capture(model, inputs)
+    cases = [Case("resnet50 fp16 bs1 inference, captured", ab["capture"]["median_ms"], wall_ms(captured, False), AB)]
+    variants = (("cuda_graphs", ["cuda_graphs"]), ("fuse+cuda_graphs", ["fuse_conv_bias_act", "cuda_graphs"]))
+    for runner, passes in variants:
+        rewritten = plan(model, captured, base, False, passes, Analytic(base)).graphs
+        cases.append(Case(f"resnet50 fp16 bs1 inference, {runner}", ab[runner]["median_ms"],
+                          wall_ms(captured, False, rewritten), AB))
+    for batch in sorted(aux):
+        model, inputs = _meta_model("resnet50", batch, True, dtype=torch.float32)
+        captured = capture(AutocastLike(model).train(), inputs, training=True)
+        cases.append(Case(f"resnet50 autocast fp16 bs{batch} training step (no optimizer)",
+                          aux[batch]["measured_baseline_ms"], wall_ms(captured, True), AUX))
+    return cases
+
+
+def _diag_sections() -> dict[str, dict]:
+    """{"hf_bert bs128": {"eager_ms", "capture_ms", "eager_device_ms", "capture_device_ms"}} from the diag text."""
+    sections, current = {}, None
+    for line in (RESULTS / DIAG).read_text().splitlines():
+        head = re.match(r"== (\S+ bs\d+):", line)
+        if head:
+            current = sections.setdefault(head.group(1), {"device_ms": []})
+        elif current is not None and line.strip().startswith("ms:"):
+            current.update({f"{k}_ms": v for k, v in ast.literal_eval(line.split("ms:", 1)[1].strip()).items()})
+        elif current is not None and "ms device" in line:
+            current["device_ms"].append(float(re.search(r"([\d.]+) ms device", line).group(1)))
+    return {k: {**v, "eager_device_ms": v["device_ms"][0], "capture_device_ms": v["device_ms"][1]}
+            for k, v in sections.items()}
+
+
+class _LastHidden(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, return_dict=False)[0]
+
+
+def bert_cases() -> list[Case]:
+    diag = _diag_sections()
+    model, inputs = _meta_model("bert_base", 1, False)
+    captured = capture(model, inputs)
+    measured = diag["bert_base bs1"]
+    cases = [Case("bert_base fp16 bs1 inference, captured (wall)", measured["capture_ms"], wall_ms(captured, False),
+                  DIAG),
+             Case("bert_base fp16 bs1 inference, captured (device)", measured["capture_device_ms"],
+                  device_ms(captured), DIAG)]
+    try:
+        import transformers
+    except ImportError:
+        log("transformers is not installed: the Hugging Face BERT cases are left out")
+        return cases
+    for batch in (128, 1):
+        with torch.device("meta"):
+            hf = _LastHidden(transformers.BertModel(transformers.BertConfig())).to(torch.float16).eval()
+        ids = torch.zeros(batch, 128, dtype=torch.long, device="meta")
+        captured = capture(hf, (ids,))
+        cases.append(Case(f"HF BertModel fp16 bs{batch} seq128, device time (eager measured)",
+                          diag[f"hf_bert bs{batch}"]["eager_device_ms"], device_ms(captured), DIAG))
+    return cases
+
+
+def evaluate(cases: list[Case]) -> Callable[[DeviceSpec], list[float]]:
+    return lambda spec: [case.predict_ms(spec) for case in cases]
+
+
+def aux_stream_signs(base: DeviceSpec, fitted: DeviceSpec) -> list[dict]:
+    """aux_stream_backward's predicted change against the measured one (the sign is the check)."""
+    rows = []
+    for r in (r for r in json.loads((RESULTS / AUX).read_text())["rows"] if r["dtype"] == "fp16"):
+        model, inputs = _meta_model("resnet50", r["batch"], True, dtype=torch.float32)
+        net = AutocastLike(model).train()
+        captured = capture(net, inputs, training=True)
+        row = {"case": f"aux_stream_backward, resnet50 autocast fp16 bs{r['batch']} training",
+               "measured_change_pct": r["measured_delta_pct"]}
+        for label, spec in (("datasheet", base), ("fitted", fitted)):
+            cost = OccupancyAware(Analytic(spec))
+            planned = plan(net, captured, spec, True, ["aux_stream_backward"], cost)
+            row[f"predicted_change_pct_{label}"] = 100 * (planned.after.time_ms / planned.before.time_ms - 1)
+        rows.append(row)
+    return rows
+
+
+def pass_sign(name: str, cases: list[Case], predicted, before: str, after: str) -> dict:
+    """The measured and predicted change between the two fit cases whose names end in ``before``/``after``."""
+    index = {c.name.rsplit(", ", 1)[-1]: i for i, c in enumerate(cases)}
+    b, a = index[before], index[after]
+    return {"case": name, "measured_change_pct": 100 * (cases[a].measured_ms / cases[b].measured_ms - 1),
+            "predicted_change_pct_fitted": 100 * (predicted[a] / predicted[b] - 1)}
+
+
+def table(cases: list[Case], before: list[float], after: list[float]) -> list[dict]:
+    return [{"case": c.name, "measured_ms": c.measured_ms, "datasheet_ms": b, "fitted_ms": a,
+             "datasheet_error_pct": 100 * (b / c.measured_ms - 1), "fitted_error_pct": 100 * (a / c.measured_ms - 1),
+             "source": f"benchmarks/results/{c.source}"} for c, b, a in zip(cases, before, after)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="h200", help="the DeviceSpec the measurements ran on")
+    parser.add_argument("--parameters", default=",".join(FITTED), help="the FITTABLE parameters to fit")
+    parser.add_argument("--no-write", action="store_true", help="do not write fxdream/sim/cost/fits/<device>.json")
+    args = parser.parse_args(argv)
+    base = datasheet_device(args.device)
+    log("capturing ResNet-50 (fit) on the meta device")
+    fit_cases = resnet50_cases(base)
+    log("capturing BERT (held out) on the meta device")
+    held_cases = bert_cases()
+    fit_before = evaluate(fit_cases)(base)
+    names = tuple(args.parameters.split(","))
+    log(f"fitting {', '.join(names)} to {len(fit_cases)} cases")
+    result = fit_parameters(base, names, evaluate(fit_cases), [c.measured_ms for c in fit_cases],
+                            progress=lambda n, e: log(f"  {n} evaluations, error {e:.4f}") if n % 40 < 6 else None)
+    fitted = with_parameters(base, result.parameters)
+    held_before, held_after = evaluate(held_cases)(base), evaluate(held_cases)(fitted)
+    report = {
+        "device": args.device,
+        "fitted_on": "ResNet-50 fp16 measured on an H200 (PyTorch 2.11, CUDA 13)",
+        "parameters": {k: round(v, 4) for k, v in result.parameters.items()},
+        "datasheet_parameters": parameters_of(base, names),
+        "not_fitted": ("roofline_share.gemm and .other stay the datasheet's 1.0: ResNet-50 spends almost no time "
+                       "in GEMMs, and its pointwise kernels cannot be told apart from the batch norms beside them"),
+        "fit": table(fit_cases, fit_before, list(result.predicted_ms)),
+        "held_out": table(held_cases, held_before, held_after),
+        "pass_signs": aux_stream_signs(base, fitted) + [
+            pass_sign("cuda_graphs, resnet50 fp16 bs1", fit_cases, result.predicted_ms, "captured", "cuda_graphs"),
+            pass_sign("fuse_conv_bias_act in CUDA graphs, resnet50 fp16 bs1", fit_cases, result.predicted_ms,
+                      "cuda_graphs", "fuse+cuda_graphs")],
+        "evaluations": result.evaluations,
+        "script": "benchmarks/fit_gpu_model.py",
+    }
+    for section in ("fit", "held_out"):
+        for row in report[section]:
+            log(f"{section:8} {row['case'][:62]:62} measured {row['measured_ms']:8.3f}  datasheet "
+                f"{row['datasheet_ms']:8.3f} ({row['datasheet_error_pct']:+6.1f} %)  fitted {row['fitted_ms']:8.3f} "
+                f"({row['fitted_error_pct']:+6.1f} %)")
+    for row in report["pass_signs"]:
+        log(f"sign     {row['case'][:62]:62} measured {row['measured_change_pct']:+7.1f} %  predicted (fitted) "
+            f"{row['predicted_change_pct_fitted']:+7.1f} %")
+    log("parameters: " + ", ".join(f"{k} {v:.3g}" for k, v in report["parameters"].items()))
+    if not args.no_write:
+        FITS_DIR.mkdir(exist_ok=True)
+        path = FITS_DIR / f"{args.device}.json"
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
