@@ -1,7 +1,9 @@
 """fxdream.simulate(): capture → (passes) → lower → simulate, for this machine or any DeviceSpec."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 
 import torch
 
@@ -32,8 +34,10 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
                                                                           device, cost)
     measure, fallback = isinstance(model_cost, Profiled), ()
     try:  # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
-        captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure,
-                                                       example_kwargs=example_kwargs)
+        with _autocast_watch() as autocast_notes:
+            captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure,
+                                                           example_kwargs=example_kwargs)
+        notes = tuple(autocast_notes) + tuple(notes)
     except Exception as error:
         if measure or model is original[0] or on_meta(*original):
             raise
@@ -50,6 +54,23 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     planned = plan(model, captured, device, training, passes, model_cost, memory_budget,
                    OPTIMIZERS.get(optimizer), contention, step=step)
     return dataclasses.replace(planned.after, passes=planned.rows, notes=notes)
+
+
+@contextlib.contextmanager
+def _autocast_watch():
+    """Yields a list that gets a note when the model entered a ``torch.autocast`` region that
+    torch disabled (autocast for a device this machine lacks, e.g. "cuda" here): the graphs
+    then hold the ops without autocast's casts and in the input dtype, and so does the
+    prediction. Every warning is passed on as it came."""
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield notes
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if any("Disabling autocast" in str(w.message) for w in caught):
+        notes.append("the model enters torch.autocast for a device this machine does not have, which torch "
+                     "disabled: predicted without autocast (its dtype casts and low-precision kernels)")
 
 
 def prediction_inputs(model: torch.nn.Module, example_inputs, example_kwargs, device: str | DeviceSpec,

@@ -80,3 +80,20 @@ def test_the_predicted_peak_is_said_to_fit_or_not_in_the_devices_memory():
     v100, h200 = (Prediction(get_device(name), True, None, timeline, 0) for name in ("v100", "h200"))
     assert not v100.fits_in_memory and v100.memory_verdict() == "does not fit in v100 memory (32 GiB)"
     assert h200.fits_in_memory and h200.memory_verdict() == "fits in h200 memory (141 GiB)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="autocast('cuda') runs where CUDA is")
+def test_a_disabled_autocast_region_is_named_in_the_prediction():
+    class AutocastInside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.autocast("cuda", dtype=torch.float16):
+                return self.linear(x)
+    with pytest.warns(UserWarning, match="Disabling autocast"):
+        prediction = fxdream.simulate(AutocastInside(), (torch.randn(2, 4),), device="h100")
+    assert any("torch.autocast for a device this machine does not have" in n for n in prediction.notes)
+    plain = fxdream.simulate(torch.nn.Linear(4, 4), (torch.randn(2, 4),), device="h100")
+    assert not any("autocast" in n for n in plain.notes)
