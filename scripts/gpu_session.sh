@@ -3,7 +3,7 @@
 # the CUDA tests, then the GPU A/B benchmarks, each under its own time limit so a slow or broken
 # step cannot eat the others' time. Writes logs and JSON into $OUT (default ./out).
 #
-#   bash scripts/gpu_session.sh                 # tests + A/B, ~7 min on an H200
+#   bash scripts/gpu_session.sh                 # tests + A/B + per-op profile, ~9 min on an H200
 #   STEPS="ab" AB_ARGS="--batches 8,32" bash scripts/gpu_session.sh
 #
 # The first lease (H200, 2026-11-26) took 27 s to start and ran env+install in 15 s, the CUDA
@@ -13,13 +13,16 @@ set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-"env install tests ab aux"}
+STEPS=${STEPS:-"env install tests ab aux ops"}
 TESTS_S=${TESTS_S:-90}
 AB_S=${AB_S:-260}
 AUX_S=${AUX_S:-90}
+OPS_S=${OPS_S:-150}
 # each case in its own process (a CUDA error costs one case); the peer for ResNet-50 at bs1, 128
 AB_ARGS=${AB_ARGS:-"--models resnet50,tv_resnet50,bert_base,hf_bert --batches 1,128,8 --dtypes fp16,fp32 --budget-s 200"}
 AUX_ARGS=${AUX_ARGS:-"--batches 32,128 --dtypes fp16 --rounds 3 --cost auto"}
+# per-op measurements for benchmarks/fit_gpu_model.py (stops timing new ops at its budget)
+OPS_ARGS=${OPS_ARGS:-"--models resnet50,bert_base --batches 1,8,32,128 --dtypes fp16,fp32 --budget-s 130"}
 PY=${PY:-python3}
 started=$(date +%s)
 step() { echo "=== [$(( $(date +%s) - started )) s] $*"; }
@@ -58,7 +61,12 @@ for s in $STEPS; do
       # shellcheck disable=SC2086
       timeout "$AUX_S" $PY benchmarks/gpu_aux_stream.py $AUX_ARGS --out "$OUT/gpu_aux_stream.json" 2>&1 \
         | tee "$OUT/gpu_aux_stream.log" | tail -30 ;;
-    *) echo "unknown step $s (env install tests alltests ab aux)"; exit 2 ;;
+    ops)
+      step "benchmarks/gpu_op_profile.py $OPS_ARGS (limit ${OPS_S} s)"
+      # shellcheck disable=SC2086
+      timeout "$OPS_S" $PY benchmarks/gpu_op_profile.py $OPS_ARGS --out "$OUT/gpu_op_profile.json" 2>&1 \
+        | tee "$OUT/gpu_op_profile.log" | tail -20 ;;
+    *) echo "unknown step $s (env install tests alltests ab aux ops)"; exit 2 ;;
   esac
 done
 step done

@@ -216,3 +216,24 @@ def test_whole_ops_times_each_op_eager_captured_and_decomposed(tmp_path, monkeyp
     assert all(r["eager_ms"] > 0 and r["captured_ms"] > 0 and r["decomposed_ms"] > 0 for r in rows)
     assert rnn_op._REDIRECTS == redirects  # the decomposed build put the redirections back
     assert torch.is_grad_enabled()  # and the script left grad mode as it was
+
+
+def test_gpu_op_profile_records_each_distinct_op_once_with_its_roofline_inputs(tmp_path):
+    profile = _script("gpu_op_profile")
+    out = tmp_path / "ops.json"
+    assert profile.main(["--device", "cpu", "--models", "mnist_convnet", "--batches", "2", "--dtypes", "fp32",
+                         "--tiny", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert len({(r["case"], r["key"]) for r in records}) == len(records)  # each op key once per case
+    assert {r["case"] for r in records} == {"mnist_convnet fp32 bs2 infer", "mnist_convnet fp32 bs2 train"}
+    convs = [r for r in records if r["op"] == "aten.convolution"]
+    assert convs and all(r["class"] == "conv" and r["flops"] > 0 and r["kernel_us"] > 0 for r in convs)
+    assert any(r["op"] == "aten.convolution_backward" and r["phase"] == "bw" for r in records)
+    assert all(r["host_us"] is None for r in records)  # on a CPU host and kernel are one time
+
+
+def test_fit_gpu_model_reads_the_committed_lease_results(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    sections = _script("fit_gpu_model")._diag_sections()
+    assert sections["hf_bert bs128"]["eager_device_ms"] == 7.020
+    assert sections["bert_base bs1"]["capture_ms"] == 12.479 and sections["bert_base bs1"]["capture_device_ms"] == 0.679
