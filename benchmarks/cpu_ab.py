@@ -1,8 +1,10 @@
 """CPU A/B: fxdream passes vs eager and the peers, measured side by side in one process.
 
 Runners per (model, batch): eager; fxdream with --passes; torch.compile default (inductor);
-torch.compile with inductor freezing (the recommended CPU inference mode); and
-torch.fx.experimental.optimization.optimize_for_inference. Each is built (build time
+torch.compile with inductor freezing (the recommended CPU inference mode);
+torch.fx.experimental.optimization.optimize_for_inference; and the inference engines of
+cpu_peers.py: ONNX Runtime, OpenVINO in f32 and at its default precision (optional packages:
+``pip install '.[peers]'``; a missing one is skipped with a message). Each is built (build time
 recorded) and built again ("rebuild": fxdream reuses the costs it measured, inductor its
 caches), checked against eager, then all are timed interleaved (median of rounds of blocks).
 fxdream's prediction for its own rows is put beside the measurement. With --training a
@@ -32,8 +34,11 @@ from fxdream.measure import time_interleaved
 from fxdream.numerics import max_abs_diff
 from fxdream.sim.prediction import predict
 
-PEERS = ("eager", "fxdream", "inductor", "inductor_freezing", "optimize_for_inference")
-INFERENCE_ONLY = ("inductor_freezing", "optimize_for_inference")
+from cpu_peers import PEERS as ENGINES  # isort: skip (benchmarks/ is on the path when run as a script)
+from cpu_peers import PeerUnavailable, build_peer  # isort: skip
+
+PEERS = ("eager", "fxdream", "inductor", "inductor_freezing", "optimize_for_inference", *ENGINES)
+INFERENCE_ONLY = ("inductor_freezing", "optimize_for_inference", *ENGINES)
 
 
 def _build_runner(name: str, model, inputs, passes, training: bool = False):
@@ -50,6 +55,8 @@ def _build_runner(name: str, model, inputs, passes, training: bool = False):
     elif name == "optimize_for_inference":
         from torch.fx.experimental.optimization import optimize_for_inference
         fn = optimize_for_inference(copy.deepcopy(model))
+    elif name in ENGINES:
+        fn = build_peer(name, model, inputs)
     else:
         raise ValueError(f"unknown runner {name!r}; valid: {', '.join(PEERS)}")
     return fn, time.perf_counter() - started, report
@@ -97,11 +104,17 @@ def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: in
         try:
             fn, seconds, report = _build_runner(name, model, inputs, passes, training)
             diff = max_abs_diff(model, fn, inputs, training, loss_fn)
+        except PeerUnavailable as missing:
+            print(f"  {name}: skipped, {missing}", flush=True)
+            rows[name] = dict(error=str(missing))
+            continue
         except Exception as error:  # a peer that cannot build here is reported, not fatal
             rows[name] = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
             continue
         built[name] = fn
         rows[name] = dict(build_s=seconds, max_abs_diff=diff)
+        if hasattr(fn, "inference_precision"):
+            rows[name]["precision"] = fn.inference_precision
         if rebuild and name != "eager":  # warm: fxdream reuses its measured costs, inductor its caches
             rows[name]["rebuild_s"] = _build_runner(name, model, inputs, passes, training)[1]
         if report is not None:
@@ -145,9 +158,16 @@ def to_markdown(cases: list[dict]) -> str:
             preds = [f"{r[k]:.2f} ({100 * (r[k] / r['median_ms'] - 1):+.1f} %)" if r.get(k) else "–"
                      for k in ("predicted_ms", "predicted_interleaved_ms")]
             label = f"{name} (runs eagerly: eager check)" if r.get("ran_eagerly") else name
+            label += f" ({r['precision']})" if r.get("precision") else ""
             lines.append(f"{head} | {label} | {r['median_ms']:.2f} | {speedup} | {r['build_s']:.1f} | {rebuild} "
                          f"| {preds[0]} | {preds[1]} | {r['max_abs_diff']:.1e} |")
     return "\n".join(lines)
+
+
+def _short(model: str) -> str:
+    """A zoo name as it is; ``benchmarks/hf_models.py:bert`` as ``hf_models:bert``."""
+    where, colon, function = model.rpartition(":")
+    return f"{where.rsplit('/', 1)[-1].removesuffix('.py')}:{function}" if colon else model
 
 
 def plot(cases: list[dict], path: str) -> None:
@@ -165,8 +185,8 @@ def plot(cases: list[dict], path: str) -> None:
         top = max(top, *ys)
         ax.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(cases))], ys, width, label=name)
     ax.axhline(1, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(cases)), [f"{c['model']}\nbs{c['batch']} {'train' if c.get('training') else 'infer'}"
-                                      for c in cases])
+    labels = [f"{_short(c['model'])}\nbs{c['batch']} {'train' if c.get('training') else 'infer'}" for c in cases]
+    ax.set_xticks(range(len(cases)), labels)
     ax.set_ylabel("speed-up over eager (measured)")
     ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
     ax.legend(fontsize=7, ncol=2, loc="upper center")

@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 from fxdream.passes.fuse_conv_bias_act import sites as conv_sites
 
@@ -14,13 +15,16 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _script(name: str):
+    """The script as a module, imported with benchmarks/ on the path (as when it runs)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.path.insert(0, str(BENCHMARKS))
     try:
         spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
+        sys.path.remove(str(BENCHMARKS))
     return module
 
 
@@ -237,3 +241,57 @@ def test_fit_gpu_model_reads_the_committed_lease_results(monkeypatch):
     sections = _script("fit_gpu_model")._diag_sections()
     assert sections["hf_bert bs128"]["eager_device_ms"] == 7.020
     assert sections["bert_base bs1"]["capture_ms"] == 12.479 and sections["bert_base bs1"]["capture_device_ms"] == 0.679
+
+
+def test_a_missing_peer_is_a_row_that_says_how_to_install_it(monkeypatch):
+    peers = _script("cpu_peers")
+
+    def missing(name):
+        raise ImportError(f"No module named {name!r}")
+    monkeypatch.setattr(peers.importlib, "import_module", missing)
+    model = torch.nn.Linear(3, 2)
+    for name in peers.PEERS:
+        with pytest.raises(peers.PeerUnavailable, match=r"is not installed \(pip install '\.\[peers\]'\)"):
+            peers.build_peer(name, model, (torch.randn(1, 3),))
+    with pytest.raises(ValueError, match="unknown peer 'tvm'; valid: onnxruntime, openvino_f32, openvino"):
+        peers.build_peer("tvm", model, (torch.randn(1, 3),))
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "openvino_f32"])
+def test_an_installed_peer_runs_the_model_at_fp32(name):
+    pytest.importorskip("onnxruntime" if name == "onnxruntime" else "openvino")
+    if name == "onnxruntime":
+        pytest.importorskip("onnxscript")
+    peers = _script("cpu_peers")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 5))
+    x = torch.randn(2, 3, 6, 6)
+    run = peers.build_peer(name, model.eval(), (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_peer_profile_groups_each_engines_op_names_into_the_same_kinds():
+    kind_of = _script("cpu_peer_profile").kind_of
+    expected = {"convolution": ["fxdream.conv_fused_inference", "aten.convolution", "Conv", "Convolution"],
+                "pooling": ["aten.max_pool2d_with_indices", "MaxPool"],
+                "matmul / linear": ["aten.addmm", "Gemm", "FullyConnected"],
+                "reorder / copy": ["Reorder", "aten._to_copy", "aten.copy_", "Convert"],
+                "elementwise": ["aten.relu", "Add", "aten.div_"],
+                "normalization": ["aten.native_layer_norm", "MVN"],
+                "other": ["ReduceMean", "aten.mean", "aten.view"]}
+    assert {name: kind_of(name) for names in expected.values() for name in names} == {
+        name: kind for kind, names in expected.items() for name in names}
+
+
+def test_cpu_ab_lists_a_missing_engine_as_not_run_with_the_install_hint(tmp_path, monkeypatch):
+    cpu_ab = _script("cpu_ab")
+
+    def missing(name, model, inputs):
+        raise cpu_ab.PeerUnavailable(f"{name} is not installed (pip install '.[peers]'): no module")
+    monkeypatch.setattr(cpu_ab, "build_peer", missing)
+    out = str(tmp_path / "ab")
+    assert cpu_ab.main(["--models", "mnist_convnet", "--batches", "1", "--rounds", "1", "--block", "1",
+                        "--no-rebuild", "--no-plot", "--runners", "eager,onnxruntime", "--out", out]) == 0
+    assert "| mnist_convnet | 1 | infer | onnxruntime | not run: onnxruntime is not installed (pip install " \
+           "'.[peers]'): no module |" in pathlib.Path(out + ".md").read_text()
