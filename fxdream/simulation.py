@@ -9,6 +9,7 @@ import torch
 
 from fxdream.build import cost_model_for
 from fxdream.capturing.capture_model import capture_with_host_gaps
+from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.meta import meta_copy, on_meta
 from fxdream.plan import plan
 from fxdream.sim.cost import DeviceSpec, Profiled
@@ -39,6 +40,8 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
                                                            example_kwargs=example_kwargs)
         notes = tuple(autocast_notes) + tuple(notes)
     except Exception as error:
+        if on_meta(*original) and "FakeTensor" in str(error):
+            raise CaptureError(f"{error}\n{META_CONSTANT_HINT}") from error
         if measure or model is original[0] or on_meta(*original):
             raise
         model, example_inputs, example_kwargs = original  # it reads tensor values: capture on its data
@@ -54,6 +57,14 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     planned = plan(model, captured, device, training, passes, model_cost, memory_budget,
                    OPTIMIZERS.get(optimizer), contention, step=step)
     return dataclasses.replace(planned.after, passes=planned.rows, notes=notes)
+
+
+# A model on the meta device whose forward makes a tensor in code dynamo runs as Python (not
+# traced) hands the trace a meta constant it cannot use; Hugging Face's KV cache is the usual one.
+META_CONSTANT_HINT = ("hint: the model made a tensor on the meta device outside the traced code, which a "
+                      "capture with fake tensors cannot use; for a Hugging Face model pass use_cache=False in "
+                      "example_kwargs, or build the model on the CPU (simulate copies it to the meta device "
+                      "itself)")
 
 
 @contextlib.contextmanager

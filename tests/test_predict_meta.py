@@ -97,3 +97,17 @@ def test_a_disabled_autocast_region_is_named_in_the_prediction():
     assert any("torch.autocast for a device this machine does not have" in n for n in prediction.notes)
     plain = fxdream.simulate(torch.nn.Linear(4, 4), (torch.randn(2, 4),), device="h100")
     assert not any("autocast" in n for n in plain.notes)
+
+
+def test_a_meta_model_making_meta_constants_gets_a_hint_and_use_cache_false_works():
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, vocab_size=50)
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with pytest.raises(fxdream.CaptureError, match="pass use_cache=False in example_kwargs"):
+        fxdream.simulate(model, device="h100", training=True, example_kwargs=dict(input_ids=ids, labels=ids))
+    prediction = fxdream.simulate(model, device="h100", training=True,
+                                  example_kwargs=dict(input_ids=ids, labels=ids, use_cache=False))
+    assert prediction.time_ms > 0
