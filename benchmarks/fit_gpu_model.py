@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from hf_models import LastHidden
 
 from fxdream import models
 from fxdream.capturing.capture_model import capture
@@ -142,15 +143,6 @@ def _diag_sections() -> dict[str, dict]:
             for k, v in sections.items()}
 
 
-class _LastHidden(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, return_dict=False)[0]
-
-
 def bert_cases() -> list[Case]:
     diag = _diag_sections()
     model, inputs = _meta_model("bert_base", 1, False)
@@ -167,7 +159,7 @@ def bert_cases() -> list[Case]:
         return cases
     for batch in (128, 1):
         with torch.device("meta"):
-            hf = _LastHidden(transformers.BertModel(transformers.BertConfig())).to(torch.float16).eval()
+            hf = LastHidden(transformers.BertModel(transformers.BertConfig())).to(torch.float16).eval()
         ids = torch.zeros(batch, 128, dtype=torch.long, device="meta")
         captured = capture(hf, (ids,))
         cases.append(Case(f"HF BertModel fp16 bs{batch} seq128, device time (eager measured)",

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_overhead import runner_overhead  # noqa: E402
+from hf_models import LastHidden  # noqa: E402
 from isolated import run_isolated  # noqa: E402
 
 import fxdream  # noqa: E402
@@ -81,19 +82,8 @@ def build_model(name: str, batch: int, dtype: torch.dtype):
         config = transformers.BertConfig()  # bert-base-uncased's shape, random weights, no download
         model = transformers.BertModel(config)
         ids = torch.randint(1, config.vocab_size, (batch, 128), generator=generator)
-        return _HFWrapper(model).to("cuda", dtype).eval(), (ids.to("cuda"),)
+        return LastHidden(model).to("cuda", dtype).eval(), (ids.to("cuda"),)
     raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
-
-
-class _HFWrapper(torch.nn.Module):
-    """A transformers model returning one tensor (last hidden state), so every runner compares alike."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, return_dict=False)[0]
 
 
 # --- runners -----------------------------------------------------------------------------------
