@@ -72,13 +72,17 @@ def _autocast_watch():
     """Yields a list that gets a note when the model entered a ``torch.autocast`` region that
     torch disabled (autocast for a device this machine lacks, e.g. "cuda" here): the graphs
     then hold the ops without autocast's casts and in the input dtype, and so does the
-    prediction. Every warning is passed on as it came."""
+    prediction. The warnings are passed on, each message and place once."""
     notes: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield notes
-    for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    passed_on = set()
+    for w in caught:  # once per message and place, as the default filter shows them
+        where = (str(w.message), w.category, w.filename, w.lineno)
+        if where not in passed_on:
+            passed_on.add(where)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if any("Disabling autocast" in str(w.message) for w in caught):
         notes.append("the model enters torch.autocast for a device this machine does not have, which torch "
                      "disabled: predicted without autocast (its dtype casts and low-precision kernels)")
