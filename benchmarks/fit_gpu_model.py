@@ -16,8 +16,13 @@ batch 128 and 1, against the summed kernels of its captured graph. A kernel clas
 model has no time in keeps the datasheet's share: GEMMs (ResNet-50's one linear layer) and
 "other" (pointwise kernels, which the fit cases cannot tell apart from the batch norms beside them).
 
-    python benchmarks/fit_gpu_model.py                 # fit, check, write the JSON (~3 min)
+    python benchmarks/fit_gpu_model.py                 # fit, check, write the JSON (~4 min)
     python benchmarks/fit_gpu_model.py --no-write      # fit and check only
+    python benchmarks/fit_gpu_model.py --ops out/gpu_op_profile.json   # add a lease's per-op records
+
+Per-op records (``benchmarks/gpu_op_profile.py``): each kernel against the roofline of its FLOPs
+and bytes, each host time against dispatch + launch; records of ``--held-out-ops`` models are
+checked, not fitted. Each group (whole models, per-op kernels, per-op host times) weighs alike.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import argparse
 import ast
 import json
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -202,52 +208,117 @@ def table(cases: list[Case], before: list[float], after: list[float]) -> list[di
              "source": f"benchmarks/results/{c.source}"} for c, b, a in zip(cases, before, after)]
 
 
+def op_cases(path: Path) -> list[Case]:
+    """Per-op cases from a ``gpu_op_profile.py`` file: each kernel (replayed in a CUDA graph where
+    measured, the stream time the floor stands for; else timed alone) against the roofline of its
+    FLOPs, bytes, dtype and class; each host time against dispatch + launch."""
+    cases = []
+    for r in json.loads(path.read_text())["records"]:
+        kernel_us = r.get("in_graph_us") or r["kernel_us"]
+        if kernel_us and kernel_us > 0:
+            cases.append(Case(f"{r['case']}: {r['op']} kernel", kernel_us / 1e3, lambda spec, r=r: spec.kernel_time_us(
+                r["flops"], r["bytes"], r["dtype"], r["class"]) / 1e3, path.name))
+        if r.get("host_us"):
+            cases.append(Case(f"{r['case']}: {r['op']} host", r["host_us"] / 1e3,
+                              lambda spec: (spec.dispatch_overhead_us + spec.launch_overhead_us) / 1e3, path.name))
+    return cases
+
+
+def _group(case: Case) -> str:
+    return case.name.rsplit(" ", 1)[-1] if case.name.endswith((" kernel", " host")) else "model"
+
+
+def weights_of(cases: list[Case]) -> list[float]:
+    """Each group of cases (whole models, per-op kernels, per-op host times) weighs as much in
+    all as the largest group: hundreds of op records do not drown five model times."""
+    sizes: dict[str, int] = {}
+    for case in cases:
+        sizes[_group(case)] = sizes.get(_group(case), 0) + 1
+    largest = max(sizes.values())
+    return [largest / sizes[_group(case)] for case in cases]
+
+
+def error_summary(cases: list[Case], before: list[float], after: list[float]) -> dict:
+    """Median |error| % by case kind (the op and kernel/host part of a per-op case's name)."""
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for case, b, a in zip(cases, before, after):
+        kinds.setdefault(case.name.split(": ", 1)[-1], []).append((b / case.measured_ms - 1, a / case.measured_ms - 1))
+    def median_pct(values):
+        return 100 * statistics.median(abs(v) for v in values)
+    return {kind: {"cases": len(errors), "datasheet_median_abs_error_pct": median_pct(b for b, _ in errors),
+                   "fitted_median_abs_error_pct": median_pct(a for _, a in errors)}
+            for kind, errors in sorted(kinds.items())}
+
+
+def log_rows(report: dict) -> None:
+    for section in ("fit", "held_out"):
+        for row in report.get(section, []):
+            log(f"{section:8} {row['case'][:62]:62} measured {row['measured_ms']:8.3f}  datasheet "
+                f"{row['datasheet_ms']:8.3f} ({row['datasheet_error_pct']:+6.1f} %)  fitted {row['fitted_ms']:8.3f} "
+                f"({row['fitted_error_pct']:+6.1f} %)")
+    for row in report.get("pass_signs", []):
+        log(f"sign     {row['case'][:62]:62} measured {row['measured_change_pct']:+7.1f} %  predicted (fitted) "
+            f"{row['predicted_change_pct_fitted']:+7.1f} %")
+    log("parameters: " + ", ".join(f"{k} {v:.3g}" for k, v in report["parameters"].items()))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="h200", help="the DeviceSpec the measurements ran on")
     parser.add_argument("--parameters", default=",".join(FITTED), help="the FITTABLE parameters to fit")
-    parser.add_argument("--no-write", action="store_true", help="do not write fxdream/sim/cost/fits/<device>.json")
+    parser.add_argument("--ops", action="append", default=[], help="a gpu_op_profile.py file (repeatable)")
+    parser.add_argument("--held-out-ops", default="bert_base",
+                        help="models whose per-op cases are checked, not fitted (comma-separated)")
+    parser.add_argument("--no-models", action="store_true", help="per-op cases only (no whole-model cases)")
+    parser.add_argument("--out", default=None, help="the fit's path (default fxdream/sim/cost/fits/<device>.json)")
+    parser.add_argument("--no-write", action="store_true", help="do not write the fit")
     args = parser.parse_args(argv)
     base = datasheet_device(args.device)
-    log("capturing ResNet-50 (fit) on the meta device")
-    fit_cases = resnet50_cases(base)
-    log("capturing BERT (held out) on the meta device")
-    held_cases = bert_cases()
-    fit_before = evaluate(fit_cases)(base)
+    fit_cases, held_cases = [], []
+    if not args.no_models:
+        log("capturing ResNet-50 (fit) and BERT (held out) on the meta device")
+        fit_cases, held_cases = resnet50_cases(base), bert_cases()
+    held_models = tuple(args.held_out_ops.split(","))
+    ops = [c for path in args.ops for c in op_cases(Path(path))]
+    op_fit = [c for c in ops if not c.name.startswith(held_models)]
+    op_held = [c for c in ops if c.name.startswith(held_models)]
+    cases = fit_cases + op_fit
+    if not cases:
+        parser.error("nothing to fit: give --ops files or leave out --no-models")
+    weights = weights_of(cases)
     names = tuple(args.parameters.split(","))
-    log(f"fitting {', '.join(names)} to {len(fit_cases)} cases")
-    result = fit_parameters(base, names, evaluate(fit_cases), [c.measured_ms for c in fit_cases],
+    log(f"fitting {', '.join(names)} to {len(fit_cases)} model and {len(op_fit)} per-op cases")
+    before = evaluate(cases)(base)
+    result = fit_parameters(base, names, evaluate(cases), [c.measured_ms for c in cases], weights=weights,
                             progress=lambda n, e: log(f"  {n} evaluations, error {e:.4f}") if n % 40 < 6 else None)
     fitted = with_parameters(base, result.parameters)
-    held_before, held_after = evaluate(held_cases)(base), evaluate(held_cases)(fitted)
+    held_before, held_after = evaluate(held_cases + op_held)(base), evaluate(held_cases + op_held)(fitted)
+    n_fit, n_held = len(fit_cases), len(held_cases)
     report = {
         "device": args.device,
-        "fitted_on": "ResNet-50 fp16 measured on an H200 (PyTorch 2.11, CUDA 13)",
+        "fitted_on": " + ".join(filter(None, ["ResNet-50 fp16 measured on an H200 (PyTorch 2.11, CUDA 13)"
+                                              if fit_cases else "", *args.ops])),
         "parameters": {k: round(v, 4) for k, v in result.parameters.items()},
         "datasheet_parameters": parameters_of(base, names),
         "not_fitted": ("roofline_share.gemm and .other stay the datasheet's 1.0: ResNet-50 spends almost no time "
                        "in GEMMs, and its pointwise kernels cannot be told apart from the batch norms beside them"),
-        "fit": table(fit_cases, fit_before, list(result.predicted_ms)),
-        "held_out": table(held_cases, held_before, held_after),
-        "pass_signs": aux_stream_signs(base, fitted) + [
-            pass_sign("cuda_graphs, resnet50 fp16 bs1", fit_cases, result.predicted_ms, "captured", "cuda_graphs"),
-            pass_sign("fuse_conv_bias_act in CUDA graphs, resnet50 fp16 bs1", fit_cases, result.predicted_ms,
-                      "cuda_graphs", "fuse+cuda_graphs")],
+        "fit": table(fit_cases, before[:n_fit], list(result.predicted_ms[:n_fit])),
+        "held_out": table(held_cases, held_before[:n_held], held_after[:n_held]),
         "evaluations": result.evaluations,
         "script": "benchmarks/fit_gpu_model.py",
     }
-    for section in ("fit", "held_out"):
-        for row in report[section]:
-            log(f"{section:8} {row['case'][:62]:62} measured {row['measured_ms']:8.3f}  datasheet "
-                f"{row['datasheet_ms']:8.3f} ({row['datasheet_error_pct']:+6.1f} %)  fitted {row['fitted_ms']:8.3f} "
-                f"({row['fitted_error_pct']:+6.1f} %)")
-    for row in report["pass_signs"]:
-        log(f"sign     {row['case'][:62]:62} measured {row['measured_change_pct']:+7.1f} %  predicted (fitted) "
-            f"{row['predicted_change_pct_fitted']:+7.1f} %")
-    log("parameters: " + ", ".join(f"{k} {v:.3g}" for k, v in report["parameters"].items()))
+    if ops:
+        report["per_op_fit"] = error_summary(op_fit, before[n_fit:], list(result.predicted_ms[n_fit:]))
+        report["per_op_held_out"] = error_summary(op_held, held_before[n_held:], held_after[n_held:])
+    if fit_cases:
+        report["pass_signs"] = aux_stream_signs(base, fitted) + [
+            pass_sign("cuda_graphs, resnet50 fp16 bs1", fit_cases, result.predicted_ms, "captured", "cuda_graphs"),
+            pass_sign("fuse_conv_bias_act in CUDA graphs, resnet50 fp16 bs1", fit_cases, result.predicted_ms,
+                      "cuda_graphs", "fuse+cuda_graphs")]
+    log_rows(report)
     if not args.no_write:
-        FITS_DIR.mkdir(exist_ok=True)
-        path = FITS_DIR / f"{args.device}.json"
+        path = Path(args.out) if args.out else FITS_DIR / f"{args.device}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
         log(f"wrote {path}")
     return 0

@@ -295,3 +295,37 @@ def test_cpu_ab_lists_a_missing_engine_as_not_run_with_the_install_hint(tmp_path
                         "--no-rebuild", "--no-plot", "--runners", "eager,onnxruntime", "--out", out]) == 0
     assert "| mnist_convnet | 1 | infer | onnxruntime | not run: onnxruntime is not installed (pip install " \
            "'.[peers]'): no module |" in pathlib.Path(out + ".md").read_text()
+
+
+def test_fit_gpu_model_recovers_the_floor_and_a_share_from_per_op_records(tmp_path, monkeypatch):
+    """Records made by the roofline of a known spec (kernel floor 5 µs, convolutions at 40 % of the
+    roofline, 22 µs of host per op): the per-op fit finds those again, and checks the held-out
+    model's records with them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    fit = _script("fit_gpu_model")
+    from fxdream.sim.cost.devices import datasheet_device, with_parameters
+    truth = with_parameters(datasheet_device("h200"), {"kernel_min_us": 5.0, "roofline_share.conv": 0.4,
+                                                       "launch_overhead_us": 20.5})
+    records = []
+    for model in ("resnet50", "bert_base"):
+        ops = [("aten.convolution", "conv", 1e9), ("aten.convolution", "conv", 4e10), ("aten.relu", "other", 0),
+               ("aten.convolution", "conv", 1e6)]
+        for i, (op, kind, flops) in enumerate(ops):
+            nbytes = 4e6 * (i + 1)
+            kernel_us = truth.kernel_time_us(flops, nbytes, "float16", kind)
+            records.append({"case": f"{model} fp16 bs8 infer", "op": op, "class": kind, "dtype": "float16",
+                            "flops": flops, "bytes": nbytes, "kernel_us": kernel_us, "in_graph_us": None,
+                            "host_us": truth.dispatch_overhead_us + truth.launch_overhead_us})
+    path = tmp_path / "ops.json"
+    path.write_text(json.dumps({"records": records}))
+    out = tmp_path / "fit.json"
+    assert fit.main(["--no-models", "--ops", str(path), "--out", str(out),
+                     "--parameters", "kernel_min_us,roofline_share.conv,launch_overhead_us"]) == 0
+    report = json.loads(out.read_text())
+    assert report["parameters"]["kernel_min_us"] == pytest.approx(5.0, rel=0.02)
+    assert report["parameters"]["roofline_share.conv"] == pytest.approx(0.4, rel=0.02)
+    assert report["parameters"]["launch_overhead_us"] == pytest.approx(20.5, rel=0.02)
+    held = report["per_op_held_out"]
+    assert held["aten.convolution kernel"]["cases"] == 3 and held["aten.relu host"]["cases"] == 1
+    assert all(row["fitted_median_abs_error_pct"] < 2 for row in held.values())
+    assert held["aten.convolution kernel"]["datasheet_median_abs_error_pct"] > 50

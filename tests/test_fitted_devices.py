@@ -70,6 +70,8 @@ def test_parameters_are_validated():
         fit_parameters(TOY, ["kernel_min_us"], lambda spec: [1.0], [0.0])
     with pytest.raises(ValueError, match="parameters to fit must be among"):
         fit_parameters(TOY, ["num_sms"], lambda spec: [1.0], [1.0])
+    with pytest.raises(ValueError, match="2 weights for 1 measured cases"):
+        fit_parameters(TOY, ["kernel_min_us"], lambda spec: [1.0], [1.0], weights=[1.0, 2.0])
 
 
 def _many_small_ops(graph, x):

@@ -4,9 +4,10 @@
 simulator's predicted ms of each measured case) matches the measured ms: it minimises the sum
 of squared log-ratios (every case weighs by its relative error, whatever its size) by a
 pattern search in log space (each parameter scaled up and down by a step that halves when no
-move helps; a sweep that helped is repeated as one move, Hooke and Jeeves). The simulator is piecewise linear in these parameters (host-bound cases follow
-the overheads, device-bound ones the floor and shares), so a derivative-free search is the
-robust choice, and a handful of parameters needs a few hundred evaluations.
+move helps; a sweep that helped is repeated as one move, Hooke and Jeeves). The simulator is
+piecewise linear in these parameters (host-bound cases follow the overheads, device-bound ones
+the floor and shares), so a derivative-free search is the robust choice, and a handful of
+parameters needs a few hundred evaluations.
 """
 from __future__ import annotations
 
@@ -31,20 +32,25 @@ class FitResult:
         return tuple(100 * (p / m - 1) for p, m in zip(self.predicted_ms, self.measured_ms))
 
 
-def log_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
-    """Sum of squared log-ratios predicted/measured."""
-    return sum(math.log(max(p, 1e-12) / m) ** 2 for p, m in zip(predicted, measured))
+def log_error(predicted: Sequence[float], measured: Sequence[float], weights: Sequence[float] | None = None) -> float:
+    """Sum of squared log-ratios predicted/measured, each times its weight (default 1)."""
+    weights = weights or [1.0] * len(measured)
+    return sum(w * math.log(max(p, 1e-12) / m) ** 2 for p, m, w in zip(predicted, measured, weights))
 
 
 def fit_parameters(base: DeviceSpec, names: Sequence[str], evaluate: Evaluate, measured: Sequence[float], *,
-                   start_step: float = 1.0, min_step: float = 0.01, max_evaluations: int = 600,
-                   progress: Callable[[int, float], None] | None = None) -> FitResult:
-    """Fit ``names`` of ``base`` so ``evaluate(spec)`` matches ``measured`` (ms, one per case).
+                   weights: Sequence[float] | None = None, start_step: float = 1.0, min_step: float = 0.01,
+                   max_evaluations: int = 600, progress: Callable[[int, float], None] | None = None) -> FitResult:
+    """Fit ``names`` of ``base`` so ``evaluate(spec)`` matches ``measured`` (ms, one per case;
+    ``weights``: how much each case counts, e.g. so that many per-op cases weigh as much as a
+    few whole-model ones).
 
     Starts from ``base``'s values (1.0 for one at 0); a share stays in (0, 1]. ``progress(evaluations, error)``
     is called after each improvement."""
     if not measured or any(m <= 0 for m in measured):
         raise ValueError(f"measured times must be positive and not empty, got {list(measured)}")
+    if weights is not None and len(weights) != len(measured):
+        raise ValueError(f"{len(weights)} weights for {len(measured)} measured cases")
     unknown = sorted(set(names) - set(FITTABLE))
     if unknown or not names:
         raise ValueError(f"parameters to fit must be among {', '.join(FITTABLE)}; got {list(names)}")
@@ -58,7 +64,7 @@ def fit_parameters(base: DeviceSpec, names: Sequence[str], evaluate: Evaluate, m
         predicted = evaluate(with_parameters(base, candidate))
         if len(predicted) != len(measured):
             raise ValueError(f"evaluate returned {len(predicted)} times for {len(measured)} measured cases")
-        return log_error(predicted, measured)
+        return log_error(predicted, measured, weights)
 
     best, step = error_of(values), start_step
 
