@@ -1,15 +1,21 @@
 """A step's measured peak memory, to put beside the simulator's predicted peak.
 
-``peak_bytes_during(step)`` is the most memory the step's own allocations held at once, above
-what was allocated before it began (weights, inputs, anything kept from earlier calls): on a
-GPU, ``torch.cuda.max_memory_allocated`` over the step; on a CPU, the allocations and frees
-``torch.profiler`` records with ``profile_memory=True``, replayed in time order. The CPU
-reading holds for steps whose ops the profiler sees one by one (an inference call through
-captured graphs); it does not for a training step through aot_autograd: the profiler books the
-frees made inside a compiled autograd function at that function's start, so the step reads
-low (a captured conv net's training step as its forward alone). It compares
-with a prediction's ``peak_memory_bytes - static_bytes``. Clear what the step should not
-count before calling it (``p.grad = None``: a step that frees last step's gradients starts by
+``peak_bytes_during(step)`` is the most memory the step's ops held at once, above what was
+allocated before it began (weights, inputs, anything kept from earlier calls): on a GPU,
+``torch.cuda.max_memory_allocated`` over the step; on a CPU, ``torch.profiler``'s record of each
+op (``profile_memory=True``), its net allocation counted when it starts: the op outputs the
+simulator models, without the temporaries an op frees before it returns. That reading holds for
+steps whose ops the profiler sees one by one (an inference call through captured graphs); not
+for a training step through aot_autograd, whose compiled function's ops the profiler books at
+that function's start.
+
+``allocated_peak_bytes_during(step)`` replays every allocation and free the CPU allocator made
+(the profiler's ``[memory]`` records, inside ops too) in time order: what the step really held,
+op workspaces included, and right for training steps too; the simulator holds no workspaces on
+a CPU, so it reads above a prediction by those.
+
+Both compare with a prediction's ``peak_memory_bytes - static_bytes``. Clear what the step should
+not count before calling it (``p.grad = None``: a step that frees last step's gradients starts by
 giving back their memory, which this would read as a negative).
 """
 from __future__ import annotations
@@ -40,5 +46,18 @@ def _replayed_peak(events) -> int:
     held = peak = 0
     for event in sorted(events, key=lambda e: e.time_range.start):
         held += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+def allocated_peak_bytes_during(step: Callable[[], object]) -> int:
+    """The peak of every CPU allocation ``step`` made above those alive when it starts (one
+    call), workspaces inside ops included: the allocator's records replayed in time order."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        step()
+    held = peak = 0
+    records = [e for e in recorded.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for record in sorted(records, key=lambda e: e.start_ns()):
+        held += record.nbytes()
         peak = max(peak, held)
     return peak

@@ -108,11 +108,15 @@ def test_build_fidelity_puts_the_reports_predictions_beside_the_measured_modules
 def test_memory_check_puts_the_predicted_peak_beside_the_measured_one(tmp_path):
     memory_check = _script("memory_check")
     out = str(tmp_path / "memory")
-    assert memory_check.main(["--models", "mnist_convnet", "--batches", "2", "--out", out]) == 0
-    (row,) = json.loads(pathlib.Path(out + ".json").read_text())["rows"]
-    assert row["training"] is False and row["measured_peak_mib"] > 0
-    assert row["error_pct"] == pytest.approx(100 * (row["predicted_peak_mib"] / row["measured_peak_mib"] - 1))
-    assert "inference: mean |error|" in pathlib.Path(out + ".md").read_text()
+    assert memory_check.main(["--models", "mnist_convnet", "--batches", "2", "--modes", "infer,train",
+                              "--out", out]) == 0
+    infer, train = json.loads(pathlib.Path(out + ".json").read_text())["rows"]
+    assert infer["training"] is False and infer["measured_peak_mib"] > 0
+    assert infer["error_pct"] == pytest.approx(100 * (infer["predicted_peak_mib"] / infer["measured_peak_mib"] - 1))
+    assert train["training"] is True and train["allocated_peak_mib"] > 0  # training is checked on allocations
+    assert train["error_pct"] == pytest.approx(100 * (train["predicted_peak_mib"] / train["allocated_peak_mib"] - 1))
+    table = pathlib.Path(out + ".md").read_text()
+    assert "inference: mean |error|" in table and "training: mean |error|" in table
 
 
 def test_fidelity_fails_when_every_case_is_skipped(tmp_path, capsys):

@@ -4,7 +4,7 @@ import torch
 
 import fxdream
 from fxdream import models
-from fxdream.memory_check import peak_bytes_during
+from fxdream.memory_check import allocated_peak_bytes_during, peak_bytes_during
 
 MIB = 2**20
 
@@ -39,3 +39,38 @@ def test_an_inference_steps_predicted_peak_is_the_measured_one(name):
     step()
     measured = peak_bytes_during(step)
     assert predicted.peak_memory_bytes - predicted.static_bytes == pytest.approx(measured, rel=0.01)
+
+
+def test_the_allocators_peak_sees_a_captured_training_steps_backward():
+    """The op-level reading books the compiled backward's frees at its start and reads a
+    captured training step low; the allocator's replay sees the backward's gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
+    x, grad = torch.randn(64, 256), torch.ones(64, 512)
+    captured = fxdream.optimize(model, (x,), training=True, cost=None)
+
+    def step():
+        captured(x).backward(grad)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = None
+        step()
+    gradients = sum(p.numel() * 4 for p in model.parameters())
+    for p in model.parameters():
+        p.grad = None
+    allocated = allocated_peak_bytes_during(step)
+    for p in model.parameters():
+        p.grad = None
+    assert allocated > peak_bytes_during(step) and allocated >= gradients
+
+
+def test_the_allocators_peak_follows_frees_in_time_order():
+    x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+
+    def step():  # as test_the_peak_of_a_step_counts_what_is_alive_at_once: 2 MiB at most
+        a = x @ w
+        r = a.relu()
+        del a
+        return r @ w
+    step()
+    assert allocated_peak_bytes_during(step) == 2 * MIB
