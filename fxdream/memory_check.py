@@ -35,29 +35,30 @@ def peak_bytes_during(step: Callable[[], object], device: str | torch.device = "
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
-        step()
-    return _replayed_peak(recorded.events())
-
-
-def _replayed_peak(events) -> int:
-    """An op's own allocations count when it starts; a ``[memory]`` event is a free (or an
-    allocation outside any op) at its time."""
-    held = peak = 0
-    for event in sorted(events, key=lambda e: e.time_range.start):
-        held += event.cpu_memory_usage if event.name == "[memory]" else event.self_cpu_memory_usage
-        peak = max(peak, held)
-    return peak
+    # an op's own allocations count when it starts; a "[memory]" event is a free (or an
+    # allocation outside any op) at its time
+    events = sorted(_recorded(step).events(), key=lambda e: e.time_range.start)
+    return _running_peak(e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage for e in events)
 
 
 def allocated_peak_bytes_during(step: Callable[[], object]) -> int:
     """The peak of every CPU allocation ``step`` made above those alive when it starts (one
     call), workspaces inside ops included: the allocator's records replayed in time order."""
+    records = [e for e in _recorded(step).profiler.kineto_results.events() if e.name() == "[memory]"]
+    return _running_peak(r.nbytes() for r in sorted(records, key=lambda e: e.start_ns()))
+
+
+def _recorded(step: Callable[[], object]) -> profile:
+    """One call of ``step`` under torch.profiler with its memory records."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
         step()
+    return recorded
+
+
+def _running_peak(deltas) -> int:
+    """The largest running sum of byte changes taken in order (0 if it never rises)."""
     held = peak = 0
-    records = [e for e in recorded.profiler.kineto_results.events() if e.name() == "[memory]"]
-    for record in sorted(records, key=lambda e: e.start_ns()):
-        held += record.nbytes()
+    for delta in deltas:
+        held += delta
         peak = max(peak, held)
     return peak
