@@ -70,6 +70,8 @@ class Case:
     measured_ms: float
     predict_ms: Callable[[DeviceSpec], float]
     source: str
+    group: str = "model"  # "model" (a whole step), or a per-op "kernel" / "host" time
+    op: str = ""          # the op of a per-op case
 
 
 def wall_ms(captured, training: bool, graphs=None) -> Callable[[DeviceSpec], float]:
@@ -217,15 +219,12 @@ def op_cases(path: Path) -> list[Case]:
         kernel_us = r.get("in_graph_us") or r["kernel_us"]
         if kernel_us and kernel_us > 0:
             cases.append(Case(f"{r['case']}: {r['op']} kernel", kernel_us / 1e3, lambda spec, r=r: spec.kernel_time_us(
-                r["flops"], r["bytes"], r["dtype"], r["class"]) / 1e3, path.name))
+                r["flops"], r["bytes"], r["dtype"], r["class"]) / 1e3, path.name, "kernel", r["op"]))
         if r.get("host_us"):
             cases.append(Case(f"{r['case']}: {r['op']} host", r["host_us"] / 1e3,
-                              lambda spec: (spec.dispatch_overhead_us + spec.launch_overhead_us) / 1e3, path.name))
+                              lambda spec: (spec.dispatch_overhead_us + spec.launch_overhead_us) / 1e3, path.name,
+                              "host", r["op"]))
     return cases
-
-
-def _group(case: Case) -> str:
-    return case.name.rsplit(" ", 1)[-1] if case.name.endswith((" kernel", " host")) else "model"
 
 
 def weights_of(cases: list[Case]) -> list[float]:
@@ -233,16 +232,16 @@ def weights_of(cases: list[Case]) -> list[float]:
     all as the largest group: hundreds of op records do not drown five model times."""
     sizes: dict[str, int] = {}
     for case in cases:
-        sizes[_group(case)] = sizes.get(_group(case), 0) + 1
+        sizes[case.group] = sizes.get(case.group, 0) + 1
     largest = max(sizes.values())
-    return [largest / sizes[_group(case)] for case in cases]
+    return [largest / sizes[case.group] for case in cases]
 
 
 def error_summary(cases: list[Case], before: list[float], after: list[float]) -> dict:
-    """Median |error| % by case kind (the op and kernel/host part of a per-op case's name)."""
+    """Median |error| % by op and group ("aten.convolution kernel")."""
     kinds: dict[str, list[tuple[float, float]]] = {}
     for case, b, a in zip(cases, before, after):
-        kinds.setdefault(case.name.split(": ", 1)[-1], []).append((b / case.measured_ms - 1, a / case.measured_ms - 1))
+        kinds.setdefault(f"{case.op} {case.group}", []).append((b / case.measured_ms - 1, a / case.measured_ms - 1))
     def median_pct(values):
         return 100 * statistics.median(abs(v) for v in values)
     return {kind: {"cases": len(errors), "datasheet_median_abs_error_pct": median_pct(b for b, _ in errors),
