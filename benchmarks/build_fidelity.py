@@ -9,6 +9,7 @@ measured time (and gain) fell inside the predicted range. A full-size configurat
 takes longer than --max-step-s is replaced by its tiny configuration (marked).
 
     python benchmarks/build_fidelity.py --out benchmarks/results/build_fidelity_cpu_<date>
+    python benchmarks/build_fidelity.py --device cuda --dtype fp16 --out out/build_fidelity_gpu
 """
 from __future__ import annotations
 
@@ -31,15 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import step_of  # noqa: E402  (the same step, forward or forward and backward)
 
 
-def _built(name: str, batch: int, training: bool, max_step_s: float):
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _built(name: str, batch: int, training: bool, max_step_s: float, device: str, dtype: str):
     """(model, inputs, auto-built module, build seconds, tiny?): the full size unless a step of
     it takes longer than ``max_step_s``."""
     for tiny in (False, True):
-        model, inputs, _ = models.build(name, batch, tiny=tiny)
+        model, inputs, _ = models.build(name, batch, tiny=tiny, device=device, dtype=DTYPES[dtype])
         model.train(training)
         started = time.perf_counter()
         with torch.no_grad() if not training else torch.enable_grad():
             model(*inputs)
+        if device != "cpu":
+            torch.cuda.synchronize()
         if time.perf_counter() - started <= max_step_s or tiny:
             started = time.perf_counter()
             # no eager check: the module runs the graphs its report predicts, even where slower
@@ -52,8 +58,9 @@ def _inside(value: float, bounds) -> bool:
     return bounds is not None and bounds[0] <= value <= bounds[1]
 
 
-def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: int) -> dict:
-    model, inputs, optimized, build_s, tiny = _built(name, batch, training, max_step_s)
+def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: int, device: str = "cpu",
+            dtype: str = "fp32") -> dict:
+    model, inputs, optimized, build_s, tiny = _built(name, batch, training, max_step_s, device, dtype)
     report = optimized.report
     baseline = fxdream.optimize(model, inputs, training=training)  # the capture without passes
     runners = {"eager": step_of(model, inputs, training), "no passes": step_of(baseline, inputs, training),
@@ -64,7 +71,7 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
     with preserved_state(model):
         measured = time_interleaved(runners, rounds=rounds, block=block, warmup=2, progress=False)
     base_ms, auto_ms = measured["no passes"].median_ms, measured["auto"].median_ms
-    row = dict(model=name, batch=batch, training=training, tiny=tiny, build_s=build_s,
+    row = dict(model=name, batch=batch, training=training, tiny=tiny, device=device, dtype=dtype, build_s=build_s,
                capture=report.capture, subgraphs=len(report.graphs), graph_breaks=len(report.graph_breaks),
                chosen=[r.name for r in report.passes if r.applied and r.name != "auto"],
                ran_eagerly=report.fallback_reason is not None, measured_eager_ms=measured["eager"].median_ms,
@@ -131,20 +138,32 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="infer,train")
     parser.add_argument("--max-step-s", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (this GPU, profiled costs)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--out", default=f"benchmarks/results/build_fidelity_cpu_{datetime.date.today().isoformat()}")
     args = parser.parse_args(argv)
-    rows = []
+    where = (torch.cuda.get_device_name(args.device) if args.device != "cpu"
+             else f"cpu, {torch.get_num_threads()} threads")
+    rows, skipped = [], []
     for name in args.models.split(","):
         for batch in map(int, args.batches.split(",")):
             for mode in args.modes.split(","):
-                row = one_row(name, batch, mode == "train", args.max_step_s, args.rounds)
+                try:
+                    row = one_row(name, batch, mode == "train", args.max_step_s, args.rounds, args.device, args.dtype)
+                except Exception as error:  # one case's failure (memory, an op) costs that case only
+                    skipped.append(f"{name} bs{batch} {mode}: {type(error).__name__}: {str(error)[:300]}")
+                    print(skipped[-1], file=sys.stderr, flush=True)
+                    continue
                 rows.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
                       file=sys.stderr, flush=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(to_markdown(rows))
+                # written after each row: a run cut short by a time limit keeps what it measured
+                with open(args.out + ".json", "w") as f:
+                    json.dump({"torch": torch.__version__, "device": where, "threads": torch.get_num_threads(),
+                               "rows": rows,
+                               "skipped": skipped}, f, indent=1)
+                with open(args.out + ".md", "w") as f:
+                    f.write(to_markdown(rows))
     print(to_markdown(rows))
     return 0
 

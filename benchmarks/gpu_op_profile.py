@@ -79,9 +79,10 @@ def main(argv=None) -> int:
     spec_name = this_machine_device(args.device)
     budget_end = time.perf_counter() + args.budget_s
     records, skipped = [], []
-    for name in args.models.split(","):
-        for dtype_name in args.dtypes.split(","):
-            for batch in (int(b) for b in args.batches.split(",")):
+    # dtype, then batch, outermost: a budget that runs out still leaves every model at several batches
+    for dtype_name in args.dtypes.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            for name in args.models.split(","):
                 for mode in args.modes.split(","):
                     case = f"{name} {dtype_name} bs{batch} {mode}"
                     if time.perf_counter() > budget_end:

@@ -8,7 +8,12 @@ inference) and every allocation the CPU allocator made, workspaces inside ops in
 for training, where the op-level reading misses the compiled backward's frees). Gradients are
 cleared before each measured step, so all count the gradients the step makes.
 
+On a GPU (``--device cuda``) the prediction is for this GPU's DeviceSpec and the measurement is
+``torch.cuda.max_memory_allocated`` over the step (every allocation, cuDNN/cuBLAS workspaces
+included): both readings are that one.
+
     python benchmarks/memory_check.py --out benchmarks/results/memory_check_cpu_<date>
+    python benchmarks/memory_check.py --device cuda --dtype fp16 --modes infer,train --out out/memory_check_gpu
 """
 from __future__ import annotations
 
@@ -23,14 +28,19 @@ import torch
 import fxdream
 from fxdream import models
 from fxdream.memory_check import allocated_peak_bytes_during, peak_bytes_during
+from fxdream.sim.prediction import this_machine_device
 
 MIB = 2**20
 
 
-def one_row(name: str, batch: int, training: bool, tiny: bool) -> dict:
-    model, inputs, _ = models.build(name, batch, tiny=tiny)
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def one_row(name: str, batch: int, training: bool, tiny: bool, device: str = "cpu", dtype: str = "fp32") -> dict:
+    model, inputs, _ = models.build(name, batch, tiny=tiny, device=device, dtype=DTYPES[dtype])
     model.train(training)
-    predicted = fxdream.simulate(model, inputs, device="cpu", training=training, cost="analytic", optimizer=None)
+    predicted = fxdream.simulate(model, inputs, device=this_machine_device(device), training=training,
+                                 cost="analytic", optimizer=None)
     captured = fxdream.optimize(model, inputs, training=training, cost=None)
     if training:
         output_grad = torch.ones_like(captured(*inputs))
@@ -43,15 +53,19 @@ def one_row(name: str, batch: int, training: bool, tiny: bool) -> dict:
                 captured(*inputs)
     step()
     measured = {}
-    for reading, measure in (("op_outputs", peak_bytes_during), ("allocated", allocated_peak_bytes_during)):
+    readings = ((("op_outputs", peak_bytes_during), ("allocated", allocated_peak_bytes_during)) if device == "cpu"
+                else (("op_outputs", lambda s: peak_bytes_during(s, device)),))
+    for reading, measure in readings:
         for p in model.parameters():
             p.grad = None
         measured[reading] = measure(step)
+    measured.setdefault("allocated", measured["op_outputs"])  # a GPU's one reading is every allocation
     # the check: op outputs in inference (what the simulator holds), every allocation in training
     # (the op-level reading misses the compiled backward's frees)
     checked = measured["allocated" if training else "op_outputs"]
     above_static = predicted.peak_memory_bytes - predicted.static_bytes
-    return dict(model=name, batch=batch, training=training, tiny=tiny, static_mib=predicted.static_bytes / MIB,
+    return dict(model=name, batch=batch, training=training, tiny=tiny, device=device, dtype=dtype,
+                static_mib=predicted.static_bytes / MIB,
                 predicted_peak_mib=above_static / MIB, measured_peak_mib=measured["op_outputs"] / MIB,
                 allocated_peak_mib=measured["allocated"] / MIB,
                 error_pct=100 * (above_static / checked - 1) if checked else None)
@@ -64,7 +78,8 @@ def to_markdown(rows: list[dict]) -> str:
     for r in rows:
         error = "–" if r["error_pct"] is None else f"{r['error_pct']:+.1f} %"
         lines.append(f"| {r['model']} | {r['batch']} | {'train' if r['training'] else 'infer'} | "
-                     f"{'tiny' if r['tiny'] else 'full'} | {r['static_mib']:.1f} | {r['predicted_peak_mib']:.2f} | "
+                     f"{'tiny' if r['tiny'] else 'full'} {r.get('dtype', 'fp32')} | "
+                     f"{r['static_mib']:.1f} | {r['predicted_peak_mib']:.2f} | "
                      f"{r['measured_peak_mib']:.2f} | {r['allocated_peak_mib']:.2f} | {error} |")
     for mode in (False, True):
         errors = [abs(r["error_pct"]) for r in rows if r["training"] == mode and r["error_pct"] is not None]
@@ -80,16 +95,34 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--modes", default="infer")
     parser.add_argument("--tiny", action="store_true", help="the tiny configurations")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: this GPU's DeviceSpec and its allocator")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--out", default=f"benchmarks/results/memory_check_cpu_{datetime.date.today().isoformat()}")
     args = parser.parse_args(argv)
-    rows = [one_row(name, batch, mode == "train", args.tiny) for name in args.models.split(",")
-            for batch in map(int, args.batches.split(",")) for mode in args.modes.split(",")]
-    with open(args.out + ".json", "w") as f:
-        json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(to_markdown(rows))
+    rows, skipped = [], []
+    for name in args.models.split(","):
+        for batch in map(int, args.batches.split(",")):
+            for mode in args.modes.split(","):
+                try:
+                    rows.append(one_row(name, batch, mode == "train", args.tiny, args.device, args.dtype))
+                except Exception as error:  # one case's failure (memory, an op) costs that case only
+                    skipped.append(f"{name} bs{batch} {mode}: {type(error).__name__}: {str(error)[:300]}")
+                    print(skipped[-1], file=sys.stderr, flush=True)
+                    continue
+                if args.device != "cpu":
+                    torch.cuda.empty_cache()
+                # written after each row: a run cut short by a time limit keeps what it measured
+                with open(args.out + ".json", "w") as f:
+                    json.dump({"torch": torch.__version__, "device": _device_name(args.device), "rows": rows,
+                               "skipped": skipped}, f, indent=1)
+                with open(args.out + ".md", "w") as f:
+                    f.write(to_markdown(rows))
     print(to_markdown(rows))
     return 0
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
 
 
 if __name__ == "__main__":

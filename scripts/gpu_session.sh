@@ -3,7 +3,8 @@
 # the CUDA tests, then the GPU A/B benchmarks, each under its own time limit so a slow or broken
 # step cannot eat the others' time. Writes logs and JSON into $OUT (default ./out).
 #
-#   bash scripts/gpu_session.sh                 # tests + A/B + per-op profile, ~9 min on an H200
+#   bash scripts/gpu_session.sh                 # tests, per-op profile, memory, fidelity, A/B: ~13 min
+#   STEPS="env install tests ops memory fidelity" bash scripts/gpu_session.sh   # ~8 min
 #   STEPS="ab" AB_ARGS="--batches 8,32" bash scripts/gpu_session.sh
 #
 # The first lease (H200, 2026-11-26) took 27 s to start and ran env+install in 15 s, the CUDA
@@ -13,16 +14,22 @@ set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-"env install tests ab aux ops"}
+STEPS=${STEPS:-"env install tests ops memory fidelity ab aux"}
 TESTS_S=${TESTS_S:-90}
 AB_S=${AB_S:-260}
 AUX_S=${AUX_S:-90}
 OPS_S=${OPS_S:-150}
+MEMORY_S=${MEMORY_S:-80}
+FIDELITY_S=${FIDELITY_S:-170}
 # each case in its own process (a CUDA error costs one case); the peer for ResNet-50 at bs1, 128
 AB_ARGS=${AB_ARGS:-"--models resnet50,tv_resnet50,bert_base,hf_bert --batches 1,128,8 --dtypes fp16,fp32 --budget-s 200"}
 AUX_ARGS=${AUX_ARGS:-"--batches 32,128 --dtypes fp16 --rounds 3 --cost auto"}
 # per-op measurements for benchmarks/fit_gpu_model.py (stops timing new ops at its budget)
 OPS_ARGS=${OPS_ARGS:-"--models resnet50,bert_base --batches 1,8,32,128 --dtypes fp16,fp32 --budget-s 130"}
+# the simulator's peak against torch.cuda.max_memory_allocated (each row written as it comes)
+MEMORY_ARGS=${MEMORY_ARGS:-"--batches 8 --modes infer,train --dtype fp16"}
+# the build report's predictions against the built modules timed side by side (zoo x bs1,8 fp16)
+FIDELITY_ARGS=${FIDELITY_ARGS:-"--models resnet50,bert_base,resnet18,gnmt,mnist_convnet --batches 1,8 --dtype fp16 --rounds 6"}
 PY=${PY:-python3}
 started=$(date +%s)
 step() { echo "=== [$(( $(date +%s) - started )) s] $*"; }
@@ -66,7 +73,17 @@ for s in $STEPS; do
       # shellcheck disable=SC2086
       timeout "$OPS_S" $PY benchmarks/gpu_op_profile.py $OPS_ARGS --out "$OUT/gpu_op_profile.json" 2>&1 \
         | tee "$OUT/gpu_op_profile.log" | tail -20 ;;
-    *) echo "unknown step $s (env install tests alltests ab aux ops)"; exit 2 ;;
+    memory)
+      step "benchmarks/memory_check.py --device cuda $MEMORY_ARGS (limit ${MEMORY_S} s)"
+      # shellcheck disable=SC2086
+      timeout "$MEMORY_S" $PY benchmarks/memory_check.py --device cuda $MEMORY_ARGS --out "$OUT/memory_check_gpu" 2>&1 \
+        | tee "$OUT/memory_check.log" | tail -30 ;;
+    fidelity)
+      step "benchmarks/build_fidelity.py --device cuda $FIDELITY_ARGS (limit ${FIDELITY_S} s)"
+      # shellcheck disable=SC2086
+      timeout "$FIDELITY_S" $PY benchmarks/build_fidelity.py --device cuda $FIDELITY_ARGS \
+        --out "$OUT/build_fidelity_gpu" 2>&1 | tee "$OUT/build_fidelity.log" | tail -30 ;;
+    *) echo "unknown step $s (env install tests alltests ab aux ops memory fidelity)"; exit 2 ;;
   esac
 done
 step done
