@@ -303,13 +303,14 @@ def test_cpu_ab_lists_a_missing_engine_as_not_run_with_the_install_hint(tmp_path
 
 def test_fit_gpu_model_recovers_the_floor_and_a_share_from_per_op_records(tmp_path, monkeypatch):
     """Records made by the roofline of a known spec (kernel floor 5 µs, convolutions at 40 % of the
-    roofline, 22 µs of host per op): the per-op fit finds those again, and checks the held-out
-    model's records with them."""
+    roofline; host: dispatch 1.5 µs + launch 20.5 µs, x3 for a convolution): the per-op fit finds
+    the floor and the share again, takes the host cost per class from the records as a ratio of
+    medians, and checks the held-out model's records and every host time."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     fit = _script("fit_gpu_model")
     from fxdream.sim.cost.devices import datasheet_device, with_parameters
     truth = with_parameters(datasheet_device("h200"), {"kernel_min_us": 5.0, "roofline_share.conv": 0.4,
-                                                       "launch_overhead_us": 20.5})
+                                                       "launch_overhead_us": 20.5, "host_factor.conv": 3.0})
     records = []
     for model in ("resnet50", "bert_base"):
         ops = [("aten.convolution", "conv", 1e9), ("aten.convolution", "conv", 4e10), ("aten.relu", "other", 0),
@@ -319,17 +320,19 @@ def test_fit_gpu_model_recovers_the_floor_and_a_share_from_per_op_records(tmp_pa
             kernel_us = truth.kernel_time_us(flops, nbytes, "float16", kind)
             records.append({"case": f"{model} fp16 bs8 infer", "op": op, "class": kind, "dtype": "float16",
                             "flops": flops, "bytes": nbytes, "kernel_us": kernel_us, "in_graph_us": None,
-                            "host_us": truth.dispatch_overhead_us + truth.launch_overhead_us})
+                            "host_us": truth.host_us(kind)})
     path = tmp_path / "ops.json"
     path.write_text(json.dumps({"records": records}))
     out = tmp_path / "fit.json"
     assert fit.main(["--no-models", "--ops", str(path), "--out", str(out),
-                     "--parameters", "kernel_min_us,roofline_share.conv,launch_overhead_us"]) == 0
+                     "--parameters", "kernel_min_us,roofline_share.conv"]) == 0
     report = json.loads(out.read_text())
     assert report["parameters"]["kernel_min_us"] == pytest.approx(5.0, rel=0.02)
     assert report["parameters"]["roofline_share.conv"] == pytest.approx(0.4, rel=0.02)
-    assert report["parameters"]["launch_overhead_us"] == pytest.approx(20.5, rel=0.02)
+    # (1.5 + 3 x 20.5) / (1.5 + 20.5): the records' ratio, taken as measured
+    assert report["parameters"]["host_factor.conv"] == pytest.approx(63.0 / 22.0, rel=1e-3)
     held = report["per_op_held_out"]
-    assert held["aten.convolution kernel"]["cases"] == 3 and held["aten.relu host"]["cases"] == 1
-    assert all(row["fitted_median_abs_error_pct"] < 2 for row in held.values())
+    assert held["aten.convolution kernel"]["cases"] == 3 and held["aten.relu host"]["cases"] == 2
+    assert held["aten.convolution host"]["cases"] == 6  # every model's host times are checked, none fitted
+    assert all(row["fitted_median_abs_error_pct"] < 2 for kind, row in held.items() if kind.endswith("kernel"))
     assert held["aten.convolution kernel"]["datasheet_median_abs_error_pct"] > 50

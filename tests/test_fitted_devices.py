@@ -9,7 +9,14 @@ import torch
 from conftest import graph_with_values
 from fxdream.ir.flops import kernel_class
 from fxdream.sim.cost.analytic import Analytic
-from fxdream.sim.cost.devices import FITS_DIR, DeviceSpec, datasheet_device, get_device, with_parameters
+from fxdream.sim.cost.devices import (
+    FITS_DIR,
+    DeviceSpec,
+    datasheet_device,
+    get_device,
+    parameters_of,
+    with_parameters,
+)
 from fxdream.sim.cost.fitting import fit_parameters
 from fxdream.sim.prediction import graph_prediction
 
@@ -61,11 +68,24 @@ def test_a_getitem_costs_no_dispatch():
     assert Analytic(TOY).dispatch_us(getitem) == 0.0
 
 
+def test_a_host_factor_scales_the_host_cost_of_its_class_only():
+    gm = graph_with_values(_relu_then_mm, (1000, 1000), (1000, 1000))
+    nodes = _nodes(gm)
+    slow_gemm = with_parameters(TOY, {"host_factor.gemm": 4.0})
+    relu, view, mm = nodes[aten.relu.default], nodes[aten.view.default], nodes[aten.mm.default]
+    assert Analytic(slow_gemm).dispatch_us(mm) == pytest.approx(1.0 + 4 * 2.0)  # dispatch + launch x 4
+    assert Analytic(slow_gemm).dispatch_us(relu) == Analytic(TOY).dispatch_us(relu) == pytest.approx(3.0)
+    assert Analytic(slow_gemm).dispatch_us(view) == pytest.approx(1.0)  # a view launches nothing
+    assert slow_gemm.host_us("conv") == 3.0 and slow_gemm.host_us("gemm") == 9.0
+
+
 def test_parameters_are_validated():
     with pytest.raises(ValueError, match="not fittable DeviceSpec parameters: \\['peak_flops'\\]"):
         with_parameters(TOY, {"peak_flops": 1.0})
     with pytest.raises(ValueError, match="roofline_share values must be in \\(0, 1\\]"):
         with_parameters(TOY, {"roofline_share.conv": 1.5})
+    with pytest.raises(ValueError, match="host_factor values must be positive"):
+        with_parameters(TOY, {"host_factor.conv": 0.0})
     with pytest.raises(ValueError, match="measured times must be positive"):
         fit_parameters(TOY, ["kernel_min_us"], lambda spec: [1.0], [0.0])
     with pytest.raises(ValueError, match="parameters to fit must be among"):
@@ -106,9 +126,7 @@ def test_the_fit_recovers_the_parameters_that_made_the_measurements():
 def test_a_gpu_with_a_fit_file_takes_its_parameters():
     fit = json.loads((FITS_DIR / "h200.json").read_text())
     fitted, datasheet = get_device("h200"), datasheet_device("h200")
-    for name, value in fit["parameters"].items():
-        got = fitted.share(name.split(".", 1)[1]) if name.startswith("roofline_share.") else getattr(fitted, name)
-        assert got == pytest.approx(value), name
+    assert parameters_of(fitted, tuple(fit["parameters"])) == pytest.approx(fit["parameters"])
     assert fitted.source.startswith("fitted to ") and datasheet.source == "datasheet"
     assert datasheet.share("conv") == 1.0 and datasheet.dispatch_overhead_us == 1.5
     assert fitted.peak_flops == datasheet.peak_flops and fitted.memory_bytes == datasheet.memory_bytes

@@ -37,8 +37,9 @@ class Analytic:
     def dispatch_us(self, node: fx.Node) -> float:
         if node.target is operator.getitem:
             return 0.0
-        launch = 0.0 if is_view(node) or self.device.kind == "cpu" else self.device.launch_overhead_us
-        return self.device.dispatch_overhead_us + launch
+        if is_view(node) or self.device.kind == "cpu":
+            return self.device.dispatch_overhead_us  # no kernel launched
+        return self.device.host_us(kernel_class(node))
 
     def graph_call_us(self) -> float:
         # an estimate: guard checks and wrappers cost a few framework dispatches

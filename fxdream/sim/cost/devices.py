@@ -46,6 +46,10 @@ class DeviceSpec:
     # Share of the roofline kernels of each class reach ("conv", "gemm", "batch_norm", "other":
     # ``fxdream.ir.flops.kernel_class``); a class not named reaches all of it.
     roofline_share: Mapping[str, float] = field(default_factory=dict)
+    # The launch cost (the library's host work for one kernel) of each class over that of an op
+    # of class "other": cuDNN's convolutions and batch norms set up descriptors on the host; a
+    # class not named costs the same as "other". The framework's dispatch is the same for all.
+    host_factor: Mapping[str, float] = field(default_factory=dict)
     source: str = "datasheet"        # where the overheads and shares come from
     # Host µs of autograd's engine in a training step: running one node (a compiled backward),
     # and one AccumulateGrad (handing a parameter its .grad); host work whatever the device.
@@ -57,13 +61,21 @@ class DeviceSpec:
             raise ValueError(f"DeviceSpec.kind must be 'cpu' or 'cuda', got {self.kind!r}")
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "roofline_share", MappingProxyType(dict(self.roofline_share)))
+        object.__setattr__(self, "host_factor", MappingProxyType(dict(self.host_factor)))
         bad = {k: v for k, v in self.roofline_share.items() if not 0 < v <= 1}
         if bad:
             raise ValueError(f"DeviceSpec.roofline_share values must be in (0, 1], got {bad}")
+        bad = {k: v for k, v in self.host_factor.items() if not v > 0}
+        if bad:
+            raise ValueError(f"DeviceSpec.host_factor values must be positive, got {bad}")
 
     def share(self, kernel_class: str) -> float:
         """Share of the roofline a kernel of ``kernel_class`` reaches (1.0 where not fitted)."""
         return self.roofline_share.get(kernel_class, 1.0)
+
+    def host_us(self, kernel_class: str) -> float:
+        """Host µs to dispatch and launch one op of ``kernel_class`` (not a view)."""
+        return self.dispatch_overhead_us + self.launch_overhead_us * self.host_factor.get(kernel_class, 1.0)
 
     def flops(self, dtype="float32") -> float:
         """Peak FLOP/s for ``dtype`` (a torch.dtype or its name); a dtype without its own entry
@@ -117,8 +129,10 @@ _DATASHEET = {
 }
 
 FITS_DIR = Path(__file__).parent / "fits"  # <device>.json: parameters fitted to measurements
+MAPPED = ("roofline_share", "host_factor")  # per kernel class: FITTABLE as "<field>.<class>"
 FITTABLE = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us",
-            *(f"roofline_share.{c}" for c in KERNEL_CLASSES))
+            *(f"roofline_share.{c}" for c in KERNEL_CLASSES),
+            *(f"host_factor.{c}" for c in KERNEL_CLASSES if c != "other"))
 
 
 def with_parameters(spec: DeviceSpec, values: Mapping[str, float], source: str | None = None) -> DeviceSpec:
@@ -127,16 +141,23 @@ def with_parameters(spec: DeviceSpec, values: Mapping[str, float], source: str |
     unknown = sorted(set(values) - set(FITTABLE))
     if unknown:
         raise ValueError(f"not fittable DeviceSpec parameters: {unknown}; valid: {', '.join(FITTABLE)}")
-    shares = dict(spec.roofline_share)
-    shares.update({k.split(".", 1)[1]: float(v) for k, v in values.items() if k.startswith("roofline_share.")})
-    plain = {k: float(v) for k, v in values.items() if not k.startswith("roofline_share.")}
-    return dataclasses.replace(spec, **plain, roofline_share=shares, source=source or spec.source)
+    mapped = {name: dict(getattr(spec, name)) for name in MAPPED}
+    plain = {}
+    for key, value in values.items():
+        name, _, kernel_class = key.partition(".")
+        if kernel_class:
+            mapped[name][kernel_class] = float(value)
+        else:
+            plain[key] = float(value)
+    return dataclasses.replace(spec, **plain, **mapped, source=source or spec.source)
 
 
 def parameters_of(spec: DeviceSpec, names=FITTABLE) -> dict[str, float]:
     """The values of ``names`` (``FITTABLE`` entries) in ``spec``."""
-    return {n: spec.share(n.split(".", 1)[1]) if n.startswith("roofline_share.") else getattr(spec, n)
-            for n in names}
+    def value(name: str) -> float:
+        field_name, _, kernel_class = name.partition(".")
+        return getattr(spec, field_name).get(kernel_class, 1.0) if kernel_class else getattr(spec, name)
+    return {n: value(n) for n in names}
 
 
 def _fitted(spec: DeviceSpec) -> DeviceSpec:
@@ -246,7 +267,7 @@ class _CalibratedOnUse(DeviceSpec):
     def __init__(self):
         for name, value in (("name", "cpu"), ("kind", "cpu"), ("launch_overhead_us", 0.0),
                             ("kernel_min_us", 0.0), ("num_sms", None),
-                            ("roofline_share", MappingProxyType({})),
+                            ("roofline_share", MappingProxyType({})), ("host_factor", MappingProxyType({})),
                             ("source", "calibrated on this host")):
             object.__setattr__(self, name, value)
 
