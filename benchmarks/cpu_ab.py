@@ -1,6 +1,8 @@
 """CPU A/B: fxdream passes vs eager and the peers, measured side by side in one process.
 
-Runners per (model, batch): eager; fxdream with --passes; torch.compile default (inductor);
+Runners per (model, batch): eager; fxdream with --passes; fxdream with precision="bf16" (inference:
+convolutions and matrix products in bf16, its deviation from float32 in the row); torch.compile
+default (inductor);
 torch.compile with inductor freezing (the recommended CPU inference mode);
 torch.fx.experimental.optimization.optimize_for_inference; and the inference engines of
 cpu_peers.py: ONNX Runtime, OpenVINO in f32 and at its default precision (optional packages:
@@ -37,8 +39,8 @@ from fxdream.sim.prediction import predict
 from cpu_peers import PEERS as ENGINES  # isort: skip (benchmarks/ is on the path when run as a script)
 from cpu_peers import PeerUnavailable, build_peer  # isort: skip
 
-PEERS = ("eager", "fxdream", "inductor", "inductor_freezing", "optimize_for_inference", *ENGINES)
-INFERENCE_ONLY = ("inductor_freezing", "optimize_for_inference", *ENGINES)
+PEERS = ("eager", "fxdream", "fxdream_bf16", "inductor", "inductor_freezing", "optimize_for_inference", *ENGINES)
+INFERENCE_ONLY = ("fxdream_bf16", "inductor_freezing", "optimize_for_inference", *ENGINES)
 
 
 def _build_runner(name: str, model, inputs, passes, training: bool = False):
@@ -47,8 +49,9 @@ def _build_runner(name: str, model, inputs, passes, training: bool = False):
     report = None
     if name == "eager":
         fn = model
-    elif name == "fxdream":
-        fn = fxdream.optimize(model, inputs, passes=passes, training=training)
+    elif name in ("fxdream", "fxdream_bf16"):
+        precision = "bf16" if name == "fxdream_bf16" else "fp32"
+        fn = fxdream.optimize(model, inputs, passes=passes, training=training, precision=precision)
         report = fn.report
     elif name in ("inductor", "inductor_freezing"):
         fn = compile_inductor(model, inputs, freezing=name == "inductor_freezing", training=training)
@@ -122,6 +125,8 @@ def run_case(model_name: str, batch: int, runners: list[str], passes, rounds: in
                               predicted_ms=report.predicted_optimized_ms,
                               passes=[f"{p.name}: {p.reason}" for p in report.passes],
                               ran_eagerly=bool(report.ran_eagerly))  # auto's eager check found it slower
+            if report.precision_deviation is not None:
+                rows[name].update(precision=report.precision, deviation=report.precision_deviation.describe())
 
     runners = {n: step_fn(fn, inputs, loss_fn, training) for n, fn in built.items()}
     fast = built.get("fxdream")

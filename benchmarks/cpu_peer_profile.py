@@ -9,6 +9,7 @@ profiler does not attribute to an op (per-op dispatch, Python, the runtime itsel
 cost time of their own: compare kinds across engines, and walls with cpu_ab.py, not with these.
 
     python benchmarks/cpu_peer_profile.py --model resnet50 --batch 1
+    python benchmarks/cpu_peer_profile.py --model resnet50 --batch 1 --precision bf16   # against OpenVINO bf16
 """
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def _timed(run, calls: int) -> float:
     return (time.perf_counter() - started) / calls * 1e3
 
 
-def profile_fxdream(model, inputs, calls: int) -> tuple[dict, float, dict]:
+def profile_fxdream(model, inputs, calls: int, precision: str = "fp32") -> tuple[dict, float, dict]:
     """fxdream's own in-context timing of each op of the built graphs (its convolutions call
     oneDNN directly, which torch.profiler does not see), ``calls`` rounds."""
-    module = fxdream.optimize(model, inputs, passes="auto")
+    module = fxdream.optimize(model, inputs, passes="auto", precision=precision)
     cost = cost_model_for("cpu", "profiled")
     with torch.no_grad():
         for _ in range(3):
@@ -105,12 +106,12 @@ def profile_onnxruntime(model, inputs, calls: int) -> tuple[dict, float, dict]:
     return {k: v * calls / runs for k, v in times.items()}, wall, {}
 
 
-def profile_openvino(model, inputs, calls: int) -> tuple[dict, float, dict]:
+def profile_openvino(model, inputs, calls: int, f32: bool = True) -> tuple[dict, float, dict]:
     ov = require("openvino")
     with torch.no_grad():
         converted = ov.convert_model(model, example_input=tuple(inputs))
-    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads(),
-              "INFERENCE_PRECISION_HINT": "f32", "PERF_COUNT": True}
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERF_COUNT": True,
+              **({"INFERENCE_PRECISION_HINT": "f32"} if f32 else {})}
     request = ov.Core().compile_model(converted, "CPU", config).create_infer_request()
     arrays = [t.numpy() for t in inputs]
     for _ in range(3):
@@ -133,13 +134,18 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                        help="bf16: fxdream's precision='bf16' against OpenVINO at its default precision")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     model, inputs, _ = build_model(args.model, args.batch)
     model = model.eval()
     rows = {}
-    for name, profile in (("fxdream", profile_fxdream), ("onnxruntime", profile_onnxruntime),
-                          ("openvino_f32", profile_openvino)):
+    engines = (("fxdream", profile_fxdream), ("onnxruntime", profile_onnxruntime),
+               ("openvino_f32", profile_openvino)) if args.precision == "fp32" else (
+        ("fxdream_bf16", lambda *a: profile_fxdream(*a, precision="bf16")),
+        ("openvino", lambda *a: profile_openvino(*a, f32=False)))
+    for name, profile in engines:
         print(f"profiling {name} ...", flush=True)
         times, wall, extra = profile(model, inputs, args.calls)
         kinds = _by_kind(times, args.calls)
@@ -154,10 +160,12 @@ def main(argv=None) -> int:
     lines.append("| wall per call | " + " | ".join(f"{r['wall_ms']:.2f}" for r in rows.values()) + " |")
     table = "\n".join(lines) + "\n"
     print(table)
-    out = Path(args.out or RESULTS / f"cpu_peer_profile_{args.model}_bs{args.batch}_{datetime.date.today()}.json")
+    suffix = "" if args.precision == "fp32" else f"_{args.precision}"
+    name = f"cpu_peer_profile_{args.model}_bs{args.batch}{suffix}_{datetime.date.today()}.json"
+    out = Path(args.out or RESULTS / name)
     out.write_text(json.dumps({"model": args.model, "batch": args.batch, "calls": args.calls,
                                "threads": torch.get_num_threads(), "torch": torch.__version__,
-                               "engines": rows}, indent=1) + "\n")
+                               "precision": args.precision, "engines": rows}, indent=1) + "\n")
     out.with_suffix(".md").write_text(table)
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return 0

@@ -27,7 +27,7 @@ from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import breaks_after_the_first_call, one_step, run_once
 from fxdream.capturing.torch_fx import compile_model
 from fxdream.measure import time_interleaved
-from fxdream.numerics import max_abs_diff
+from fxdream.numerics import deviation, max_abs_diff
 from fxdream.optimized_module import OptimizedModule, call_kind
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
@@ -45,7 +45,7 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
              device=None, strict: bool = False, cost: str | None = "auto",
              memory_budget: int | None = None, verify: bool = False, measure: bool = False,
              eager_check: bool | None = None, example_kwargs: dict | None = None,
-             timing_rounds: int | None = None) -> OptimizedModule:
+             timing_rounds: int | None = None, precision: str = "fp32") -> OptimizedModule:
     """Capture ``model`` at ``example_inputs`` (forward's positional arguments) and
     ``example_kwargs`` (its keyword arguments, as torch.export takes them: Hugging Face models'
     ``input_ids=``, ``attention_mask=``, ``labels=``), apply ``passes``, and return a module equal
@@ -70,6 +70,11 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     5, within a budget that keeps a ResNet-50 bs1 build near 2 s); more give tighter medians and
     predictions for a longer build.
 
+    ``precision``: "fp32" (default), or "bf16" for CPU inference with convolutions and matrix
+    products in bfloat16 (the ``bf16`` pass, applied before ``passes``; never chosen by "auto" on
+    its own, as it changes numerics): the report gives the measured deviation from float32 eager
+    on the example inputs (``Report.precision_deviation``), or why bf16 was not applied.
+
     ``eager_check`` (default: with ``passes="auto"``, measured costs, not ``strict``) times the
     built module against eager when one eager call is short (≤ 20 ms: there the wrappers around
     the graphs can cost more than the passes save; no eager call where the graphs' measured ops
@@ -87,7 +92,11 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     auto = isinstance(passes, str) and passes == "auto"
     eager_check = (auto and cost == "auto" and not strict) if eager_check is None \
         else check_flag("eager_check", eager_check)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not known; valid: {', '.join(PRECISIONS)}")
     selected = resolve_passes(available_passes() if auto else passes)
+    first = resolve_passes(PRECISIONS[precision])
+    selected = first + tuple(p for p in selected if p not in first)
     target = resolve_device(device, model, inputs)
     switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
@@ -102,14 +111,32 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         if switched:
             module._note(f"{switched}; it stays in that mode", first=True)
         _check_built(module, model, inputs, training, target, verify, measure, eager_check, disturbed)
+        _check_precision(module, model, inputs, selected, precision)
         log.info("built %s in %.1f s (%s)%s", type(model).__name__, time.perf_counter() - started, module._capture,
                  f"; runs eagerly: {module._fallback_reason}" if module._fallback_reason else "")
     save_profile(module._cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     module._finish(build_seconds, functools.partial(
         optimize, example_inputs=inputs, passes=passes, training=training, device=device, strict=strict, cost=cost,
         memory_budget=memory_budget, verify=verify, measure=measure, eager_check=eager_check,
-        timing_rounds=timing_rounds))
+        timing_rounds=timing_rounds, precision=precision))
     return module
+
+
+# the passes each precision applies first, forced
+PRECISIONS = {"fp32": (), "bf16": ("bf16",)}
+
+
+def _check_precision(module: OptimizedModule, model, inputs: tuple, selected, precision: str) -> None:
+    """A pass that changes numerics and applied: the outputs' measured deviation from float32
+    eager. Asked for by ``precision`` and not applied: the reason, in a note."""
+    changed = {p.name for p in selected if getattr(p, "changes_numerics", False)}
+    rows = [r for r in module._pipeline.rows if r.name in changed]
+    applied = sorted({r.name for r in rows if r.applied})
+    if applied and module._fallback_reason is None:
+        module._record(precision="+".join(applied), precision_deviation=deviation(model, module, inputs))
+    elif precision != "fp32":
+        why = module._fallback_reason or "; ".join(sorted({r.reason for r in rows})) or "no graph to rewrite"
+        module._note(f"precision={precision!r} was not applied (the module computes in float32): {why}")
 
 
 def _measured_build(model, inputs, selected, auto, training, target, strict, cost, memory_budget,

@@ -154,7 +154,8 @@ class PassBase:
     gives when the device, mode or phase is not one of them (keys "device", "mode", "phase";
     ``{device}`` is filled in); ``order`` (``passes="auto"`` runs passes by it, then by name: a
     pass scheduling the final kernels sets a higher one); ``final`` (True: not part of the
-    subsets ``auto`` compares, run once on the chosen graph). ``requires(ctx)`` adds a condition
+    subsets ``auto`` compares, run once on the chosen graph); ``changes_numerics`` (True: results
+    differ from float32's beyond rounding, so ``auto`` never picks it). ``requires(ctx)`` adds a condition
     the declaration cannot say (a library this torch lacks). A subclass implements ``__call__``.
     """
     name: ClassVar[str]
@@ -164,6 +165,7 @@ class PassBase:
     why_not: ClassVar[Mapping[str, str]] = MappingProxyType({})
     order: ClassVar[int] = 0
     final: ClassVar[bool] = False
+    changes_numerics: ClassVar[bool] = False
 
     def applies_to(self, ctx: PassContext) -> str | None:
         """None when the pass applies in ``ctx``, else the reason it does not: the device, then

@@ -15,9 +15,11 @@ def available_passes() -> tuple[str, ...]:
     (default 0; passes that schedule the final kernels, as ``cuda_graphs`` and
     ``aux_stream_backward`` do, set a higher one and run after the rewrites), then by name.
     A pass with ``final = True`` (``reinplace``) is not part of the subsets ``auto`` compares:
-    it runs once on the chosen graph and stays only if that is predicted faster."""
+    it runs once on the chosen graph and stays only if that is predicted faster. A pass that
+    changes numerics (``changes_numerics = True``: ``bf16``) is never among them: only named."""
     registered = registered_passes()
-    return tuple(sorted(registered, key=lambda name: (getattr(registered[name], "order", 0), name)))
+    chosen = [name for name in registered if not getattr(registered[name], "changes_numerics", False)]
+    return tuple(sorted(chosen, key=lambda name: (getattr(registered[name], "order", 0), name)))
 
 
 def resolve_passes(passes) -> tuple[Pass, ...]:

@@ -57,7 +57,10 @@ class PassPipeline:
 
     def __init__(self, passes: tuple[Pass, ...], base_context: PassContext, auto: bool = False,
                  on_row: Callable[[PassReport], None] | None = None):
-        self.passes = passes
+        # a pass that changes numerics (bf16) runs first, forced, on every graph; the rest (named,
+        # or auto's subsets) rewrite what it made
+        self.leading = tuple(p for p in passes if getattr(p, "changes_numerics", False))
+        self.passes = tuple(p for p in passes if p not in self.leading)
         self.base_context = base_context
         self.auto = auto
         self.on_row = on_row
@@ -160,6 +163,9 @@ class PassPipeline:
                 return us
         ctx = dataclasses.replace(self.base_context, phase=phase, params=params, predict_us=predict_us,
                                   forced=not self.auto)
+        for p in self.leading:
+            gm, row = self._run_one(p, gm, dataclasses.replace(ctx, forced=True), index)
+            self._add(row)
         if self.auto and ctx.cost_model is not None:
             gm = self._best_subset(gm, ctx, index)
         else:

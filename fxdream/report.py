@@ -5,6 +5,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from fxdream.capturing.captured import Captured, _count_compute
+from fxdream.numerics import Deviation
 
 MEASURED_SLOWER = "measured slower than eager"  # the eager check's fallback reason starts so
 
@@ -63,6 +64,8 @@ class Report:
     top_layers: tuple = ()                        # predicted (layer, ms) with the passes, costliest first
     verified_max_abs_diff: float | None = None    # verify=True: vs eager, outputs (and grads)
     verified_beyond_rounding: bool = False        # ... by more than rounding (pipeline.beyond_rounding)
+    precision: str = "fp32"                       # "bf16": optimize(precision="bf16")
+    precision_deviation: Deviation | None = None  # measured: the outputs against float32 eager's
     measured_baseline_ms: float | None = None     # measure=True: median ms per call, interleaved
     measured_optimized_ms: float | None = None
     measured_eager_ms: float | None = None        # eager_check: eager and the built module, interleaved
@@ -150,6 +153,9 @@ class Report:
             flag = " **More than rounding: the module does not compute what eager does (see the notes).**" \
                 if self.verified_beyond_rounding else ""
             lines.append(f"Verified against eager: max abs diff {self.verified_max_abs_diff:.2e}.{flag}")
+        if self.precision_deviation is not None:
+            lines.append(f"Precision {self.precision}: measured against float32 eager on the example inputs: "
+                         f"{self.precision_deviation.describe()}.")
         if self.top_layers:
             lines += ["", "| layer (predicted) | ms |", "|---|---|"]
             lines += [f"| {layer or '(model)'} | {ms:.3f} |" for layer, ms in self.top_layers]

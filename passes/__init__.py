@@ -1,6 +1,7 @@
 """Built-in passes: importing this package registers each of them (one pass per file)."""
 from fxdream.passes import (
     aux_stream_backward,  # noqa: F401
+    bf16_inference,  # noqa: F401
     cuda_graphs,  # noqa: F401
     fuse_attention,  # noqa: F401
     fuse_conv_bias_act,  # noqa: F401

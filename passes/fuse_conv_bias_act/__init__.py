@@ -68,7 +68,8 @@ def fold_batch_norm(weight, bias, gamma, beta, mean, var, eps: float):
     scale = torch.rsqrt(var.double() + eps)
     if gamma is not None:
         scale = scale * gamma.double()
-    folded_w = weight * scale.to(weight.dtype).reshape(-1, *([1] * (weight.dim() - 1)))
+    # in float32 at least: a bf16 weight is scaled before it is rounded once more
+    folded_w = (weight.float() * scale.float().reshape(-1, *([1] * (weight.dim() - 1)))).to(weight.dtype)
     b0 = bias.double() if bias is not None else torch.zeros_like(mean, dtype=torch.float64)
     folded_b = (b0 - mean.double()) * scale
     if beta is not None:
@@ -127,8 +128,7 @@ class _Builder:
     def _frozen_weights(self, site, x, w, b, stride, padding, dilation, groups):
         """Folded / channels_last / prepacked weights as constants, where the weights are known."""
         params = self.ctx.params
-        weight = params.get(w.name) if w.op == "placeholder" else None
-        bias = params.get(b.name) if b is not None and b.op == "placeholder" else None
+        weight, bias = self._frozen(w), None if b is None else self._frozen(b)
         if weight is None or (b is not None and bias is None):
             return w, b  # not constants: use them as they come, in whatever layout
         with real_tensors(), torch.no_grad():
@@ -149,6 +149,12 @@ class _Builder:
         w_node = self._constant(site, "weight", value, stand_in)
         b_node = None if bias is None else self._constant(site, "bias", bias, None)
         return w_node, b_node
+
+    def _frozen(self, node: fx.Node) -> torch.Tensor | None:
+        """The value of a frozen parameter (placeholder) or constant (get_attr); else None."""
+        if node.op == "get_attr" and self.ctx.frozen:
+            return getattr(self.gm, node.target)
+        return self.ctx.params.get(node.name) if node.op == "placeholder" else None
 
     def _constant(self, site: Site, what: str, tensor: torch.Tensor, stand_in) -> fx.Node:
         name = f"_fxdream_{site.conv.name}_{what}"

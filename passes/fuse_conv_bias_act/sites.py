@@ -62,9 +62,16 @@ def _conv_problem(conv: fx.Node, ctx: PassContext) -> str | None:
         if x.dim() != 4:
             return f"a {x.dim() - 2}-d convolution on CUDA (the cuDNN fused kernels this pass uses are 2-d)"
         return None if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {x.dtype}"
-    if device == "cpu" and x.dtype == torch.float32:
+    if device == "cpu" and (x.dtype == torch.float32 or x.dtype == w.dtype == torch.bfloat16
+                            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return None if x.dim() in (3, 4, 5) else f"a {x.dim() - 2}-d convolution (oneDNN's fused conv is 1-d to 3-d)"
     return f"{device} {x.dtype}: no fused kernel"
+
+
+def is_frozen_constant(node: fx.Node, ctx: PassContext) -> bool:
+    """A parameter or buffer frozen in inference (a placeholder ``ctx.params`` holds), or a
+    constant an earlier pass made (a ``get_attr``: the ``bf16`` pass's bf16 weights)."""
+    return ctx.frozen and (node.op == "get_attr" or node.op == "placeholder" and node.name in ctx.params)
 
 
 def _sole_user(node: fx.Node, target) -> fx.Node | None:
@@ -80,7 +87,7 @@ def _foldable_bn(conv: fx.Node, ctx: PassContext, notes: list) -> fx.Node | None
                          f"also used by {_users(conv)}")
         return None
     tensors = [conv.args[1], conv.args[2], *bn.args[1:5]]
-    if any(t is not None and (t.op != "placeholder" or t.name not in ctx.params) for t in tensors):
+    if any(t is not None and not is_frozen_constant(t, ctx) for t in tensors):
         notes.append(f"{conv.meta.get(LAYER, conv.name)}: batch norm not folded: its weights are not "
                      "known constants")
         return None

@@ -1,0 +1,99 @@
+"""precision="bf16": CPU inference with convolutions and matrix products in bfloat16 (the bf16
+pass), its deviation from float32 in the report, and where it declines."""
+import pytest
+import torch
+
+import fxdream
+from fxdream import models
+from fxdream.numerics import Deviation, deviation
+from fxdream.pass_registry import available_passes
+from fxdream.passes import bf16_inference
+
+needs_bf16 = pytest.mark.skipif(not bf16_inference.native_bf16(), reason="this CPU has no native bf16")
+
+
+class LinearSoftmaxLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.second(torch.softmax(self.first(x), dim=-1))
+
+
+def _row(module, name="bf16"):
+    return next(r for r in module.report.passes if r.name == name)
+
+
+@needs_bf16
+def test_matrix_products_run_in_bf16_softmax_in_float32_and_the_output_is_float32():
+    torch.manual_seed(0)
+    model, x = LinearSoftmaxLinear().eval(), torch.randn(3, 8)
+    module = fxdream.optimize(model, (x,), precision="bf16", cost=None)
+    row = _row(module)
+    # two addmm in bf16; both weights and biases made bf16 once; casts per call: the input to
+    # bf16, the softmax's input to float32 and its output back to bf16, the output to float32
+    assert row.applied and row.reason == "2 convolutions and matrix products in bf16; 4 weights made bf16 once, " \
+                                         "4 casts per call"
+    out = module(x)
+    assert out.dtype == torch.float32
+    with torch.no_grad():
+        expected = model(x)
+    assert not torch.equal(out, expected)  # it did compute in bf16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    assert module.report.precision == "bf16"
+    assert module.report.precision_deviation.max_abs == pytest.approx((out - expected).abs().max().item())
+    assert "Precision bf16: measured against float32 eager" in module.report.to_markdown()
+
+
+@needs_bf16
+def test_a_conv_net_fuses_its_bf16_convolutions_and_keeps_its_classes():
+    model, inputs, _ = models.build("resnet18", 2, tiny=True)
+    model.eval()
+    module = fxdream.optimize(model, inputs, passes="auto", precision="bf16", eager_check=False)
+    applied = {r.name for r in module.report.passes if r.applied}
+    assert {"bf16", "fuse_conv_bias_act"} <= applied
+    found = module.report.precision_deviation
+    assert found.argmax_agreement is not None and found.max_rel < 0.05
+    with torch.no_grad():
+        torch.testing.assert_close(module(*inputs), model(*inputs), atol=0.05, rtol=0.05)
+
+
+def test_auto_never_picks_it_on_its_own():
+    assert "bf16" not in available_passes()
+    model, x = LinearSoftmaxLinear().eval(), torch.randn(3, 8)
+    module = fxdream.optimize(model, (x,), passes="auto", eager_check=False)
+    assert all(r.name != "bf16" for r in module.report.passes) and module.report.precision == "fp32"
+
+
+def test_it_declines_with_the_reason_on_a_cpu_without_native_bf16(monkeypatch):
+    monkeypatch.setattr(bf16_inference, "native_bf16", lambda: False)
+    model, x = LinearSoftmaxLinear().eval(), torch.randn(3, 8)
+    module = fxdream.optimize(model, (x,), precision="bf16", cost=None)
+    assert not _row(module).applied and "no native bf16" in _row(module).reason
+    assert module.report.precision == "fp32" and module.report.precision_deviation is None
+    assert any("precision='bf16' was not applied" in n and "no native bf16" in n for n in module.report.notes)
+    with torch.no_grad():
+        assert torch.equal(module(x), model(x))
+
+
+def test_it_declines_in_training():
+    model, x = LinearSoftmaxLinear(), torch.randn(3, 8)
+    module = fxdream.optimize(model, (x,), training=True, precision="bf16", cost=None)
+    assert not _row(module).applied and "inference" in _row(module).reason
+
+
+def test_an_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision='fp8' is not known; valid: fp32, bf16"):
+        fxdream.optimize(LinearSoftmaxLinear().eval(), (torch.randn(3, 8),), precision="fp8")
+
+
+def test_deviation_of_a_classifier_counts_the_rows_whose_top_class_moved():
+    class Shifted(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.tensor([[0.0, 0.0], [0.0, 2.0]])
+    logits = torch.tensor([[2.0, 1.0], [1.0, 0.5]])
+    found = deviation(torch.nn.Identity(), Shifted(), (logits,))
+    # row 2 moves from class 0 to class 1; the largest |eager output| is 2.0
+    assert found == Deviation(max_abs=2.0, max_rel=1.0, argmax_agreement=0.5)
+    assert deviation(torch.nn.Identity(), torch.nn.Identity(), (torch.randn(4),)) == Deviation(0.0, 0.0, None)
