@@ -6,9 +6,10 @@ user asks for it, and the report gives the measured deviation from float32 on th
 
 The rule, CPU autocast's: the ops oneDNN runs fast in bf16 (convolution, the matrix products,
 scaled-dot-product attention) take bf16 inputs (float32 inputs are cast where they meet such an
-op); the precision-sensitive ops (softmax, layer/group norm, log-softmax) take float32 and give
-float32; every other op runs in the dtype its inputs bring (a ReLU, a pooling, a residual add
-after a bf16 conv stay bf16; a batch norm keeps its float32 statistics). Float32 parameters a
+op); every other op runs in the dtype its inputs bring (a ReLU, a pooling, a residual add after
+a bf16 conv stay bf16; softmax and layer norm take bf16 and accumulate in float32 inside their
+kernels, as under autocast; a batch norm keeps its float32 statistics; type promotion makes a
+bf16 value added to a float32 one float32). Float32 parameters a
 bf16 op reads become bf16 constants once, at build time (weights are frozen in inference), so
 no call pays their casts; graph outputs are cast back to their float32 dtype. On a CPU without
 native bf16 (AVX-512 BF16 or AMX) oneDNN would emulate it, slower than float32: the pass
@@ -31,11 +32,6 @@ TO_COPY = aten._to_copy.default
 IN_BF16 = frozenset({
     aten.convolution.default, aten.addmm.default, aten.mm.default, aten.bmm.default, aten.baddbmm.default,
     aten.linear.default, aten.matmul.default, aten.scaled_dot_product_attention.default,
-})
-IN_FP32 = frozenset({
-    aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
-    aten.native_layer_norm.default, aten.layer_norm.default, aten.native_group_norm.default,
-    aten.group_norm.default,
 })
 
 
@@ -70,9 +66,8 @@ class _Rewriter:
                                      if isinstance(a, fx.Node) else a, node.args)
 
     def _retype(self, node: fx.Node) -> None:
-        wanted = BF16 if node.target in IN_BF16 else FP32 if node.target in IN_FP32 else None
-        if wanted is not None:
-            node.args, node.kwargs = tree_map(lambda a: self._as(a, wanted, node) if isinstance(a, fx.Node) else a,
+        if node.target in IN_BF16:
+            node.args, node.kwargs = tree_map(lambda a: self._as(a, BF16, node) if isinstance(a, fx.Node) else a,
                                               (node.args, node.kwargs))
         values, _ = tree_flatten([a.meta.get("val") for a in node.all_input_nodes])
         if not any(isinstance(v, torch.Tensor) and v.dtype == BF16 for v in values):

@@ -47,6 +47,13 @@ aten = torch.ops.aten
 _FLATTEN = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
 _COPIES = {aten.expand.default, aten.clone.default}
 _PLUMBING = _FLATTEN | _COPIES
+TO_COPY = aten._to_copy.default
+
+
+def _float_cast(node: fx.Node) -> bool:
+    """A change of float dtype and nothing else (the bf16 pass's casts around the softmax, which
+    it keeps in float32): the fused call computes its softmax with float accumulation itself."""
+    return node.target is TO_COPY and set(node.kwargs) == {"dtype"} and node.kwargs["dtype"].is_floating_point
 _SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
 
 
@@ -112,7 +119,9 @@ def _scores_to_softmax(node: fx.Node):
     scale, mask, fill_mask, between = None, None, None, []
     while len(node.users) == 1:
         args = node.args
-        if node.target is aten.add.Tensor and isinstance(args[1], fx.Node) and node.kwargs.get("alpha", 1) == 1 \
+        if _float_cast(node) and not between:  # right above the softmax only
+            pass
+        elif node.target is aten.add.Tensor and isinstance(args[1], fx.Node) and node.kwargs.get("alpha", 1) == 1 \
                 and mask is None and fill_mask is None and scale is None:  # added after the scale: SDPA's order
             mask_val, scores_val = args[1].meta.get("val"), node.meta.get("val")
             if not (isinstance(mask_val, torch.Tensor) and mask_val.dtype == scores_val.dtype):
@@ -159,7 +168,7 @@ def match(softmax: fx.Node) -> Attention | None:
             return None
         if user.target is aten.bmm.default and user.args[0] is node:
             break
-        if user.target not in _PLUMBING:
+        if user.target not in _PLUMBING and not _float_cast(user):
             return None
         replaced.append(user)
         node = user
@@ -209,6 +218,11 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
             if site.excludes:
                 mask = graph.call_function(aten.logical_not.default, (mask,))
                 mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(mask)})
+            mask_dtype, query_dtype = _dtype(mask), _dtype(query)
+            if mask_dtype is not None and mask_dtype.is_floating_point and mask_dtype != query_dtype:
+                # SDPA takes a float mask in the query's dtype (a float32 mask beside bf16 queries)
+                mask = graph.call_function(TO_COPY, (mask,), {"dtype": query_dtype})
+                mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(mask)})
             fused = graph.call_function(aten.scaled_dot_product_attention.default,
                                         (query, key, value, mask, 0.0, False), {"scale": site.scale})
         fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(fused)})
@@ -226,6 +240,11 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
                 graph.erase_node(node)
     graph.lint()
     gm.recompile()
+
+
+def _dtype(node) -> torch.dtype | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _settle_layout(graph: fx.Graph, fused: fx.Node) -> bool:

@@ -26,15 +26,15 @@ def _row(module, name="bf16"):
 
 
 @needs_bf16
-def test_matrix_products_run_in_bf16_softmax_in_float32_and_the_output_is_float32():
+def test_matrix_products_run_in_bf16_the_ops_between_follow_and_the_output_is_float32():
     torch.manual_seed(0)
     model, x = LinearSoftmaxLinear().eval(), torch.randn(3, 8)
     module = fxdream.optimize(model, (x,), precision="bf16", cost=None)
     row = _row(module)
-    # two addmm in bf16; both weights and biases made bf16 once; casts per call: the input to
-    # bf16, the softmax's input to float32 and its output back to bf16, the output to float32
+    # two addmm in bf16, the softmax between them too (its input is bf16); both weights and
+    # biases made bf16 once; casts per call: the input to bf16, the output to float32
     assert row.applied and row.reason == "2 convolutions and matrix products in bf16; 4 weights made bf16 once, " \
-                                         "4 casts per call"
+                                         "2 casts per call"
     out = module(x)
     assert out.dtype == torch.float32
     with torch.no_grad():
@@ -97,3 +97,19 @@ def test_deviation_of_a_classifier_counts_the_rows_whose_top_class_moved():
     # row 2 moves from class 0 to class 1; the largest |eager output| is 2.0
     assert found == Deviation(max_abs=2.0, max_rel=1.0, argmax_agreement=0.5)
     assert deviation(torch.nn.Identity(), torch.nn.Identity(), (torch.randn(4),)) == Deviation(0.0, 0.0, None)
+
+
+@needs_bf16
+def test_the_passes_after_it_rewrite_the_bf16_graph_attention_and_packed_linears():
+    """BERT's float32 mask makes the scores float32 before the softmax (type promotion) and the
+    bf16 pass casts the probabilities back for the second matmul: fuse_attention matches through
+    that cast (giving SDPA the mask in bf16), and prepack_linear packs the bf16 weights."""
+    model, inputs, _ = models.build("bert_base", 2, tiny=True)
+    model.eval()
+    module = fxdream.optimize(model, inputs, passes=["fuse_attention", "prepack_linear"], precision="bf16",
+                              cost=None)
+    assert _row(module, "fuse_attention").reason == "2 attention block(s) → scaled_dot_product_attention"
+    assert _row(module, "prepack_linear").applied
+    assert module.report.precision == "bf16" and module.report.precision_deviation.max_rel < 0.05
+    with torch.no_grad():
+        torch.testing.assert_close(module(*inputs), model(*inputs), atol=0.02, rtol=0.05)
