@@ -6,7 +6,8 @@ user asks for it, and the report gives the measured deviation from float32 on th
 
 The rule, CPU autocast's: the ops oneDNN runs fast in bf16 (convolution, the matrix products,
 scaled-dot-product attention) take bf16 inputs (float32 inputs are cast where they meet such an
-op); every other op runs in the dtype its inputs bring (a ReLU, a pooling, a residual add after
+op), and, as the inference engines do and autocast does not, so do embedding lookups, whose bf16
+tables keep a transformer's residual stream in bf16 (no cast before each linear layer); every other op runs in the dtype its inputs bring (a ReLU, a pooling, a residual add after
 a bf16 conv stay bf16; softmax and layer norm take bf16 and accumulate in float32 inside their
 kernels, as under autocast; a batch norm keeps its float32 statistics; type promotion makes a
 bf16 value added to a float32 one float32). Float32 parameters a
@@ -32,6 +33,7 @@ TO_COPY = aten._to_copy.default
 IN_BF16 = frozenset({
     aten.convolution.default, aten.addmm.default, aten.mm.default, aten.bmm.default, aten.baddbmm.default,
     aten.linear.default, aten.matmul.default, aten.scaled_dot_product_attention.default,
+    aten.embedding.default,
 })
 
 
