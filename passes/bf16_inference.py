@@ -7,14 +7,17 @@ user asks for it, and the report gives the measured deviation from float32 on th
 The rule, CPU autocast's: the ops oneDNN runs fast in bf16 (convolution, the matrix products,
 scaled-dot-product attention) take bf16 inputs (float32 inputs are cast where they meet such an
 op), and, as the inference engines do and autocast does not, so do embedding lookups, whose bf16
-tables keep a transformer's residual stream in bf16 (no cast before each linear layer); every other op runs in the dtype its inputs bring (a ReLU, a pooling, a residual add after
-a bf16 conv stay bf16; softmax and layer norm take bf16 and accumulate in float32 inside their
-kernels, as under autocast; a batch norm keeps its float32 statistics; type promotion makes a
-bf16 value added to a float32 one float32). Float32 parameters a
-bf16 op reads become bf16 constants once, at build time (weights are frozen in inference), so
-no call pays their casts; graph outputs are cast back to their float32 dtype. On a CPU without
-native bf16 (AVX-512 BF16 or AMX) oneDNN would emulate it, slower than float32: the pass
-declines there, saying so.
+tables keep a transformer's residual stream in bf16 (no cast before each linear layer).
+Recurrent layers take float32 (their weights stay float32; oneDNN's RNN primitive takes no bf16
+input beside them). Every other op runs in the dtype its inputs bring: a ReLU, a pooling, a
+residual add after a bf16 conv stay bf16; softmax and layer norm take bf16 and accumulate in
+float32 inside their kernels, as under autocast; a batch norm keeps its float32 statistics;
+type promotion makes a bf16 value added to a float32 one float32.
+
+Float32 parameters a bf16 op reads become bf16 constants once, at build time (weights are frozen
+in inference), so no call pays their casts; graph outputs are cast back to their float32 dtype.
+On a CPU without native bf16 (AVX-512 BF16 or AMX) oneDNN would emulate it, slower than float32:
+the pass declines there, saying so.
 """
 from __future__ import annotations
 
@@ -33,8 +36,16 @@ TO_COPY = aten._to_copy.default
 IN_BF16 = frozenset({
     aten.convolution.default, aten.addmm.default, aten.mm.default, aten.bmm.default, aten.baddbmm.default,
     aten.linear.default, aten.matmul.default, aten.scaled_dot_product_attention.default,
-    aten.embedding.default,
+    aten.embedding.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
 })
+# Recurrent layers keep float32: their weights stay float32 and oneDNN's RNN primitive takes no
+# bf16 input beside them; a bf16 value reaching one is cast up.
+IN_FP32 = frozenset(op for op in (
+    aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input, aten.lstm_cell.default,
+    aten.gru_cell.default, aten.rnn_tanh_cell.default, aten.rnn_relu_cell.default, aten.mkldnn_rnn_layer.default,
+    *(getattr(getattr(torch.ops.fxdream, name, None), "default", None)
+      for name in ("rnn_inference", "lstm_inference", "rnn_cell_inference")),
+) if op is not None)
 
 
 def native_bf16() -> bool:
@@ -54,6 +65,7 @@ class _Rewriter:
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext):
         self.gm, self.graph, self.ctx = gm, gm.graph, ctx
+        self.fake_mode = next(v.fake_mode for v in (n.meta.get("val") for n in gm.graph.nodes) if hasattr(v, "fake_mode"))
         self.casts: dict[tuple[str, torch.dtype], fx.Node] = {}
         self.constants = 0
         self.cast_ops = 0
@@ -68,8 +80,9 @@ class _Rewriter:
                                      if isinstance(a, fx.Node) else a, node.args)
 
     def _retype(self, node: fx.Node) -> None:
-        if node.target in IN_BF16:
-            node.args, node.kwargs = tree_map(lambda a: self._as(a, BF16, node) if isinstance(a, fx.Node) else a,
+        wanted = BF16 if node.target in IN_BF16 else FP32 if node.target in IN_FP32 else None
+        if wanted is not None:
+            node.args, node.kwargs = tree_map(lambda a: self._as(a, wanted, node) if isinstance(a, fx.Node) else a,
                                               (node.args, node.kwargs))
         values, _ = tree_flatten([a.meta.get("val") for a in node.all_input_nodes])
         if not any(isinstance(v, torch.Tensor) and v.dtype == BF16 for v in values):
@@ -89,19 +102,29 @@ class _Rewriter:
             return source
         key = (source.name, dtype)
         if key not in self.casts:
-            param = self.ctx.params.get(source.name) if self.ctx.frozen and source.op == "placeholder" else None
+            param = self._frozen(source)
             if param is not None:
-                self.casts[key] = self._constant(source, param.to(dtype))
+                self.casts[key] = self._constant(source, param, dtype)
             elif self._viewed_param(source):  # t(w): the view of the cast constant, not a cast per call
                 self.casts[key] = self._view_of(source, self._as(source.args[0], dtype, user), user)
             else:
                 self.casts[key] = self._cast(source, dtype, user)
         return self.casts[key]
 
+    def _frozen(self, node: fx.Node) -> torch.Tensor | None:
+        """A constant in inference: a parameter placeholder's tensor, or a ``get_attr``'s (a
+        dynamo capture's parameters); None for anything else."""
+        if not self.ctx.frozen:
+            return None
+        if node.op == "get_attr":
+            value = getattr(self.gm, node.target, None)
+            return value if isinstance(value, torch.Tensor) else None
+        return self.ctx.params.get(node.name) if node.op == "placeholder" else None
+
     def _viewed_param(self, node: fx.Node) -> bool:
         while node.op == "call_function" and is_view(node) and node.args and isinstance(node.args[0], fx.Node):
             node = node.args[0]
-        return self.ctx.frozen and node.op == "placeholder" and node.name in self.ctx.params
+        return self._frozen(node) is not None
 
     def _view_of(self, view: fx.Node, base: fx.Node, user: fx.Node) -> fx.Node:
         with self.graph.inserting_before(user):
@@ -109,17 +132,16 @@ class _Rewriter:
         node.meta.update({"val": fake_value(node), LAYER: view.meta.get(LAYER, "")})
         return node
 
-    def _constant(self, source: fx.Node, tensor: torch.Tensor) -> fx.Node:
+    def _constant(self, source: fx.Node, param: torch.Tensor, dtype: torch.dtype) -> fx.Node:
         name = f"_fxdream_{source.name}_bf16"
         while hasattr(self.gm, name):
             name += "_"
-        with real_tensors():
-            self.gm.register_buffer(name, tensor.detach().clone(), persistent=False)
+        with real_tensors(), torch.no_grad():  # a capture may run passes inside its fake mode
+            self.gm.register_buffer(name, param.detach().to(dtype, copy=True), persistent=False)
         first = next(n for n in self.graph.nodes if n.op != "placeholder")
         with self.graph.inserting_before(first):
             node = self.graph.get_attr(name)
-        node.meta.update({"val": source.meta["val"].fake_mode.from_tensor(getattr(self.gm, name)),
-                          LAYER: source.meta.get(LAYER, "")})
+        node.meta.update({"val": self.fake_mode.from_tensor(getattr(self.gm, name)), LAYER: source.meta.get(LAYER, "")})
         self.constants += 1
         return node
 

@@ -113,3 +113,27 @@ def test_the_passes_after_it_rewrite_the_bf16_graph_attention_and_packed_linears
     assert module.report.precision == "bf16" and module.report.precision_deviation.max_rel < 0.05
     with torch.no_grad():
         torch.testing.assert_close(module(*inputs), model(*inputs), atol=0.02, rtol=0.05)
+
+
+class EmbedLstmHead(torch.nn.Module):
+    """Token ids (a keyword) → embedding → LSTM → linear: the recurrent layer stays float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.lstm, self.head = torch.nn.Embedding(50, 8), torch.nn.LSTM(8, 16, batch_first=True), \
+            torch.nn.Linear(16, 4)
+
+    def forward(self, ids=None):
+        return self.head(self.lstm(self.embed(ids))[0])
+
+
+@needs_bf16
+def test_a_recurrent_layer_keeps_float32_between_bf16_ops():
+    torch.manual_seed(0)
+    model, ids = EmbedLstmHead().eval(), torch.randint(0, 50, (2, 5))
+    module = fxdream.optimize(model, (), example_kwargs={"ids": ids}, precision="bf16", cost=None)
+    assert _row(module).applied and module.report.precision == "bf16"
+    with torch.no_grad():
+        out, expected = module(ids=ids), model(ids=ids)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=0.02, rtol=0.05)
