@@ -65,7 +65,8 @@ class _Rewriter:
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext):
         self.gm, self.graph, self.ctx = gm, gm.graph, ctx
-        self.fake_mode = next(v.fake_mode for v in (n.meta.get("val") for n in gm.graph.nodes) if hasattr(v, "fake_mode"))
+        values = (n.meta.get("val") for n in gm.graph.nodes)
+        self.fake_mode = next(v.fake_mode for v in values if hasattr(v, "fake_mode"))
         self.casts: dict[tuple[str, torch.dtype], fx.Node] = {}
         self.constants = 0
         self.cast_ops = 0
