@@ -59,14 +59,19 @@ def _float_value(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) and value.dtype in (BF16, FP32) else None
 
 
+def fake_mode_of(gm: fx.GraphModule):
+    """The fake mode the graph's values were made in (None where it carries none)."""
+    values = (n.meta.get("val") for n in gm.graph.nodes)
+    return next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+
+
 class _Rewriter:
     """Walks the graph once in order: casts the inputs an op's rule asks for, re-derives each
     op's fake value from its (possibly cast) inputs, and casts the outputs back."""
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext):
         self.gm, self.graph, self.ctx = gm, gm.graph, ctx
-        values = (n.meta.get("val") for n in gm.graph.nodes)
-        self.fake_mode = next(v.fake_mode for v in values if hasattr(v, "fake_mode"))
+        self.fake_mode = fake_mode_of(gm)
         self.casts: dict[tuple[str, torch.dtype], fx.Node] = {}
         self.constants = 0
         self.cast_ops = 0
@@ -182,6 +187,8 @@ class Bf16Inference(PassBase):
                                   and n.target in IN_BF16])
         if not any(isinstance(v, torch.Tensor) and v.dtype == FP32 for v in leaves):
             return PassResult.unchanged(gm, "no float32 convolution or matrix product to run in bf16")
+        if fake_mode_of(gm) is None:
+            return PassResult.unchanged(gm, "the graph carries no fake values to re-derive dtypes from")
         rewriter = _Rewriter(gm, ctx)
         rewriter.run()
         gm.graph.eliminate_dead_code()

@@ -124,3 +124,15 @@ def test_auto_keeps_the_simplest_candidate_within_the_fastest_ones_measured_spre
     assert pipeline._simplest_of_ties([much_faster, behind], "fw") == ([much_faster, behind], None)
     analytic = PassPipeline((), PassContext(cost_model=Analytic(get_device("cpu"))), auto=True)
     assert analytic._simplest_of_ties([fastest, tie], "fw") == ([fastest, tie], None)  # no measured spread
+
+
+def test_a_run_spread_is_a_prediction_interval_scaled_from_the_measured_sides():
+    from fxdream.sim.cost.run_spread import RunSpread
+    keys = frozenset({"k"})
+    # 3 runs, median 100: 2·1.645·√(1 + 1/3) / d₂(3) = 2.2439 times each measured side
+    spread = RunSpread.of_runs(keys, [90.0, 100.0, 120.0])
+    assert spread.low == pytest.approx(1 - 2.2439 * 0.10, abs=1e-4)
+    assert spread.high == pytest.approx(1 + 2.2439 * 0.20, abs=1e-4)
+    assert RunSpread.of_runs(keys, [100.0]) == RunSpread(keys, 1.0, 1.0)  # one run: no spread measured
+    assert RunSpread.of_runs(keys, [0.0, 0.0]) is None
+    assert RunSpread.of_runs(keys, [10.0, 100.0]).low == 0.05  # never at or below zero

@@ -5,7 +5,7 @@ import torch
 
 import fxdream
 from fxdream.sim.cost import Profiled, get_device
-from fxdream.sim.cost.profiled import RunSpread
+from fxdream.sim.cost.run_spread import RunSpread
 from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.profile.op_keys import profile_key
 from conftest import ConvBnNet, graph_with_values

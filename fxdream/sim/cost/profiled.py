@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from fxdream.runtime.direct_calls import direct
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.cost.model import CostModel
+from fxdream.sim.cost.run_spread import RunSpread
 from fxdream.sim.profile.cuda_timing import graph_kernel_saving_us, time_calls_cuda
 from fxdream.sim.profile.host_timing import (
     ModuleBuilder,
@@ -59,15 +59,6 @@ WARM_RUN_BELOW_US = 20_000.0
 RUN_SPREAD_COVER = 0.9  # run_spread_of: the share of a graph's cost a timed graph must hold
 FEW_NEW_OPS = 4     # worth_timing_in_context: at most this many distinct new ops, ...
 MIN_SHARE = 0.01    # ... under this share of the graph's time, are not timed in context
-
-
-@dataclass(frozen=True)
-class RunSpread:
-    """How a graph's whole runs spread over side-by-side rounds: its ops' keys, and its fastest
-    and slowest run over the median run (``low`` ≤ 1 ≤ ``high``)."""
-    keys: frozenset
-    low: float
-    high: float
 
 
 def _materialize(value, device: torch.device):
@@ -311,10 +302,9 @@ class Profiled:
             self.samples[key] = times
             self.measurements[key] = statistics.median(times)
         for gm, _ in graphs:
-            middle = statistics.median(totals[id(gm)])
-            if middle > 0:
-                self.run_spreads.append(RunSpread(frozenset(self.keys_of(gm)), min(totals[id(gm)]) / middle,
-                                                  max(totals[id(gm)]) / middle))
+            spread = RunSpread.of_runs(frozenset(self.keys_of(gm)), totals[id(gm)])
+            if spread is not None:
+                self.run_spreads.append(spread)
         return rounds
 
     def _rounds_in_budget(self, graphs: list[tuple[fx.GraphModule, object]]) -> int:

@@ -1,0 +1,44 @@
+"""How far a graph's next run may fall from the median of the runs timed side by side.
+
+The fastest and slowest of n runs bound only part of what the next runs do: of n runs, a further
+run falls between their minimum and maximum with probability (n - 1) / (n + 1), 33 % for the
+2 runs and 67 % for the 5 runs a build times. A range meant to hold the runs a user will see
+is a prediction interval instead: were run times normal, a further run falls within
+z·σ·√(1 + 1/n) of the mean with the probability z stands for, and the range of n runs estimates
+σ as (max - min) / d₂(n). Each side is scaled from the measured one (median - min, max -
+median): timing noise is skewed (a run is slowed far more often than sped up), and the scaling
+keeps that shape.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+COVERAGE_Z = 1.645  # a two-sided 90 % interval: margin over the 80 % a range must hold
+# d₂(n): the expected range of n samples from a normal distribution, in standard deviations
+# (the statistical process control table); beyond 10 runs the 10-run value (a wider range)
+D2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
+
+
+@dataclass(frozen=True)
+class RunSpread:
+    """How a graph's whole runs spread over side-by-side rounds: its ops' keys, and the bounds
+    a further run is predicted within, over the median run (``low`` ≤ 1 ≤ ``high``)."""
+    keys: frozenset
+    low: float
+    high: float
+
+    @classmethod
+    def of_runs(cls, keys: frozenset, totals: list[float]) -> "RunSpread | None":
+        """The prediction interval of ``totals`` (µs of each run); None without a positive median."""
+        middle = statistics.median(totals) if totals else 0.0
+        if middle <= 0:
+            return None
+        if len(totals) < 2:
+            return cls(keys, 1.0, 1.0)
+        n = len(totals)
+        widen = 2 * COVERAGE_Z * math.sqrt(1 + 1 / n) / D2.get(n, D2[10])
+        low = 1 - widen * (1 - min(totals) / middle)
+        high = 1 + widen * (max(totals) / middle - 1)
+        return cls(keys, max(low, 0.05), high)
