@@ -134,6 +134,10 @@ def _check_precision(module: OptimizedModule, model, inputs: tuple, selected, pr
     applied = sorted({r.name for r in rows if r.applied})
     if applied and module._fallback_reason is None:
         module._record(precision="+".join(applied), precision_deviation=deviation(model, module, inputs))
+        slower = sum(r.predicted_delta_us for r in rows if r.applied and (r.predicted_delta_us or 0) > 0)
+        if slower:
+            module._note(f"{'+'.join(applied)} is predicted {slower / 1e3:.3f} ms slower per call than float32 "
+                         f"here (its casts cost more than its faster kernels save on graphs this small)")
     elif precision != "fp32":
         why = module._fallback_reason or "; ".join(sorted({r.reason for r in rows})) or "no graph to rewrite"
         module._note(f"precision={precision!r} was not applied (the module computes in float32): {why}")

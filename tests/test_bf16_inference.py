@@ -137,3 +137,13 @@ def test_a_recurrent_layer_keeps_float32_between_bf16_ops():
         out, expected = module(ids=ids), model(ids=ids)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=0.02, rtol=0.05)
+
+
+@needs_bf16
+def test_a_graph_too_small_to_pay_for_its_casts_is_predicted_slower_and_the_report_says_so():
+    torch.manual_seed(0)
+    model, x = LinearSoftmaxLinear().eval(), torch.randn(3, 8)  # two tiny matmuls, two casts
+    module = fxdream.optimize(model, (x,), precision="bf16", cost="analytic")
+    row = _row(module)
+    assert row.applied and row.predicted_delta_us > 0  # the casts' dispatch outweighs the 8x16 products
+    assert any("predicted" in n and "slower per call than float32" in n for n in module.report.notes)
