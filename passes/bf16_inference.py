@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxdream.ir.nodes import is_view
 from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, fake_value, real_tensors, register_pass
+from fxdream.sim.cost import devices
 
 aten = torch.ops.aten
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -46,12 +47,6 @@ IN_FP32 = frozenset(op for op in (
     *(getattr(getattr(torch.ops.fxdream, name, None), "default", None)
       for name in ("rnn_inference", "lstm_inference", "rnn_cell_inference")),
 ) if op is not None)
-
-
-def native_bf16() -> bool:
-    """Whether this CPU runs bf16 natively (AVX-512 BF16 or AMX) and oneDNN can use it."""
-    return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-            and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
 
 
 def _float_value(node) -> torch.Tensor | None:
@@ -177,7 +172,7 @@ class Bf16Inference(PassBase):
                "mode": "bf16 mode is for inference: training in bf16 needs float32 master weights (torch.autocast)"}
 
     def requires(self, ctx: PassContext) -> str | None:
-        if not native_bf16():
+        if not devices.native_bf16():
             return ("this CPU has no native bf16 (AVX-512 BF16 or AMX): oneDNN would emulate it, slower than "
                     "float32")
         return None

@@ -7,9 +7,9 @@ import fxdream
 from fxdream import models
 from fxdream.numerics import Deviation, deviation
 from fxdream.pass_registry import available_passes
-from fxdream.passes import bf16_inference
+from fxdream.sim.cost import devices
 
-needs_bf16 = pytest.mark.skipif(not bf16_inference.native_bf16(), reason="this CPU has no native bf16")
+needs_bf16 = pytest.mark.skipif(not devices.native_bf16(), reason="this CPU has no native bf16")
 
 
 class LinearSoftmaxLinear(torch.nn.Module):
@@ -67,7 +67,7 @@ def test_auto_never_picks_it_on_its_own():
 
 
 def test_it_declines_with_the_reason_on_a_cpu_without_native_bf16(monkeypatch):
-    monkeypatch.setattr(bf16_inference, "native_bf16", lambda: False)
+    monkeypatch.setattr(devices, "native_bf16", lambda: False)
     model, x = LinearSoftmaxLinear().eval(), torch.randn(3, 8)
     module = fxdream.optimize(model, (x,), precision="bf16", cost=None)
     assert not _row(module).applied and "no native bf16" in _row(module).reason

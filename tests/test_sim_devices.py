@@ -50,6 +50,8 @@ def test_calibrate_cpu_is_fast_and_cached():
     assert time.perf_counter() - t0 < 2.0
     assert c.kind == "cpu" and c.num_sms is None
     assert c.peak_flops["float32"] > 1e8                        # > 0.1 GFLOP/s on anything
+    from fxdream.sim.cost.devices import native_bf16
+    assert ("bfloat16" in c.peak_flops) == native_bf16()        # bf16 measured where it runs natively
     assert c.mem_bandwidth > 1e8 and c.dispatch_overhead_us > 0
     assert calibrate_cpu() is c                                  # cached per process
     host = get_device("CPU")                                     # its numbers are the calibration's

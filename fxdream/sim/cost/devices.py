@@ -184,10 +184,10 @@ _CPU_CACHE: dict[str, DeviceSpec] = {}  # the one global mutable: calibration, o
 
 
 def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
-    """Measure this host: fp32 matmul FLOP/s, copy bandwidth, per-op dispatch overhead, and
-    autograd's engine costs (per node, per AccumulateGrad).
+    """Measure this host: fp32 matmul FLOP/s (and bf16's, on a CPU with native bf16), copy
+    bandwidth, per-op dispatch overhead, and autograd's engine costs (per node, per AccumulateGrad).
 
-    About ``seconds`` in total (split between the seven timings), cached for the process unless
+    About ``seconds`` in total (split between the seven or eight timings), cached for the process unless
     ``refresh``.  Best-of-N timings: the peak is what the roofline needs.  The host's spec in
     ``DEVICES`` calls it when one of its numbers is first read (analytic costs, what-ifs);
     the default is short because a longer calibration gives the same peaks within a few %."""
@@ -206,9 +206,11 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
         return b
 
     n = 512
-    a, b_ = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
-    flops = 2 * n ** 3 / best(lambda: torch.mm(a, b_, out=out))
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,):
+        a, b_ = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        peaks[str(dtype).removeprefix("torch.")] = 2 * n ** 3 / best(lambda: torch.mm(a, b_, out=out))
     src = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB (x2 with dst): past most last-level caches
     dst = torch.empty_like(src)
     bw = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))  # read + write
@@ -224,12 +226,18 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 0
-    spec = DeviceSpec("cpu", "cpu", {"float32": flops}, bw, launch_overhead_us=0.0,
+    spec = DeviceSpec("cpu", "cpu", peaks, bw, launch_overhead_us=0.0,
                       dispatch_overhead_us=dispatch_us, kernel_min_us=0.0, num_sms=None,
                       memory_bytes=mem, source="calibrated on this host", autograd_node_us=node_us,
                       accumulate_grad_us=accumulate_us)
     _CPU_CACHE["cpu"] = spec
     return spec
+
+
+def native_bf16() -> bool:
+    """Whether this CPU runs bf16 natively (AVX-512 BF16 or AMX) and oneDNN can use it."""
+    return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
 
 
 def _autograd_costs(best) -> tuple[float, float]:
