@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxdream.ir.nodes import is_view
 from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, fake_value, real_tensors, register_pass
-from fxdream.sim.cost import devices
+from fxdream.sim.cost import devices as device_specs
 
 aten = torch.ops.aten
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -134,7 +134,7 @@ class _Rewriter:
         return node
 
     def _constant(self, source: fx.Node, param: torch.Tensor, dtype: torch.dtype) -> fx.Node:
-        name = f"_fxdream_{source.name}_bf16"
+        name = f"_fxdream_{source.name}_{str(dtype).removeprefix('torch.')}"
         while hasattr(self.gm, name):
             name += "_"
         with real_tensors(), torch.no_grad():  # a capture may run passes inside its fake mode
@@ -172,7 +172,7 @@ class Bf16Inference(PassBase):
                "mode": "bf16 mode is for inference: training in bf16 needs float32 master weights (torch.autocast)"}
 
     def requires(self, ctx: PassContext) -> str | None:
-        if not devices.native_bf16():
+        if not device_specs.native_bf16():
             return ("this CPU has no native bf16 (AVX-512 BF16 or AMX): oneDNN would emulate it, slower than "
                     "float32")
         return None

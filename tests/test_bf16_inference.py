@@ -147,3 +147,12 @@ def test_a_graph_too_small_to_pay_for_its_casts_is_predicted_slower_and_the_repo
     row = _row(module)
     assert row.applied and row.predicted_delta_us > 0  # the casts' dispatch outweighs the 8x16 products
     assert any("predicted" in n and "slower per call than float32" in n for n in module.report.notes)
+
+
+@needs_bf16
+def test_verify_does_not_call_bf16s_expected_deviation_a_wrong_result():
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(64, 64).eval(), 10 * torch.randn(4, 64)  # outputs ~30: bf16 errs by ~0.1
+    module = fxdream.optimize(model, (x,), precision="bf16", cost=None, verify=True)
+    assert module.report.verified_max_abs_diff > 1e-2 and not module.report.verified_beyond_rounding
+    assert "More than rounding" not in module.report.to_markdown()
