@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxdream.ir.graphs import attribute_of
 from fxdream.ir.nodes import is_view
 from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, fake_value, real_tensors, register_pass
 from fxdream.sim.cost import devices as device_specs
@@ -118,7 +119,7 @@ class _Rewriter:
         if not self.ctx.frozen:
             return None
         if node.op == "get_attr":
-            value = getattr(self.gm, node.target, None)
+            value = attribute_of(self.gm, node.target)
             return value if isinstance(value, torch.Tensor) else None
         return self.ctx.params.get(node.name) if node.op == "placeholder" else None
 

@@ -47,14 +47,15 @@ aten = torch.ops.aten
 _FLATTEN = {aten._unsafe_view.default, aten.view.default, aten.reshape.default}
 _COPIES = {aten.expand.default, aten.clone.default}
 _PLUMBING = _FLATTEN | _COPIES
+_SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
 TO_COPY = aten._to_copy.default
 
 
 def _float_cast(node: fx.Node) -> bool:
-    """A change of float dtype and nothing else (the bf16 pass's casts around the softmax, which
-    it keeps in float32): the fused call computes its softmax with float accumulation itself."""
+    """A change of float dtype and nothing else: in a bf16 graph a float32 mask makes the scores
+    float32 and the bf16 pass casts the probabilities back for the second matmul. The fused call
+    computes its softmax with float accumulation itself."""
     return node.target is TO_COPY and set(node.kwargs) == {"dtype"} and node.kwargs["dtype"].is_floating_point
-_SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
 
 
 FULLY_MASKED_ROWS = ("a query row whose mask excludes every key (masked_fill(-inf), or -inf added) gives 0 "

@@ -24,6 +24,7 @@ from types import MappingProxyType
 import torch
 import torch.fx as fx
 
+from fxdream.ir.graphs import attribute_of
 from fxdream.ops import fused_conv as ops
 from fxdream.pass_api import (
     LAYER,
@@ -86,7 +87,7 @@ def _value(node: fx.Node | None, ctx: PassContext) -> torch.Tensor | None:
     if node is None or not ctx.frozen:
         return None
     if node.op == "get_attr":
-        return getattr(node.graph.owning_module, node.target, None)
+        return attribute_of(node.graph.owning_module, node.target)
     return ctx.params.get(node.name) if node.op == "placeholder" else None
 
 
