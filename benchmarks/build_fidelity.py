@@ -30,9 +30,7 @@ from fxdream.measure import time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import step_of  # noqa: E402  (the same step, forward or forward and backward)
-
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from zoo_cases import DTYPES, device_name, run_cases  # noqa: E402
 
 
 def _built(name: str, batch: int, training: bool, max_step_s: float, device: str, dtype: str):
@@ -142,28 +140,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--out", default=f"benchmarks/results/build_fidelity_cpu_{datetime.date.today().isoformat()}")
     args = parser.parse_args(argv)
-    where = (torch.cuda.get_device_name(args.device) if args.device != "cpu"
-             else f"cpu, {torch.get_num_threads()} threads")
-    rows, skipped = [], []
-    for name in args.models.split(","):
-        for batch in map(int, args.batches.split(",")):
-            for mode in args.modes.split(","):
-                try:
-                    row = one_row(name, batch, mode == "train", args.max_step_s, args.rounds, args.device, args.dtype)
-                except Exception as error:  # one case's failure (memory, an op) costs that case only
-                    skipped.append(f"{name} bs{batch} {mode}: {type(error).__name__}: {str(error)[:300]}")
-                    print(skipped[-1], file=sys.stderr, flush=True)
-                    continue
-                rows.append(row)
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
-                      file=sys.stderr, flush=True)
-                # written after each row: a run cut short by a time limit keeps what it measured
-                with open(args.out + ".json", "w") as f:
-                    json.dump({"torch": torch.__version__, "device": where, "threads": torch.get_num_threads(),
-                               "rows": rows,
-                               "skipped": skipped}, f, indent=1)
-                with open(args.out + ".md", "w") as f:
-                    f.write(to_markdown(rows))
+    def after_row(row):
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+              file=sys.stderr, flush=True)
+    rows = run_cases(args.models, args.batches, args.modes,
+                     lambda name, batch, training: one_row(name, batch, training, args.max_step_s, args.rounds,
+                                                           args.device, args.dtype),
+                     args.out, {"torch": torch.__version__, "device": device_name(args.device),
+                                "threads": torch.get_num_threads()}, to_markdown, after_row)
     print(to_markdown(rows))
     return 0
 

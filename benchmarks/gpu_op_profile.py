@@ -32,8 +32,10 @@ from fxdream.sim.cost.profiled import Profiled
 from fxdream.sim.prediction import this_machine_device
 from fxdream.sim.profile.op_keys import profile_key
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo_cases import DTYPES  # noqa: E402  (benchmarks/: the dtypes by name)
+
 RESULTS = Path(__file__).parent / "results"
-DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def log(message: str) -> None:

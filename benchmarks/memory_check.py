@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -30,10 +30,10 @@ from fxdream import models
 from fxdream.memory_check import allocated_peak_bytes_during, peak_bytes_during
 from fxdream.sim.prediction import this_machine_device
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zoo_cases import DTYPES, device_name, run_cases  # noqa: E402  (benchmarks/: the case loop)
+
 MIB = 2**20
-
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def one_row(name: str, batch: int, training: bool, tiny: bool, device: str = "cpu", dtype: str = "fp32") -> dict:
@@ -99,30 +99,15 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--out", default=f"benchmarks/results/memory_check_cpu_{datetime.date.today().isoformat()}")
     args = parser.parse_args(argv)
-    rows, skipped = [], []
-    for name in args.models.split(","):
-        for batch in map(int, args.batches.split(",")):
-            for mode in args.modes.split(","):
-                try:
-                    rows.append(one_row(name, batch, mode == "train", args.tiny, args.device, args.dtype))
-                except Exception as error:  # one case's failure (memory, an op) costs that case only
-                    skipped.append(f"{name} bs{batch} {mode}: {type(error).__name__}: {str(error)[:300]}")
-                    print(skipped[-1], file=sys.stderr, flush=True)
-                    continue
-                if args.device != "cpu":
-                    torch.cuda.empty_cache()
-                # written after each row: a run cut short by a time limit keeps what it measured
-                with open(args.out + ".json", "w") as f:
-                    json.dump({"torch": torch.__version__, "device": _device_name(args.device), "rows": rows,
-                               "skipped": skipped}, f, indent=1)
-                with open(args.out + ".md", "w") as f:
-                    f.write(to_markdown(rows))
+    def after_row(row):
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
+    rows = run_cases(args.models, args.batches, args.modes,
+                     lambda name, batch, training: one_row(name, batch, training, args.tiny, args.device, args.dtype),
+                     args.out, {"torch": torch.__version__, "device": device_name(args.device)}, to_markdown,
+                     after_row)
     print(to_markdown(rows))
     return 0
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
 
 
 if __name__ == "__main__":
