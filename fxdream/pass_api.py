@@ -16,13 +16,13 @@ from typing import Callable, ClassVar, Mapping, Protocol, Sequence, runtime_chec
 import torch
 import torch.fx as fx
 
-from fxdream.ir.graphs import copy_graph_module
+from fxdream.ir.graphs import attribute_of, copy_graph_module
 from fxdream.ir.nodes import LAYER, PHASE, fake_value, op_name, value_of
 from fxdream.ir.tensors import real_tensors
 
 __all__ = [
     "PassContext", "PassResult", "PassBase", "Pass", "Note", "Choice", "choose", "register_pass",
-    "registered_passes", "complete_new_nodes",
+    "registered_passes", "complete_new_nodes", "frozen_value",
     # the graph helpers most passes use
     "copy_graph_module", "LAYER", "PHASE", "op_name", "value_of", "fake_value", "real_tensors",
 ]
@@ -184,6 +184,18 @@ class PassBase:
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__(gm, ctx)")
+
+
+def frozen_value(node, ctx: PassContext) -> torch.Tensor | None:
+    """The tensor of a constant a pass may fold, cast or pack in inference (``ctx.frozen``): a
+    parameter or buffer placeholder (``ctx.params``), or a ``get_attr`` constant of the graph (a
+    dynamo capture's parameters, an earlier pass's weights); None for anything else."""
+    if not isinstance(node, fx.Node) or not ctx.frozen:
+        return None
+    if node.op == "get_attr":
+        value = attribute_of(node.graph.owning_module, node.target)
+        return value if isinstance(value, torch.Tensor) else None
+    return ctx.params.get(node.name) if node.op == "placeholder" else None
 
 
 def complete_new_nodes(before: fx.GraphModule, after: fx.GraphModule) -> list[str]:

@@ -27,9 +27,17 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxdream.ir.graphs import attribute_of
 from fxdream.ir.nodes import is_view
-from fxdream.pass_api import LAYER, PassBase, PassContext, PassResult, fake_value, real_tensors, register_pass
+from fxdream.pass_api import (
+    LAYER,
+    PassBase,
+    PassContext,
+    PassResult,
+    fake_value,
+    frozen_value,
+    real_tensors,
+    register_pass,
+)
 from fxdream.sim.cost import devices as device_specs
 
 aten = torch.ops.aten
@@ -104,7 +112,7 @@ class _Rewriter:
             return source
         key = (source.name, dtype)
         if key not in self.casts:
-            param = self._frozen(source)
+            param = frozen_value(source, self.ctx)
             if param is not None:
                 self.casts[key] = self._constant(source, param, dtype)
             elif self._viewed_param(source):  # t(w): the view of the cast constant, not a cast per call
@@ -113,20 +121,10 @@ class _Rewriter:
                 self.casts[key] = self._cast(source, dtype, user)
         return self.casts[key]
 
-    def _frozen(self, node: fx.Node) -> torch.Tensor | None:
-        """A constant in inference: a parameter placeholder's tensor, or a ``get_attr``'s (a
-        dynamo capture's parameters); None for anything else."""
-        if not self.ctx.frozen:
-            return None
-        if node.op == "get_attr":
-            value = attribute_of(self.gm, node.target)
-            return value if isinstance(value, torch.Tensor) else None
-        return self.ctx.params.get(node.name) if node.op == "placeholder" else None
-
     def _viewed_param(self, node: fx.Node) -> bool:
         while node.op == "call_function" and is_view(node) and node.args and isinstance(node.args[0], fx.Node):
             node = node.args[0]
-        return self._frozen(node) is not None
+        return frozen_value(node, self.ctx) is not None
 
     def _view_of(self, view: fx.Node, base: fx.Node, user: fx.Node) -> fx.Node:
         with self.graph.inserting_before(user):

@@ -24,7 +24,6 @@ from types import MappingProxyType
 import torch
 import torch.fx as fx
 
-from fxdream.ir.graphs import attribute_of
 from fxdream.ops import fused_conv as ops
 from fxdream.pass_api import (
     LAYER,
@@ -33,6 +32,7 @@ from fxdream.pass_api import (
     PassResult,
     choose,
     copy_graph_module,
+    frozen_value,
     real_tensors,
     register_pass,
 )
@@ -81,19 +81,9 @@ def _post_op(node: fx.Node) -> tuple[str, list, str] | None:
     return None
 
 
-def _value(node: fx.Node | None, ctx: PassContext) -> torch.Tensor | None:
-    """A frozen weight's tensor: a parameter placeholder's, or a constant an earlier pass made
-    (a ``get_attr``: the bf16 pass's bf16 weights); None for anything else."""
-    if node is None or not ctx.frozen:
-        return None
-    if node.op == "get_attr":
-        return attribute_of(node.graph.owning_module, node.target)
-    return ctx.params.get(node.name) if node.op == "placeholder" else None
-
-
 def _constant(node, ctx: PassContext, dims: int) -> bool:
     """A frozen CPU weight of ``dims`` dimensions in float32, or in bf16 where oneDNN runs it."""
-    value = _value(node, ctx)
+    value = frozen_value(node, ctx)
     return isinstance(value, torch.Tensor) and value.dim() == dims and value.device.type == "cpu" \
         and (value.dtype == torch.float32 or value.dtype == torch.bfloat16 and _bf16_linear())
 
@@ -111,7 +101,7 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
         if not (isinstance(wt, fx.Node) and wt.target is T and _constant(wt.args[0], ctx, 2)):
             continue  # a product of two activations (attention), not a layer
         value = x.meta.get("val") if isinstance(x, fx.Node) else None
-        weight_dtype = _value(wt.args[0], ctx).dtype
+        weight_dtype = frozen_value(wt.args[0], ctx).dtype
         if bias is not None and not _constant(bias, ctx, 1) or not isinstance(value, torch.Tensor) \
                 or value.dtype != weight_dtype:
             notes.append(f"{node.meta.get(LAYER) or node.name}: skipped: bias not a constant or input not in the "
@@ -132,7 +122,7 @@ def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dic
     ``packs`` keeps the packed weights by (weight, rows, kind) for a second rewrite of the graph."""
     graph, new = gm.graph, {}
     for site in sites:
-        packed = _packed(_value(site.weight, ctx), site.rows, site.kind, packs)
+        packed = _packed(frozen_value(site.weight, ctx), site.rows, site.kind, packs)
         name = f"_fxdream_{site.mm.name}_packed_weight"
         while hasattr(gm, name):
             name += "_"
@@ -175,12 +165,12 @@ def _shape(site: Site, ctx: PassContext) -> tuple:
     """What the site's timing depends on: rows, weight shape, input strides, bias, post-op."""
     x, bias = site.operands()
     act = _post_op(site.act) if site.act is not None else ("none", [], "")
-    return (site.rows, tuple(_value(site.weight, ctx).shape), tuple(x.meta["val"].stride()),
+    return (site.rows, tuple(frozen_value(site.weight, ctx).shape), tuple(x.meta["val"].stride()),
             bias is not None, act[0], act[2])
 
 
 def _describe(site: Site, ctx: PassContext, count: int) -> str:
-    out_features, in_features = _value(site.weight, ctx).shape
+    out_features, in_features = frozen_value(site.weight, ctx).shape
     act = f" + {site.act.target.overloadpacket.__name__}" if site.act is not None else ""
     like = f" (and {count - 1} more of its shape)" if count > 1 else ""
     return (f"{site.layer}{like}: {site.rows} row{'s' if site.rows != 1 else ''}, {in_features} → "
@@ -197,7 +187,7 @@ def _trial(gm: fx.GraphModule, sites: list[Site], kind: str, ctx: PassContext, p
 
 
 def _mkl_fits(site: Site, ctx: PassContext, packs: dict) -> bool:
-    weight = _value(site.weight, ctx)
+    weight = frozen_value(site.weight, ctx)
     return MKL_LINEAR is not None and weight.dtype == torch.float32 and \
         _packed(weight, site.rows, MKL, packs).numel() <= MKL_MAX_GROWTH * weight.numel()
 
@@ -234,7 +224,7 @@ def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
                      + ("left as it was" if best == "as captured" else f"packed by {best}{forced}"))
         if best != "as captured":
             keep.extend(Site(s.mm, s.weight, s.view, s.act, best) for s in group)
-    used = {(id(_value(s.weight, ctx)), s.rows, s.kind) for s in keep}
+    used = {(id(frozen_value(s.weight, ctx)), s.rows, s.kind) for s in keep}
     for key in [k for k in packs if k not in used]:
         del packs[key]  # let the trials' other buffers go now
     return keep, notes

@@ -39,6 +39,7 @@ from fxdream.pass_api import (
     PassResult,
     choose,
     copy_graph_module,
+    frozen_value,
     real_tensors,
     register_pass,
     value_of,
@@ -128,7 +129,7 @@ class _Builder:
     def _frozen_weights(self, site, x, w, b, stride, padding, dilation, groups):
         """Folded / channels_last / prepacked weights as constants, where the weights are known."""
         params = self.ctx.params
-        weight, bias = self._frozen(w), None if b is None else self._frozen(b)
+        weight, bias = frozen_value(w, self.ctx), frozen_value(b, self.ctx)
         if weight is None or (b is not None and bias is None):
             return w, b  # not constants: use them as they come, in whatever layout
         with real_tensors(), torch.no_grad():
@@ -149,12 +150,6 @@ class _Builder:
         w_node = self._constant(site, "weight", value, stand_in)
         b_node = None if bias is None else self._constant(site, "bias", bias, None)
         return w_node, b_node
-
-    def _frozen(self, node: fx.Node) -> torch.Tensor | None:
-        """The value of a frozen parameter (placeholder) or constant (get_attr); else None."""
-        if node.op == "get_attr" and self.ctx.frozen:
-            return getattr(self.gm, node.target)
-        return self.ctx.params.get(node.name) if node.op == "placeholder" else None
 
     def _constant(self, site: Site, what: str, tensor: torch.Tensor, stand_in) -> fx.Node:
         name = f"_fxdream_{site.conv.name}_{what}"

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from fxdream.ops import fused_conv as ops
-from fxdream.pass_api import LAYER, Note, PassContext, value_of
+from fxdream.pass_api import LAYER, Note, PassContext, frozen_value, value_of
 
 aten = torch.ops.aten
 CONV, RELU, ADD = aten.convolution.default, aten.relu.default, aten.add.Tensor
@@ -68,12 +68,6 @@ def _conv_problem(conv: fx.Node, ctx: PassContext) -> str | None:
     return f"{device} {x.dtype}: no fused kernel"
 
 
-def is_frozen_constant(node: fx.Node, ctx: PassContext) -> bool:
-    """A parameter or buffer frozen in inference (a placeholder ``ctx.params`` holds), or a
-    constant an earlier pass made (a ``get_attr``: the ``bf16`` pass's bf16 weights)."""
-    return ctx.frozen and (node.op == "get_attr" or node.op == "placeholder" and node.name in ctx.params)
-
-
 def _sole_user(node: fx.Node, target) -> fx.Node | None:
     users = list(node.users)
     return users[0] if len(users) == 1 and users[0].op == "call_function" and users[0].target is target else None
@@ -87,7 +81,7 @@ def _foldable_bn(conv: fx.Node, ctx: PassContext, notes: list) -> fx.Node | None
                          f"also used by {_users(conv)}")
         return None
     tensors = [conv.args[1], conv.args[2], *bn.args[1:5]]
-    if any(t is not None and not is_frozen_constant(t, ctx) for t in tensors):
+    if any(t is not None and frozen_value(t, ctx) is None for t in tensors):
         notes.append(f"{conv.meta.get(LAYER, conv.name)}: batch norm not folded: its weights are not "
                      "known constants")
         return None
