@@ -18,7 +18,7 @@ from fxdream.sim.cost.devices import DeviceSpec
 
 
 class Analytic:
-    """Roofline costs from a DeviceSpec; ``dtype_rates`` overrides the rate per dtype (what-ifs)."""
+    """Roofline costs from a DeviceSpec (a what-if changes the spec, e.g. one dtype's peak)."""
 
     def __init__(self, device: DeviceSpec):
         self.device = device
@@ -26,13 +26,11 @@ class Analytic:
     def kernel_us(self, node: fx.Node) -> float:
         if is_view(node):
             return 0.0
-        peak = self.device.peak_flops.get(node_dtype(node)) or self.device.peak_flops["float32"]
-        flops = node_flops(node)
-        roofline = max(flops / peak, node_bytes(node) / self.device.mem_bandwidth)
-        seconds = roofline / self.device.share(kernel_class(node))
+        roofline_us = self.device.kernel_time_us(node_flops(node), node_bytes(node), node_dtype(node),
+                                                 kernel_class(node))
         # a recurrence runs its steps in sequence: at least a GEMM and a pointwise kernel each
         sequential = 2 * rnn_sequential_steps(node) * self.device.kernel_min_us
-        return max(seconds * 1e6, sequential, self.device.kernel_min_us)
+        return max(roofline_us, sequential)
 
     def dispatch_us(self, node: fx.Node) -> float:
         if node.target is operator.getitem:
