@@ -193,7 +193,8 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
     the default is short because a longer calibration gives the same peaks within a few %."""
     if "cpu" in _CPU_CACHE and not refresh:
         return _CPU_CACHE["cpu"]
-    budget = max(0.05, float(seconds)) / 7
+    dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)
+    budget = max(0.05, float(seconds)) / (len(dtypes) + 6)  # a matmul per dtype, copy, dispatch, 4 autograd
 
     def best(fn, min_reps=3):
         fn()  # warm-up
@@ -207,7 +208,7 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
 
     n = 512
     peaks = {}
-    for dtype in (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,):
+    for dtype in dtypes:
         a, b_ = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         out = torch.empty(n, n, dtype=dtype)
         peaks[str(dtype).removeprefix("torch.")] = 2 * n ** 3 / best(lambda: torch.mm(a, b_, out=out))
