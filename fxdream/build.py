@@ -29,7 +29,7 @@ from fxdream.capturing.torch_fx import compile_model
 from fxdream.measure import time_interleaved
 from fxdream.numerics import deviation, max_abs_diff
 from fxdream.optimized_module import OptimizedModule, call_kind
-from fxdream.pass_api import PassContext, registered_passes
+from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
 from fxdream.pass_runner import PassPipeline, failed_to_run
 from fxdream.report import MEASURED_SLOWER
@@ -110,8 +110,10 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         build_seconds = time.perf_counter() - started
         if switched:
             module._note(f"{switched}; it stays in that mode", first=True)
-        _check_built(module, model, inputs, training, target, verify, measure, eager_check, disturbed)
-        _check_precision(module, model, inputs, selected, precision)
+        numeric_rows = _numeric_rows(module, selected)
+        _check_built(module, model, inputs, training, target, verify, measure, eager_check, disturbed,
+                     changed_numerics=any(r.applied for r in numeric_rows))
+        _check_precision(module, model, inputs, numeric_rows, precision)
         log.info("built %s in %.1f s (%s)%s", type(model).__name__, time.perf_counter() - started, module._capture,
                  f"; runs eagerly: {module._fallback_reason}" if module._fallback_reason else "")
     save_profile(module._cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
@@ -126,11 +128,15 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
 PRECISIONS = {"fp32": (), "bf16": ("bf16",)}
 
 
-def _check_precision(module: OptimizedModule, model, inputs: tuple, selected, precision: str) -> None:
-    """A pass that changes numerics and applied: the outputs' measured deviation from float32
-    eager. Asked for by ``precision`` and not applied: the reason, in a note."""
-    changed = {p.name for p in selected if getattr(p, "changes_numerics", False)}
-    rows = [r for r in module._pipeline.rows if r.name in changed]
+def _numeric_rows(module: OptimizedModule, selected) -> list:
+    """The report's rows of the selected passes that change numerics (``changes_numerics``)."""
+    changing = {p.name for p in selected if getattr(p, "changes_numerics", False)}
+    return [r for r in module._pipeline.rows if r.name in changing]
+
+
+def _check_precision(module: OptimizedModule, model, inputs: tuple, rows: list, precision: str) -> None:
+    """A pass that changes numerics and applied (``rows``: its report rows): the outputs' measured
+    deviation from float32 eager. Asked for by ``precision`` and not applied: the reason, in a note."""
     applied = sorted({r.name for r in rows if r.applied})
     if applied and module._fallback_reason is None:
         module._record(precision="+".join(applied), precision_deviation=deviation(model, module, inputs))
@@ -165,16 +171,17 @@ def _measured_build(model, inputs, selected, auto, training, target, strict, cos
 
 
 def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, target: torch.device,
-                 verify: bool, measure: bool, eager_check: bool, disturbed: bool = False) -> None:
+                 verify: bool, measure: bool, eager_check: bool, disturbed: bool = False,
+                 changed_numerics: bool = False) -> None:
     """What the build checks on the module it made: ``verify`` against eager, ``measure``
     against the capture without passes, and the eager check (which may send the module to run
-    eagerly; on disturbed measurements it times eager itself instead of trusting the prediction)."""
+    eagerly; on disturbed measurements it times eager itself instead of trusting the prediction).
+    ``changed_numerics``: a pass that changes numerics (bf16) applied, so a verified difference
+    beyond float32 rounding is its expected deviation, not a wrong result."""
     if verify:
         diff = max_abs_diff(model, module, inputs, training)
         module._record(verified_max_abs_diff=diff)
-        changed_numerics = any(r.applied and getattr(registered_passes().get(r.name), "changes_numerics", False)
-                               for r in module._pipeline.rows)
-        if beyond_rounding(diff, model, inputs) and not changed_numerics:  # bf16's own deviation is expected
+        if beyond_rounding(diff, model, inputs) and not changed_numerics:
             module._record(verified_beyond_rounding=True)
             for note in _why_outputs_differ(model, training) if diff != math.inf else [
                     "an output's shape, or the number of outputs, differs from eager's: a pass changed what the "
