@@ -1,9 +1,11 @@
 """prepack_linear: in CPU inference, a linear layer as a linear kernel with its weight prepacked
-once (oneDNN's, with a ReLU or GELU right after it as its post-op, or MKL's packed GEMM).
+once (oneDNN's, with a ReLU, GELU or SiLU right after it as its post-op, or MKL's packed GEMM).
 
 What inductor's CPU freezing does for linear layers (it uses MKL's for float32). At ATen level
 a linear is ``addmm(bias, x, t(w))`` (``mm(x, t(w))`` without bias; a 3-d input is viewed to
-2-d around it); with ``w`` a known constant (inference) it becomes ``mkldnn._linear_pointwise(x,
+2-d around it), and a layer that keeps its weight as (in, out) (Hugging Face's ``Conv1D`` in
+GPT-2 and its kin) is ``addmm(bias, x, w)``: its packed weight is made from ``w.t()``. With
+``w`` a known constant (inference) it becomes ``mkldnn._linear_pointwise(x,
 packed, bias, act)`` with ``packed = mkldnn._reorder_linear_weight(w, rows)`` made at build
 time (oneDNN's blocked layout, the same size as ``w``), or ``mkl._mkl_linear`` with MKL's packed
 buffer, which can be several times the weight's size (hundreds of times for a small weight):
@@ -49,13 +51,20 @@ MKL_MAX_GROWTH = 4.0  # MKL's packed buffer at most 4x the weight (a small weigh
 
 @dataclass
 class Site:
-    """``mm`` is the addmm/mm node, ``weight`` its weight's placeholder; ``act`` a ReLU/GELU after it
-    (through ``view``, a reshape back to 3-d)."""
+    """``mm`` is the addmm/mm node, ``weight`` its weight's placeholder; ``act`` a ReLU/GELU/SiLU
+    after it (through ``view``, a reshape back to 3-d). ``transposed``: the weight is stored as
+    (in, out), the product's right operand itself (``Conv1D``), not (out, in) behind a ``t``."""
     mm: fx.Node
     weight: fx.Node
     view: fx.Node | None = None
     act: fx.Node | None = None
     kind: str = ONEDNN  # whose packed linear: oneDNN's (the activation fused) or MKL's
+    transposed: bool = False
+
+    def weight_shape(self, ctx: PassContext) -> tuple[int, int]:
+        """(out, in), as a linear layer holds its weight."""
+        rows, columns = frozen_value(self.weight, ctx).shape
+        return (columns, rows) if self.transposed else (rows, columns)
 
     @property
     def layer(self) -> str:
@@ -78,6 +87,8 @@ def _post_op(node: fx.Node) -> tuple[str, list, str] | None:
         return "relu", [], ""
     if node.target is aten.gelu.default and not node.args[1:]:
         return "gelu", [], node.kwargs.get("approximate", "none")
+    if node.target is aten.silu.default:
+        return "swish", [], ""
     return None
 
 
@@ -98,16 +109,18 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
         if node.op != "call_function" or node.target not in (ADDMM, MM) or node.kwargs:
             continue  # addmm with beta/alpha is not a linear layer
         bias, x, wt = (node.args if node.target is ADDMM else (None, *node.args))
-        if not (isinstance(wt, fx.Node) and wt.target is T and _constant(wt.args[0], ctx, 2)):
+        transposed = isinstance(wt, fx.Node) and wt.target is not T
+        weight = wt if transposed else wt.args[0] if isinstance(wt, fx.Node) else None
+        if weight is None or not _constant(weight, ctx, 2):
             continue  # a product of two activations (attention), not a layer
         value = x.meta.get("val") if isinstance(x, fx.Node) else None
-        weight_dtype = frozen_value(wt.args[0], ctx).dtype
+        weight_dtype = frozen_value(weight, ctx).dtype
         if bias is not None and not _constant(bias, ctx, 1) or not isinstance(value, torch.Tensor) \
                 or value.dtype != weight_dtype:
             notes.append(f"{node.meta.get(LAYER) or node.name}: skipped: bias not a constant or input not in the "
                          f"weight's dtype")
             continue
-        site = Site(node, wt.args[0])
+        site = Site(node, weight, transposed=transposed)
         after = list(node.users)
         if len(after) == 1 and after[0].op == "call_function" and after[0].target in VIEWS:
             site.view, after = after[0], list(after[0].users)
@@ -122,7 +135,7 @@ def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dic
     ``packs`` keeps the packed weights by (weight, rows, kind) for a second rewrite of the graph."""
     graph, new = gm.graph, {}
     for site in sites:
-        packed = _packed(frozen_value(site.weight, ctx), site.rows, site.kind, packs)
+        packed = _packed(site, ctx, packs)
         name = f"_fxdream_{site.mm.name}_packed_weight"
         while hasattr(gm, name):
             name += "_"
@@ -131,8 +144,12 @@ def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dic
             w_node = graph.get_attr(name)
             w_node.meta.update({"val": packed, LAYER: site.mm.meta.get(LAYER, "")})
             x, bias = site.operands()
-            if site.kind == MKL:  # no post-ops: the activation stays
-                linear = graph.call_function(MKL_LINEAR, (x, w_node, site.weight, bias, site.rows))
+            if site.kind == MKL:  # no post-ops: the activation stays; MKL reads the (out, in) shape
+                weight = site.weight
+                if site.transposed:
+                    weight = graph.call_function(T, (site.weight,))
+                    weight.meta.update({"val": site.weight.meta["val"].t(), LAYER: site.mm.meta.get(LAYER, "")})
+                linear = graph.call_function(MKL_LINEAR, (x, w_node, weight, bias, site.rows))
             else:
                 attr, scalars, algorithm = _post_op(site.act) if site.act is not None else ("none", [], "")
                 linear = graph.call_function(LINEAR, (x, w_node, bias, attr, scalars, algorithm))
@@ -140,7 +157,7 @@ def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dic
         wt = site.mm.args[-1]
         site.mm.replace_all_uses_with(linear)
         graph.erase_node(site.mm)
-        if not wt.users:
+        if wt.op == "call_function" and not wt.users:
             graph.erase_node(wt)
         if site.act is not None and site.kind == ONEDNN:  # applied inside: the view (if any) now carries it
             site.act.replace_all_uses_with(site.view if site.view is not None else linear)
@@ -151,13 +168,19 @@ def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dic
     return new
 
 
-def _packed(weight: torch.Tensor, rows: int, kind: str, packs: dict) -> torch.Tensor:
-    key = (id(weight), rows, kind)
+def _pack_key(site: Site, ctx: PassContext) -> tuple:
+    """Sites sharing a weight (held the same way) at the same rows share its packed buffer."""
+    return id(frozen_value(site.weight, ctx)), site.transposed, site.rows, site.kind
+
+
+def _packed(site: Site, ctx: PassContext, packs: dict) -> torch.Tensor:
+    key = _pack_key(site, ctx)
     if key not in packs:
         with real_tensors(), torch.no_grad():
-            reorder = torch.ops.mkl._mkl_reorder_linear_weight if kind == MKL else \
+            reorder = torch.ops.mkl._mkl_reorder_linear_weight if site.kind == MKL else \
                 torch.ops.mkldnn._reorder_linear_weight
-            packs[key] = reorder(weight.detach(), rows)
+            weight = frozen_value(site.weight, ctx).detach()
+            packs[key] = reorder((weight.t() if site.transposed else weight).contiguous(), site.rows)
     return packs[key]
 
 
@@ -165,12 +188,12 @@ def _shape(site: Site, ctx: PassContext) -> tuple:
     """What the site's timing depends on: rows, weight shape, input strides, bias, post-op."""
     x, bias = site.operands()
     act = _post_op(site.act) if site.act is not None else ("none", [], "")
-    return (site.rows, tuple(frozen_value(site.weight, ctx).shape), tuple(x.meta["val"].stride()),
+    return (site.rows, site.weight_shape(ctx), tuple(x.meta["val"].stride()),
             bias is not None, act[0], act[2])
 
 
 def _describe(site: Site, ctx: PassContext, count: int) -> str:
-    out_features, in_features = frozen_value(site.weight, ctx).shape
+    out_features, in_features = site.weight_shape(ctx)
     act = f" + {site.act.target.overloadpacket.__name__}" if site.act is not None else ""
     like = f" (and {count - 1} more of its shape)" if count > 1 else ""
     return (f"{site.layer}{like}: {site.rows} row{'s' if site.rows != 1 else ''}, {in_features} → "
@@ -182,14 +205,15 @@ def _trial(gm: fx.GraphModule, sites: list[Site], kind: str, ctx: PassContext, p
     trial = copy_graph_module(gm)
     by_name = {n.name: n for n in trial.graph.nodes}
     same = lambda node: None if node is None else by_name[node.name]  # noqa: E731
-    return _rewrite(trial, [Site(same(s.mm), same(s.weight), same(s.view), same(s.act), kind) for s in sites],
-                    ctx, packs)
+    return _rewrite(trial, [Site(same(s.mm), same(s.weight), same(s.view), same(s.act), kind, s.transposed)
+                            for s in sites], ctx, packs)
 
 
 def _mkl_fits(site: Site, ctx: PassContext, packs: dict) -> bool:
     weight = frozen_value(site.weight, ctx)
+    mkl = Site(site.mm, site.weight, kind=MKL, transposed=site.transposed)
     return MKL_LINEAR is not None and weight.dtype == torch.float32 and \
-        _packed(weight, site.rows, MKL, packs).numel() <= MKL_MAX_GROWTH * weight.numel()
+        _packed(mkl, ctx, packs).numel() <= MKL_MAX_GROWTH * weight.numel()
 
 
 def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
@@ -223,8 +247,8 @@ def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
         notes.append(f"{_describe(site, ctx, len(group))}: {listing}{unfit} (alone) → "
                      + ("left as it was" if best == "as captured" else f"packed by {best}{forced}"))
         if best != "as captured":
-            keep.extend(Site(s.mm, s.weight, s.view, s.act, best) for s in group)
-    used = {(id(frozen_value(s.weight, ctx)), s.rows, s.kind) for s in keep}
+            keep.extend(Site(s.mm, s.weight, s.view, s.act, best, s.transposed) for s in group)
+    used = {_pack_key(s, ctx) for s in keep}
     for key in [k for k in packs if k not in used]:
         del packs[key]  # let the trials' other buffers go now
     return keep, notes

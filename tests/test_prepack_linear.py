@@ -173,3 +173,56 @@ def test_packed_linears_count_the_matmul_flops():
             run()
         counts.append(counter.get_total_flops())
     assert counts == [2 * 6 * 16 * 32] * 2  # the analytic cost model reads these
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's GPT-2 layer: the weight stored as (in, out), ``addmm(b, x, w)`` without a ``t``."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(nx, nf) * 0.1), nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return out.view(x.size()[:-1] + (self.weight.shape[1],))
+
+
+class GatedMlp(nn.Module):
+    """A Conv1D layer, then a Llama-style gated MLP: silu(gate(h)) * up(h)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.gate, self.up = Conv1D(64, 32), nn.Linear(64, 48), nn.Linear(64, 48)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return nn.functional.silu(self.gate(h)) * self.up(h)
+
+
+def test_weights_stored_in_out_are_packed_transposed_and_silu_becomes_the_post_op():
+    torch.manual_seed(0)
+    model, x = GatedMlp().eval(), torch.randn(2, 8, 32)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)
+    (row,) = optimized.report.passes
+    assert row.reason == "packed 3 of 3 linear layer(s) (3 by oneDNN), 1 with the activation fused"
+    graph = optimized.rewritten_graphs[(0, "fw")]
+    assert [n.args[3] for n in linear_nodes(graph)] == ["none", "swish", "none"]
+    packed = dict(graph.named_buffers())
+    assert sorted(tuple(b.shape) for b in packed.values()) == [(48, 64), (48, 64), (64, 32)]  # (out, in)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_transposed_weight_packed_by_mkl_gets_a_t_whose_value_the_timing_alone_reads():
+    # MKL's op reads the (out, in) weight: the pass adds a ``t`` of the stored (in, out) one; the
+    # op timed alone is called on that node's value (without it, it fell back to a roofline guess)
+    torch.manual_seed(0)
+    model, x = Conv1D(1024, 1024).eval(), torch.randn(4, 1024)
+    captured, result = run_pass(model, x, TimedAlone(5.0, mkl_us=2.0), [100.0, 50.0])
+    assert result.modified and "(1 by MKL)" in result.reason
+    targets = [n.target for n in result.graph_module.graph.nodes if n.op == "call_function"]
+    assert [t for t in targets if t is not torch.ops.aten.view.default] == [torch.ops.aten.t.default, pack.MKL_LINEAR]
+    t = next(n for n in result.graph_module.graph.nodes if n.target is torch.ops.aten.t.default)
+    assert tuple(t.meta["val"].shape) == (1024, 1024) and t.meta["val"].stride() == (1, 1024)
+    with torch.no_grad():
+        torch.testing.assert_close(result.graph_module(*captured.example_inputs)[0], model(x), atol=1e-4, rtol=1e-5)
