@@ -5,9 +5,12 @@ tensor, so every runner compares alike):
 
 * ``bert``: ``BertModel(BertConfig())``, bert-base-uncased's shape (110M parameters);
 * ``llama``: ``LlamaModel`` of ~100M parameters (hidden 768, 12 layers, 12 heads, MLP 2048,
-  vocabulary 32000), with its default SDPA attention.
+  vocabulary 32000), with its default SDPA attention;
+* ``gpt2``: ``GPT2Model(GPT2Config())``, gpt2's shape (124M parameters), whose linear layers are
+  ``Conv1D`` (weights stored as (in, out)) and whose GELU is written out with ``tanh``.
 
     python benchmarks/cpu_ab.py --models benchmarks/hf_models.py:bert,benchmarks/hf_models.py:llama --batches 1
+    python benchmarks/cpu_ab.py --models benchmarks/hf_models.py:gpt2 --batches 1
 """
 from __future__ import annotations
 
@@ -45,3 +48,10 @@ def llama(batch: int):
                                       num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
                                       max_position_embeddings=SEQUENCE)
     return LastHidden(transformers.LlamaModel(config)).eval(), (_ids(batch, config.vocab_size),)
+
+
+def gpt2(batch: int):
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GPT2Config()
+    return LastHidden(transformers.GPT2Model(config)).eval(), (_ids(batch, config.vocab_size),)

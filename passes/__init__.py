@@ -5,6 +5,7 @@ from fxdream.passes import (
     cuda_graphs,  # noqa: F401
     fuse_attention,  # noqa: F401
     fuse_conv_bias_act,  # noqa: F401
+    fuse_gelu,  # noqa: F401
     mark_incompatible,  # noqa: F401
     prepack_linear,  # noqa: F401
     reinplace,  # noqa: F401
