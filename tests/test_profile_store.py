@@ -1,5 +1,6 @@
 """Measured costs are reused by later builds: in the process, and across processes via a directory."""
 import json
+import logging
 
 import pytest
 import torch
@@ -130,3 +131,26 @@ def test_stores_are_kept_apart_by_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert profile_store.shared_profile(spec, "cpu").samples["op"] == [1.0]
+
+
+def test_an_op_that_cannot_be_timed_alone_gets_the_analytic_guess_and_a_warning():
+    # a pass comparing that guess with measured times must be able to tell
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.randn(4, 4)
+    matmul = graph.call_function(torch.ops.aten.mm.default, (x, None))  # None: the op raises
+    matmul.meta["val"] = torch.randn(4, 4)
+    cost = Profiled(fxdream.sim.cost.devices.DEVICES["cpu"])
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("fxdream")
+    logger.addHandler(handler)
+    try:
+        us = cost.isolated_us(matmul)
+    finally:
+        logger.removeHandler(handler)
+    assert us == cost._fallback.kernel_us(matmul)
+    (record,) = records
+    assert record.getMessage().startswith("aten.mm could not be timed alone (RuntimeError: Expected a proper Tensor")
+    assert record.getMessage().endswith("its cost is the analytic model's guess")

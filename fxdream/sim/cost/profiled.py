@@ -9,6 +9,7 @@ shapes (blocks of calls, median of rounds) and caches the result by op + shapes 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
-from fxdream.ir.nodes import arg_values, is_view
+from fxdream.ir.nodes import arg_values, is_view, op_name
 from fxdream.ir.tensors import real_tensors, size_hint
 from fxdream.runtime.direct_calls import direct
 from fxdream.sim.cost.analytic import Analytic
@@ -44,6 +45,8 @@ from fxdream.sim.profile.in_context import (  # noqa: F401  (MIN_ROUNDS)
     time_graph,
 )
 from fxdream.sim.profile.op_keys import profile_key
+
+log = logging.getLogger("fxdream")
 
 # In-context profiling of one graph: no new round past this (seconds), after MIN_ROUNDS, so a
 # graph whose run takes more than PROFILE_BUDGET_S / MIN_ROUNDS stops at MIN_ROUNDS: more rounds
@@ -199,7 +202,10 @@ class Profiled:
             if self.torch_device.type == "cuda":
                 return time_calls_cuda(call, self.rounds, self.target_block_us)
             return _time_calls(call, self.rounds, self.target_block_us), None
-        except Exception:  # an op that cannot run on synthetic inputs: fall back to the roofline
+        except Exception as error:  # an op that cannot run on synthetic inputs: fall back to the roofline
+            # said aloud: a pass comparing this guess with measured times compares unlike things
+            log.warning("%s could not be timed alone (%s: %s); its cost is the analytic model's guess",
+                        op_name(node), type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
             return self._fallback.kernel_us(node), None
 
     @property
