@@ -18,6 +18,7 @@ import collections
 import datetime
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -145,9 +146,15 @@ def main(argv=None) -> int:
                ("openvino_f32", profile_openvino)) if args.precision == "fp32" else (
         ("fxdream_bf16", lambda *a: profile_fxdream(*a, precision="bf16")),
         ("openvino", lambda *a: profile_openvino(*a, f32=False)))
+    not_run = {}
     for name, profile in engines:
         print(f"profiling {name} ...", flush=True)
-        times, wall, extra = profile(model, inputs, args.calls)
+        try:
+            times, wall, extra = profile(model, inputs, args.calls)
+        except Exception as error:  # an engine that cannot convert or run the model: its row says why
+            not_run[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+            print(f"{name}: not run: {not_run[name]}", flush=True)
+            continue
         kinds = _by_kind(times, args.calls)
         rows[name] = {"wall_ms": wall, "ops_ms": sum(kinds.values()), "by_kind_ms": kinds, **extra,
                       "top_ops_ms": dict(sorted(((k, v / args.calls / 1e3) for k, v in times.items()),
@@ -158,14 +165,16 @@ def main(argv=None) -> int:
         lines.append(f"| {kind} | " + " | ".join(f"{r['by_kind_ms'].get(kind, 0.0):.2f}" for r in rows.values()) + " |")
     lines.append("| all ops | " + " | ".join(f"{r['ops_ms']:.2f}" for r in rows.values()) + " |")
     lines.append("| wall per call | " + " | ".join(f"{r['wall_ms']:.2f}" for r in rows.values()) + " |")
+    lines += [f"\n{name}: not run: {why}" for name, why in not_run.items()]
     table = "\n".join(lines) + "\n"
     print(table)
     suffix = "" if args.precision == "fp32" else f"_{args.precision}"
-    name = f"cpu_peer_profile_{args.model}_bs{args.batch}{suffix}_{datetime.date.today()}.json"
+    label = re.sub(r"[^\w.-]+", "_", args.model.replace(".py", ""))  # a FILE.py:FUNCTION model too
+    name = f"cpu_peer_profile_{label}_bs{args.batch}{suffix}_{datetime.date.today()}.json"
     out = Path(args.out or RESULTS / name)
     out.write_text(json.dumps({"model": args.model, "batch": args.batch, "calls": args.calls,
                                "threads": torch.get_num_threads(), "torch": torch.__version__,
-                               "precision": args.precision, "engines": rows}, indent=1) + "\n")
+                               "precision": args.precision, "engines": rows, "not_run": not_run}, indent=1) + "\n")
     out.with_suffix(".md").write_text(table)
     print(f"wrote {out} and {out.with_suffix('.md').name}")
     return 0
