@@ -215,6 +215,11 @@ def table(cases: list[Case], before: list[float], after: list[float]) -> list[di
              "source": f"benchmarks/results/{c.source}"} for c, b, a in zip(cases, before, after)]
 
 
+# (cuDNN, matmul) TF32 flags the per-op records ran with: PyTorch's defaults, which
+# gpu_op_profile.py leaves as they are. A float32 convolution ran on TF32 tensor cores.
+RECORDED_TF32 = (True, False)
+
+
 def op_cases(path: Path) -> list[Case]:
     """Per-op cases from a ``gpu_op_profile.py`` file: each kernel (replayed in a CUDA graph where
     measured, the stream time the floor stands for; else timed alone) against the roofline of its
@@ -224,7 +229,8 @@ def op_cases(path: Path) -> list[Case]:
         kernel_us = r.get("in_graph_us") or r["kernel_us"]
         if kernel_us and kernel_us > 0:
             cases.append(Case(f"{r['case']}: {r['op']} kernel", kernel_us / 1e3, lambda spec, r=r: spec.kernel_time_us(
-                r["flops"], r["bytes"], r["dtype"], r["class"]) / 1e3, path.name, "kernel", r["op"]))
+                r["flops"], r["bytes"], spec.math_dtype(r["dtype"], r["class"], *RECORDED_TF32), r["class"]) / 1e3,
+                path.name, "kernel", r["op"]))
         if r.get("host_us"):
             cases.append(Case(f"{r['case']}: {r['op']} host", r["host_us"] / 1e3,
                               lambda spec, r=r: spec.host_us(r["class"]) / 1e3, path.name,

@@ -5,7 +5,9 @@ import time
 import pytest
 import torch
 
+from fxdream.capturing import capture
 from fxdream.sim import DEVICES, DeviceSpec, calibrate_cpu, get_device
+from fxdream.sim.cost.analytic import Analytic
 
 
 def test_get_device_case_insensitive_and_datasheet_values():
@@ -37,6 +39,33 @@ def test_kernel_time_is_a_roofline():
     # 2039e9 bytes at 2039 GB/s = 1 s, compute negligible
     assert a.kernel_time_us(1.0, 2039e9) == pytest.approx(1e6)
     assert a.kernel_time_us(0, 0) == a.kernel_min_us            # never below the floor
+
+
+@pytest.mark.parametrize("dtype,klass,flags,expected", [
+    ("float32", "conv", (True, False), "tf32"),        # cuDNN's default: TF32 tensor cores
+    ("float32", "conv", (False, False), "float32"),    # torch.backends.cudnn.allow_tf32 off
+    ("float32", "gemm", (True, False), "float32"),     # matmul's default: full float32
+    ("float32", "gemm", (True, True), "tf32"),         # torch.backends.cuda.matmul.allow_tf32 on
+    ("float32", "other", (True, True), "float32"),     # pointwise kernels have no TF32 rate
+    ("float16", "conv", (True, True), "float16"),
+])
+def test_the_math_dtype_follows_torchs_tf32_flags(dtype, klass, flags, expected):
+    assert get_device("a100").math_dtype(dtype, klass, *flags) == expected
+    assert get_device("v100").math_dtype(dtype, klass, *flags) == dtype  # no TF32 on Volta
+
+
+def test_the_analytic_model_runs_a_float32_convolution_at_the_tf32_rate_unless_turned_off():
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1).eval()
+    graph = capture(conv, (torch.randn(8, 64, 56, 56),)).forward.graph
+    node = next(n for n in graph.nodes if n.op == "call_function" and "convolution" in str(n.target))
+    a100 = get_device("a100")
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+        tf32_us = Analytic(a100).kernel_us(node)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        fp32_us = Analytic(a100).kernel_us(node)
+    flops = 2 * 8 * 64 * 56 * 56 * 64 * 9
+    assert fp32_us == pytest.approx(flops / a100.flops("float32") * 1e6, rel=0.01)   # compute-bound
+    assert tf32_us < fp32_us / 2
 
 
 def test_device_spec_validates_kind():

@@ -18,16 +18,20 @@ from fxdream.sim.cost.devices import DeviceSpec
 
 
 class Analytic:
-    """Roofline costs from a DeviceSpec (a what-if changes the spec, e.g. one dtype's peak)."""
+    """Roofline costs from a DeviceSpec (a what-if changes the spec, e.g. one dtype's peak).
+    Float32 convolutions and GEMMs run at the TF32 rate where torch's flags allow it
+    (``DeviceSpec.math_dtype``), read when the model is made."""
 
     def __init__(self, device: DeviceSpec):
         self.device = device
+        self.tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
 
     def kernel_us(self, node: fx.Node) -> float:
         if is_view(node):
             return 0.0
-        roofline_us = self.device.kernel_time_us(node_flops(node), node_bytes(node), node_dtype(node),
-                                                 kernel_class(node))
+        klass = kernel_class(node)
+        dtype = self.device.math_dtype(node_dtype(node), klass, *self.tf32)
+        roofline_us = self.device.kernel_time_us(node_flops(node), node_bytes(node), dtype, klass)
         # a recurrence runs its steps in sequence: at least a GEMM and a pointwise kernel each
         sequential = 2 * rnn_sequential_steps(node) * self.device.kernel_min_us
         return max(roofline_us, sequential)

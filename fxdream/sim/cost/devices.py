@@ -85,6 +85,15 @@ class DeviceSpec:
                "fp32": "float32", "fp16": "float16"}.get(key, key)
         return self.peak_flops.get(key) or self.peak_flops["float32"]
 
+    def math_dtype(self, dtype, kernel_class: str, tf32_conv: bool, tf32_matmul: bool) -> str:
+        """The rate a kernel computes at: a float32 convolution on TF32 tensor cores where cuDNN
+        may use them (``tf32_conv``: torch.backends.cudnn.allow_tf32, on by default), a float32
+        GEMM where matmuls may (``tf32_matmul``: torch.backends.cuda.matmul.allow_tf32, off by
+        default); ``dtype`` itself otherwise, and on a device without a TF32 rate."""
+        key = str(dtype).removeprefix("torch.")
+        allowed = tf32_conv if kernel_class == "conv" else tf32_matmul if kernel_class == "gemm" else False
+        return "tf32" if key in ("float32", "float") and allowed and "tf32" in self.peak_flops else key
+
     def kernel_time_us(self, flops: float, bytes_moved: float, dtype="float32", kernel_class: str = "other") -> float:
         """Roofline time of one kernel: max(compute, memory) over the class's share of the
         roofline, at least ``kernel_min_us``."""

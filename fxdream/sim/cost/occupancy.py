@@ -186,6 +186,7 @@ class OccupancyAware:
         self.device = base.device
         self.inflate = isinstance(base, Analytic) if inflate is None else inflate
         self.tf32_conv = torch.backends.cudnn.allow_tf32 if tf32_conv is None else tf32_conv
+        self.tf32_matmul = torch.backends.cuda.matmul.allow_tf32
 
     # --- kernels ----------------------------------------------------------------------------
     def kernel_us(self, node: fx.Node) -> float:
@@ -208,13 +209,11 @@ class OccupancyAware:
         return t if t <= floor else max(floor, t / (occupancy(node, sms) or 1.0))
 
     def peak_flops(self, node: fx.Node) -> float:
-        """FLOP/s of a GEMM-like node: its dtype's rate; TF32 for float32 convolutions (cuDNN
-        uses TF32 tensor cores unless torch.backends.cudnn.allow_tf32 is off)."""
-        dtype = node_dtype(node)
-        if (dtype == "float32" and self.tf32_conv and "tf32" in self.device.peak_flops
-                and op_name(node) in ("aten.convolution", "aten.convolution_backward")):
-            dtype = "tf32"
-        return self.device.flops(dtype)
+        """FLOP/s of a GEMM-like node at the rate it computes at (``DeviceSpec.math_dtype``: TF32
+        for float32 convolutions unless torch.backends.cudnn.allow_tf32 is off, for float32
+        matrix products where torch.backends.cuda.matmul.allow_tf32 is on)."""
+        return self.device.flops(self.device.math_dtype(node_dtype(node), kernel_class(node), self.tf32_conv,
+                                                        self.tf32_matmul))
 
     def _roofline(self, node: fx.Node, flops: float, nbytes: float) -> float:
         seconds = max(flops / self.peak_flops(node), nbytes / self.device.mem_bandwidth)
