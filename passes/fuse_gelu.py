@@ -23,7 +23,7 @@ from types import MappingProxyType
 import torch
 import torch.fx as fx
 
-from fxdream.pass_api import PassBase, PassContext, PassResult, choose, copy_graph_module, register_pass
+from fxdream.pass_api import PassBase, PassContext, PassResult, copy_graph_module, kept_if_faster, register_pass
 
 aten = torch.ops.aten
 MUL = (aten.mul.Tensor, aten.mul.Scalar)
@@ -199,10 +199,4 @@ class FuseGelu(PassBase):
         ops = sum(len(g.formula) for g in gelus)
         what = f"{len(gelus)} GELU(s) written out in {ops} elementwise ops ({', '.join(forms)} form) now one op each"
         _rewrite(gm, gelus)
-        if ctx.predict_us is None:
-            return PassResult(gm, True, what)
-        choice = choose(ctx, original, {"fused": gm})
-        listing = f"predicted: {choice.baseline_us / 1e3:.3f} → {choice.predicted_us['fused'] / 1e3:.3f} ms"
-        if choice.chosen is None:
-            return PassResult.unchanged(original, f"not faster in context ({listing})")
-        return PassResult.changed(gm, f"{what} ({listing}{', forced: not faster' if choice.forced else ''})")
+        return kept_if_faster(ctx, original, gm, what)

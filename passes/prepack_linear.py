@@ -32,9 +32,9 @@ from fxdream.pass_api import (
     PassBase,
     PassContext,
     PassResult,
-    choose,
     copy_graph_module,
     frozen_value,
+    kept_if_faster,
     real_tensors,
     register_pass,
 )
@@ -287,12 +287,4 @@ class PrepackLinear(PassBase):
         what = (f"packed {len(keep)} of {len(sites)} linear layer(s) ("
                 + ", ".join(f"{n} by {kind}" for kind, n in kinds.items()) + ")"
                 + (f", {acts} with the activation fused" if acts else ""))
-        if ctx.predict_us is None:
-            return PassResult(gm, True, what, tuple(notes))
-        choice = choose(ctx, original, {"packed": gm})
-        listing = f"predicted: {choice.baseline_us / 1e3:.3f} → {choice.predicted_us['packed'] / 1e3:.3f} ms"
-        if choice.chosen is None:
-            return PassResult.unchanged(original, f"not faster in context ({listing})", notes)
-        if choice.forced:
-            listing += ", forced: not faster"
-        return PassResult.changed(gm, f"{what} ({listing})", notes)
+        return kept_if_faster(ctx, original, gm, what, notes)
