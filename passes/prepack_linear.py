@@ -132,7 +132,7 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
 
 def _rewrite(gm: fx.GraphModule, sites: list[Site], ctx: PassContext, packs: dict) -> dict[str, fx.Node]:
     """Each site's linear as a packed op (``site.kind``'s); returns the old node's name → the new node.
-    ``packs`` keeps the packed weights by (weight, rows, kind) for a second rewrite of the graph."""
+    ``packs`` keeps the packed weights by ``_pack_key`` for a second rewrite of the graph."""
     graph, new = gm.graph, {}
     for site in sites:
         packed = _packed(site, ctx, packs)
