@@ -25,6 +25,7 @@ from fxdream import models
 from fxdream.build import cost_model_for, optimize
 from fxdream.capturing.arguments import check_counts, check_inputs
 from fxdream.capturing.host_gaps import StepCalls, measure_host_gaps, worth_measuring
+from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import differentiable_scalar
 from fxdream.measure import Measurement, time_interleaved
@@ -152,7 +153,7 @@ def user_build(function: Callable, device: str = "cpu", label: str | None = None
             raise TypeError(f"{label}({batch}) must return (model, inputs) or (model, inputs, loss_fn), "
                             f"got {type(built).__name__}" + (f" of {len(built)}" if isinstance(built, tuple) else ""))
         model, inputs = built[:2]
-        inputs = check_inputs((), inputs, model) if isinstance(inputs, dict) else check_inputs(inputs)
+        model, inputs = bind_keywords(model, (), inputs) if isinstance(inputs, dict) else (model, check_inputs(inputs))
         inputs = torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
         loss_fn = built[2] if len(built) == 3 and built[2] is not None else differentiable_scalar
         return model.to(device), inputs, loss_fn

@@ -12,7 +12,6 @@ import torch
 from fxdream.capturing.arguments import (
     check_counts,
     check_flag,
-    check_inputs,
     check_memory_budget,
     check_model,
     resolve_device,
@@ -22,6 +21,7 @@ from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
+from fxdream.capturing.keywords import WithKeywords, bind_keywords
 from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import breaks_after_the_first_call, one_step, run_once
@@ -82,7 +82,7 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     eagerly and the report says so, with both times.
     """
     check_model(model)
-    inputs = check_inputs(example_inputs, example_kwargs, model)
+    model, inputs = bind_keywords(model, example_inputs, example_kwargs)
     training = check_flag("training", training)
     memory_budget = check_memory_budget(memory_budget)
     if timing_rounds is not None:
@@ -110,6 +110,8 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         build_seconds = time.perf_counter() - started
         if switched:
             module._note(f"{switched}; it stays in that mode", first=True)
+        if isinstance(model, WithKeywords):
+            module._note(model.describe(), first=True)
         numeric_rows = _numeric_rows(module, selected)
         _check_built(module, model, inputs, training, target, verify, measure, eager_check, disturbed,
                      changed_numerics=any(r.applied for r in numeric_rows))

@@ -10,6 +10,7 @@ import torch
 
 from fxdream.capturing.arguments import positional_call
 from fxdream.capturing.dynamo import describe_error
+from fxdream.capturing.keywords import WithKeywords
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import autocast_enabled
 from fxdream.pass_runner import PassPipeline
@@ -64,7 +65,12 @@ class OptimizedModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self._fallback_reason is not None:
             return self._call(self.model, args, kwargs)
-        if kwargs:  # by keyword as by position: the call the capture saw (positional_call)
+        if isinstance(self.model, WithKeywords):  # built with keywords that have no position
+            placed = self.model.place(args, kwargs)
+            if placed is None:  # a call without them, or with other values: the model as it is
+                return self._call(self.model.model, args, kwargs)
+            args, kwargs = placed, {}
+        elif kwargs:  # by keyword as by position: the call the capture saw (positional_call)
             try:
                 args, kwargs = positional_call(self.model.forward, args, kwargs, self._forward_signature()), {}
             except (TypeError, ValueError):  # a keyword forward's signature does not place: passed on as it is

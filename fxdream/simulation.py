@@ -10,6 +10,7 @@ import torch
 from fxdream.build import cost_model_for
 from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.capturing.captured import CaptureError
+from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.meta import meta_copy, on_meta
 from fxdream.plan import plan
 from fxdream.sim.cost import DeviceSpec, Profiled
@@ -30,6 +31,8 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     """
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
+    model, example_inputs = bind_keywords(model, example_inputs, example_kwargs)  # all positional from here
+    example_kwargs = None
     original = (model, example_inputs, example_kwargs)
     model, example_inputs, example_kwargs, model_cost = prediction_inputs(model, example_inputs, example_kwargs,
                                                                           device, cost)

@@ -1,5 +1,7 @@
 """Keyword inputs, as torch.export takes them: ``example_kwargs`` in optimize, capture and
 simulate, and an optimized module called by keyword as the model is."""
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -7,7 +9,7 @@ import torch.utils._pytree as pytree
 
 import fxdream
 from fxdream.ab import user_build
-from fxdream.capturing.arguments import check_inputs, positional_call
+from fxdream.capturing.arguments import check_inputs, keyword_split, positional_call
 
 
 class Masked(nn.Module):
@@ -145,3 +147,55 @@ def test_hugging_face_classifier_with_labels_by_keyword_trains_equal_to_eager():
     torch.testing.assert_close(grads[0][0], grads[1][0])
     for got, want in zip(grads[0][1], grads[1][1]):
         torch.testing.assert_close(got, want)
+
+
+class Flagged(nn.Module):
+    """Flags reach forward by keyword only, or through **kwargs (as Hugging Face's
+    ``output_hidden_states=True`` does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, *, double: bool = False, **kwargs):
+        y = self.proj(x) * (2.0 if double else 1.0)
+        if mask is not None:
+            y = y.masked_fill(~mask, 0.0)
+        return (y, y.relu()) if kwargs.get("both") else y
+
+
+def test_keywords_without_a_position_are_split_off_and_tensors_among_them_refused():
+    signature = inspect.signature(Flagged().forward)
+    x, mask, _ = _inputs()
+    assert keyword_split(signature, {"mask": mask, "double": True, "both": True}) == (
+        {"mask": mask}, {"double": True, "both": True})
+    with pytest.raises(TypeError, match=r"'other' hold tensors and reach forward's keyword-only or \*\*kwargs"):
+        keyword_split(signature, {"other": x})
+    with pytest.raises(TypeError, match=r"'flag' are not parameters of forward \(x, mask, scale, bias\)"):
+        keyword_split(inspect.signature(Masked().forward), {"flag": True})
+
+
+def test_flags_without_a_position_are_bound_and_a_call_without_them_runs_eagerly():
+    x, mask, _ = _inputs()
+    model = Flagged().eval()
+    optimized = fxdream.optimize(model, (x,), example_kwargs={"mask": mask, "double": True, "both": True}, cost=None)
+    report = optimized.report
+    assert report.fallback_reason is None
+    assert report.notes[0].startswith("built for calls with double=True, both=True (keywords Flagged.forward takes "
+                                      "without a position")
+    with torch.no_grad():
+        for got, want in zip(optimized(x, mask=mask, double=True, both=True), model(x, mask, double=True, both=True)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(optimized(x, mask=mask), model(x, mask))            # without them: eager
+        torch.testing.assert_close(optimized(x, double=False), model(x, double=False))  # other values: eager
+    assert list(optimized.model.state_dict()) == list(model.state_dict())  # saved as the model saves
+
+
+def test_simulate_and_capture_take_flags_without_a_position():
+    x, mask, _ = _inputs()
+    model = Flagged().eval()
+    captured = fxdream.capture(model, (x,), example_kwargs={"double": True, "both": True})
+    outputs = [n for n in captured.forward.graph.nodes if n.op == "output"][0].args[0]
+    assert len(outputs) == 2  # the both=True branch was captured
+    prediction = fxdream.simulate(model, (x,), example_kwargs={"mask": mask, "both": True}, device="h100")
+    assert prediction.time_ms > 0

@@ -17,7 +17,8 @@ def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
     """The example call as one positional tuple, at least one of its values a tensor:
     ``example_inputs`` (a tensor, or a tuple/list of forward's positional arguments) and
     ``example_kwargs`` (forward's keyword arguments, as torch.export takes them), put in place by
-    ``positional_call`` on ``model``'s forward."""
+    ``positional_call`` on ``model``'s forward. Keywords without a position (keyword-only,
+    ``**kwargs``) are not in it: ``capturing.keywords.bind_keywords`` binds them to the model."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if not isinstance(example_inputs, (tuple, list)):
@@ -33,7 +34,8 @@ def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
     if example_kwargs:
         if model is None:
             raise TypeError("example_kwargs needs the model, whose forward's signature places them")
-        inputs = positional_call(model.forward, inputs, example_kwargs)
+        placed, _ = keyword_split(_signature(model.forward), example_kwargs)
+        inputs = positional_call(model.forward, inputs, placed)
     allowed = (torch.Tensor, bool, int, float, str, type(None))
     leaves = []
     for i, value in enumerate(inputs):
@@ -48,6 +50,37 @@ def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
     return inputs
 
 
+def _signature(forward: Callable) -> inspect.Signature:
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        raise TypeError("keyword inputs need an inspectable forward signature; pass them positionally") from None
+
+
+def keyword_split(signature: inspect.Signature, kwargs: Mapping) -> tuple[dict, dict]:
+    """(the keywords forward takes at a position, the keywords it takes without one: keyword-only
+    parameters and ``**kwargs``). Raises TypeError for a keyword forward does not take at all, and
+    for a tensor among the second (a capture's inputs are positional; a flag such as
+    ``output_hidden_states=True`` is a constant of the call, ``fxdream.capturing.keywords``)."""
+    parameters = signature.parameters.values()
+    positional = {p.name for p in parameters
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    keyword_only = {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    unknown = [k for k in kwargs if k not in positional and k not in keyword_only and not any_keyword]
+    if unknown:
+        raise TypeError(f"keyword input(s) {', '.join(map(repr, unknown))} are not parameters of forward "
+                        f"({', '.join(signature.parameters) or 'none'})")
+    unplaced = {k: v for k, v in kwargs.items() if k not in positional}
+    tensors = [k for k, v in unplaced.items()
+               if any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))]
+    if tensors:
+        raise TypeError(f"keyword input(s) {', '.join(map(repr, tensors))} hold tensors and reach forward's "
+                        "keyword-only or **kwargs parameters, which have no position: a capture takes tensors "
+                        "positionally (wrap the model in a module whose forward names them)")
+    return {k: v for k, v in kwargs.items() if k in positional}, unplaced
+
+
 def positional_call(forward: Callable, args: tuple, kwargs: Mapping,
                     signature: inspect.Signature | None = None) -> tuple:
     """``forward(*args, **kwargs)`` as one positional call that means the same: each keyword at
@@ -57,18 +90,15 @@ def positional_call(forward: Callable, args: tuple, kwargs: Mapping,
     ``signature``: forward's, where the caller keeps it (a module called by keyword every call)."""
     if not kwargs:
         return tuple(args)
-    try:
-        signature = signature or inspect.signature(forward)
-    except (TypeError, ValueError):
-        raise TypeError("keyword inputs need an inspectable forward signature; pass them positionally") from None
+    signature = signature or _signature(forward)
     positional = [p for p in signature.parameters.values()
                   if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     names = [p.name for p in positional]
     unknown = [name for name in kwargs if name not in names]
     if unknown:
         raise TypeError(f"keyword input(s) {', '.join(map(repr, unknown))} are not positional parameters of "
-                        f"forward ({', '.join(names) or 'none'}); keyword-only and **kwargs arguments are not "
-                        f"supported as inputs")
+                        f"forward ({', '.join(names) or 'none'}); keyword-only and **kwargs arguments have no "
+                        f"position (fxdream.capturing.keywords binds those that hold no tensor)")
     bound = signature.bind_partial(*args, **kwargs).arguments  # TypeError: given twice
     values = []
     for parameter in positional[: max(names.index(name) for name in bound) + 1]:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from fxdream.capturing.arguments import check_inputs, check_model
+from fxdream.capturing.arguments import check_model
 from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
+from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.model_state import preserved_modes, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
@@ -30,7 +31,7 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs=(), training: 
     """``capture``, plus (when ``measure`` and it is a training step or the graph broke) the
     graph calls and host time outside the graphs of a few steps: (captured, StepCalls or None, notes)."""
     check_model(model)
-    inputs = check_inputs(example_inputs, example_kwargs, model)
+    model, inputs = bind_keywords(model, example_inputs, example_kwargs)
     with preserved_modes(model), dynamo_state_kept():
         switch_to_build_mode(model, training)
         return _capture(model, inputs, training, measure)
