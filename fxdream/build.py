@@ -21,7 +21,7 @@ from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
-from fxdream.capturing.keywords import WithKeywords, bind_keywords
+from fxdream.capturing.keywords import WithKeywords, bind_keywords, user_model
 from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import breaks_after_the_first_call, one_step, run_once
@@ -102,9 +102,9 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
 
     # the user's RNG, BN statistics, grads, inputs
     with preserved_state(model), preserved_inputs(inputs), older_objects_frozen(), dynamo_state_kept():
-        started = time.perf_counter()
-        log.info("building %s (%s, %s, passes: %s) ...", type(model).__name__, "training" if training else "inference",
-                 target, "auto" if auto else ", ".join(p.name for p in selected) or "none")
+        started, name = time.perf_counter(), type(user_model(model)).__name__
+        log.info("building %s (%s, %s, passes: %s) ...", name, "training" if training else "inference", target,
+                 "auto" if auto else ", ".join(p.name for p in selected) or "none")
         module, disturbed = _measured_build(model, inputs, selected, auto, training, target, strict, cost,
                                             memory_budget, timing_rounds)
         build_seconds = time.perf_counter() - started
@@ -116,7 +116,7 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         _check_built(module, model, inputs, training, target, verify, measure, eager_check, disturbed,
                      changed_numerics=any(r.applied for r in numeric_rows))
         _check_precision(module, model, inputs, numeric_rows, precision)
-        log.info("built %s in %.1f s (%s)%s", type(model).__name__, time.perf_counter() - started, module._capture,
+        log.info("built %s in %.1f s (%s)%s", name, time.perf_counter() - started, module._capture,
                  f"; runs eagerly: {module._fallback_reason}" if module._fallback_reason else "")
     save_profile(module._cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     module._finish(build_seconds, functools.partial(
@@ -224,7 +224,7 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         run_once(runner, model, inputs, training)
     except Exception as error:
         if strict:
-            raise CaptureError(f"strict=True: capture of {type(model).__name__} failed: "
+            raise CaptureError(f"strict=True: capture of {type(user_model(model)).__name__} failed: "
                                f"{describe_error(error)}") from error
         if any(row.applied for row in pipeline.rows):  # the rewrites' fault, not the capture's
             without = _build(model, inputs, (), auto, training, target, strict, cost, memory_budget, timing_rounds)
@@ -253,7 +253,7 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
         module._fall_back("dynamo captured no graph"
                           + (": " + "; ".join(module._graph_breaks) if module._graph_breaks else ""))
     if strict and (module._fallback_reason or module._graph_breaks):
-        raise CaptureError(f"strict=True: {type(model).__name__} is not captured whole: "
+        raise CaptureError(f"strict=True: {type(user_model(model)).__name__} is not captured whole: "
                            + (module._fallback_reason or "graph breaks: " + "; ".join(module._graph_breaks)))
     return module
 

@@ -10,7 +10,7 @@ import torch
 
 from fxdream.capturing.arguments import positional_call
 from fxdream.capturing.dynamo import describe_error
-from fxdream.capturing.keywords import WithKeywords
+from fxdream.capturing.keywords import WithKeywords, user_model
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import autocast_enabled
 from fxdream.pass_runner import PassPipeline
@@ -64,7 +64,7 @@ class OptimizedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self._fallback_reason is not None:
-            return self._call(self.model, args, kwargs)
+            return self._call(user_model(self.model), args, kwargs)
         if isinstance(self.model, WithKeywords):  # built with keywords that have no position
             placed = self.model.place(args, kwargs)
             if placed is None:  # a call without them, or with other values: the model as it is
@@ -166,7 +166,7 @@ class OptimizedModule(torch.nn.Module):
         """A snapshot of what was captured and what the passes did (complete after one step)."""
         captured = self._session.captured()
         extras = dict(self._extras, notes=tuple(self._session.notes) + tuple(self._extras.get("notes", ())))
-        return Report(model=type(self.model).__name__, training=not self._inference,
+        return Report(model=type(user_model(self.model)).__name__, training=not self._inference,
                       device=str(self._device), graphs=_graphs_with_ops(captured),
                       graph_breaks=self._graph_breaks, fallback_reason=self._fallback_reason,
                       passes=tuple(self._pipeline.rows), build_seconds=self._build_seconds,

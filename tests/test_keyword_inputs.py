@@ -199,3 +199,14 @@ def test_simulate_and_capture_take_flags_without_a_position():
     assert len(outputs) == 2  # the both=True branch was captured
     prediction = fxdream.simulate(model, (x,), example_kwargs={"mask": mask, "both": True}, device="h100")
     assert prediction.time_ms > 0
+
+
+def test_a_module_built_with_flags_that_runs_eagerly_takes_its_calls_as_the_model_does():
+    x, mask, _ = _inputs()
+    model = Flagged().eval()
+    optimized = fxdream.optimize(model, (x,), example_kwargs={"mask": mask, "both": True}, cost=None)
+    optimized._fall_back("as if the graphs had failed on a later call")
+    assert optimized.report.model == "Flagged"
+    with torch.no_grad():
+        for got, want in zip(optimized(x, mask=mask, both=True), model(x, mask=mask, both=True)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -51,6 +51,11 @@ class WithKeywords(torch.nn.Module):
         return positional_call(self.model.forward, args, placed, self._signature)
 
 
+def user_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model as the user gave it: inside ``WithKeywords`` where the build bound keywords."""
+    return model.model if isinstance(model, WithKeywords) else model
+
+
 def bind_keywords(model: torch.nn.Module, example_inputs, example_kwargs: Mapping | None) -> tuple:
     """(model, positional example inputs): keywords with a position put there, those without
     one (keyword-only, ``**kwargs``; no tensors in them) bound by ``WithKeywords``."""
