@@ -14,6 +14,20 @@ from .spec import L, NetSpec, out_shape
 # the builder
 # --------------------------------------------------------------------------------------------
 
+class NewGelu(nn.Module):
+    """GELU's tanh approximation written out, as GPT-2's code has it (fuse_gelu's input)."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class ErfGelu(nn.Module):
+    """Exact GELU written out with erf."""
+
+    def forward(self, x):
+        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
 class Act(nn.Module):
     def __init__(self, fn: str):
         super().__init__()
@@ -21,7 +35,7 @@ class Act(nn.Module):
         self.module = {"relu": nn.ReLU, "relu_inplace": lambda: nn.ReLU(inplace=True), "relu_": None,
                        "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU,
                        "relu6": nn.ReLU6, "relu6_inplace": lambda: nn.ReLU6(inplace=True),
-                       "hardtanh": lambda: nn.Hardtanh(-0.5, 0.5)}[fn]
+                       "hardtanh": lambda: nn.Hardtanh(-0.5, 0.5), "gelu_new": NewGelu, "gelu_erf": ErfGelu}[fn]
         if self.module is not None:
             self.module = self.module()
 

@@ -9,8 +9,9 @@ time for the same spec: parameters, BatchNorm statistics and inputs all come fro
 
 Conv nets stack blocks from: Conv2d (kernel 1/3/5, stride 1/2, padding, groups, bias,
 dilation), BatchNorm2d, activations (ReLU, ReLU(inplace), relu_, GELU, GELU(tanh),
-SiLU, ReLU6, Hardtanh), residual blocks (identity or projection shortcut, ``+``,
-``add_`` or ``+=``, both operand orders, optional activation after the add: the
+SiLU, ReLU6, Hardtanh, GELU written out in its tanh and erf forms), residual blocks (identity
+or projection shortcut, ``+``, ``add_`` or ``+=``, both operand orders, optional activation
+after the add: the
 conv→add→relu pattern), forks (a conv whose output is used twice), a conv shared by
 two call sites, max/avg/adaptive pooling, dropout (also 2d, functional, in-place),
 in-place arithmetic, and a head (mean/amax/flatten → Linear). MLP nets use Linear,
@@ -42,7 +43,8 @@ MAX_FEATURES = 16
 # the strategy
 # --------------------------------------------------------------------------------------------
 
-ACTS = ("relu", "relu_inplace", "relu_", "gelu", "gelu_tanh", "silu", "relu6", "relu6_inplace", "hardtanh")
+ACTS = ("relu", "relu_inplace", "relu_", "gelu", "gelu_tanh", "silu", "relu6", "relu6_inplace", "hardtanh",
+        "gelu_new", "gelu_erf")
 # the result is saved for backward (relu) or the op is in place: a later in-place op on it
 # would make eager autograd fail
 _ACT_SAVES_RESULT = {"relu", "relu_inplace", "relu_", "relu6_inplace"}

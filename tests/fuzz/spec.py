@@ -151,7 +151,8 @@ def describe_layer(layer: L) -> str:
     if k == "act":
         return {"relu": "ReLU()", "relu_inplace": "ReLU(inplace=True)", "relu_": "torch.relu_",
                 "gelu": "GELU()", "gelu_tanh": "GELU(approximate='tanh')", "silu": "SiLU()", "relu6": "ReLU6()",
-                "relu6_inplace": "ReLU6(inplace=True)", "hardtanh": "Hardtanh(-0.5, 0.5)"}[layer.fn]
+                "relu6_inplace": "ReLU6(inplace=True)", "hardtanh": "Hardtanh(-0.5, 0.5)",
+                "gelu_new": "GELU written out (tanh form)", "gelu_erf": "GELU written out (erf form)"}[layer.fn]
     if k == "res":
         inner = " → ".join(describe_layer(s) for s in layer.inner)
         short = "x" if layer.proj is None else describe_layer(layer.proj) + (" → BN" if layer.proj_bn else "")
