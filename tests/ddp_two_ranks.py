@@ -1,6 +1,7 @@
 """Worker for tests/test_ddp_wrapping.py: each of two gloo ranks trains one step of
 DistributedDataParallel(fxdream.optimize(net)) and of DistributedDataParallel(net) on its own
 batch, and writes both all-reduced gradients to a file."""
+import os
 import sys
 
 import torch
@@ -27,8 +28,15 @@ def run(rank: int, init: str, out: str) -> None:
             wrapped(x).sum().backward()
             grads[name] = [p.grad.clone() for p in model.parameters()]
         torch.save(grads, f"{out}.{rank}")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # The results are written: exit now, before the DDP modules and the process group are freed.
+    # Freeing them can block a gloo rank's process for good (plain DistributedDataParallel
+    # without fxdream as well), and the test would wait out its timeout.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
