@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxdream.ir.flops import node_flops
 from fxdream.ir.nodes import VIEW_OPS, value_of
 from fxdream.ir.tensors import real_tensors
-from fxdream.sim.cost.devices import DeviceSpec
+from fxdream.sim.cost.devices import DeviceSpec, dtype_name
 from fxdream.sim.cost.profiled import _materialize
 from fxdream.sim.profile.host_timing import _time_calls
 from fxdream.sim.profile.op_keys import profile_key
@@ -187,8 +187,7 @@ def amp(x, device=None, dtype: str = "float16", *, captured=None, graphs=None,
     here at its shapes instead of derived from the roofline (a CPU's bf16 speed depends on
     the op and shape far more than one matmul rate says)."""
     s = _start(x, device, captured, graphs, contention)
-    key = str(dtype).removeprefix("torch.")
-    key = {"fp16": "float16", "half": "float16", "bf16": "bfloat16"}.get(key, key)
+    key = dtype_name(dtype)
     if key not in ("float16", "bfloat16"):
         raise ValueError(f"dtype={dtype!r} is not an AMP dtype; valid: 'float16', 'bfloat16'")
     base_spec = _spec(device) or s.current.device

@@ -80,9 +80,7 @@ class DeviceSpec:
     def flops(self, dtype="float32") -> float:
         """Peak FLOP/s for ``dtype`` (a torch.dtype or its name); a dtype without its own entry
         (bf16 on V100, anything on a CPU calibrated in fp32) falls back to float32."""
-        key = str(dtype).removeprefix("torch.")
-        key = {"float": "float32", "half": "float16", "bf16": "bfloat16",
-               "fp32": "float32", "fp16": "float16"}.get(key, key)
+        key = dtype_name(dtype)
         return self.peak_flops.get(key) or self.peak_flops["float32"]
 
     def math_dtype(self, dtype, kernel_class: str, tf32_conv: bool, tf32_matmul: bool) -> str:
@@ -90,15 +88,24 @@ class DeviceSpec:
         may use them (``tf32_conv``: torch.backends.cudnn.allow_tf32, on by default), a float32
         GEMM where matmuls may (``tf32_matmul``: torch.backends.cuda.matmul.allow_tf32, off by
         default); ``dtype`` itself otherwise, and on a device without a TF32 rate."""
-        key = str(dtype).removeprefix("torch.")
+        key = dtype_name(dtype)
         allowed = tf32_conv if kernel_class == "conv" else tf32_matmul if kernel_class == "gemm" else False
-        return "tf32" if key in ("float32", "float") and allowed and "tf32" in self.peak_flops else key
+        return "tf32" if key == "float32" and allowed and "tf32" in self.peak_flops else key
 
     def kernel_time_us(self, flops: float, bytes_moved: float, dtype="float32", kernel_class: str = "other") -> float:
         """Roofline time of one kernel: max(compute, memory) over the class's share of the
         roofline, at least ``kernel_min_us``."""
         t = max(flops / self.flops(dtype), bytes_moved / self.mem_bandwidth) * 1e6 / self.share(kernel_class)
         return max(t, self.kernel_min_us)
+
+
+_DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+
+
+def dtype_name(dtype) -> str:
+    """The ``peak_flops`` key of ``dtype``: a torch.dtype or a name ("float", "fp16", "bf16"...)."""
+    key = str(dtype).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(key, key)
 
 
 def _gpu(name, fp32, tf32, fp16, bf16, bw, sms, mem_gib, launch=5.0, dispatch=1.5, kmin=1.2):
