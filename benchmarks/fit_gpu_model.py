@@ -220,32 +220,37 @@ def table(cases: list[Case], before: list[float], after: list[float]) -> list[di
 RECORDED_TF32 = (True, False)
 
 
-def op_cases(path: Path) -> list[Case]:
-    """Per-op cases from a ``gpu_op_profile.py`` file: each kernel (replayed in a CUDA graph where
-    measured, the stream time the floor stands for; else timed alone) against the roofline of its
-    FLOPs, bytes, dtype and class; each host time against dispatch + launch."""
+def op_records(paths: list[str]) -> dict[str, list[dict]]:
+    """Each ``gpu_op_profile.py`` file's records, by file name, read once."""
+    return {Path(p).name: json.loads(Path(p).read_text())["records"] for p in paths}
+
+
+def op_cases(source: str, records: list[dict]) -> list[Case]:
+    """Per-op cases from the records of one ``gpu_op_profile.py`` file (``source``): each kernel
+    (replayed in a CUDA graph where measured, the stream time the floor stands for; else timed
+    alone) against the roofline of its FLOPs, bytes, dtype and class; each host time against
+    dispatch + launch."""
     cases = []
-    for r in json.loads(path.read_text())["records"]:
+    for r in records:
         kernel_us = r.get("in_graph_us") or r["kernel_us"]
         if kernel_us and kernel_us > 0:
             cases.append(Case(f"{r['case']}: {r['op']} kernel", kernel_us / 1e3, lambda spec, r=r: spec.kernel_time_us(
                 r["flops"], r["bytes"], spec.math_dtype(r["dtype"], r["class"], *RECORDED_TF32), r["class"]) / 1e3,
-                path.name, "kernel", r["op"]))
+                source, "kernel", r["op"]))
         if r.get("host_us"):
             cases.append(Case(f"{r['case']}: {r['op']} host", r["host_us"] / 1e3,
-                              lambda spec, r=r: spec.host_us(r["class"]) / 1e3, path.name,
+                              lambda spec, r=r: spec.host_us(r["class"]) / 1e3, source,
                               "host", r["op"]))
     return cases
 
 
-def host_factors(paths: list[Path], held_out: tuple[str, ...]) -> dict[str, float]:
+def host_factors(records: list[dict], held_out: tuple[str, ...]) -> dict[str, float]:
     """``host_factor.<class>``: each kernel class's median host µs per op over that of class
     "other" (pointwise ops), from the records of the models not held out."""
     by_class: dict[str, list[float]] = {}
-    for path in paths:
-        for r in json.loads(path.read_text())["records"]:
-            if r.get("host_us") and not r["case"].startswith(held_out):
-                by_class.setdefault(r["class"], []).append(r["host_us"])
+    for r in records:
+        if r.get("host_us") and not r["case"].startswith(held_out):
+            by_class.setdefault(r["class"], []).append(r["host_us"])
     if "other" not in by_class:
         return {}
     other = statistics.median(by_class["other"])
@@ -299,7 +304,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-write", action="store_true", help="do not write the fit")
     args = parser.parse_args(argv)
     held_models = tuple(args.held_out_ops.split(","))
-    factors = host_factors([Path(p) for p in args.ops], held_models)
+    records = op_records(args.ops)
+    factors = host_factors([r for rs in records.values() for r in rs], held_models)
     base = with_parameters(datasheet_device(args.device), factors)
     if factors:
         log("host cost per op over a pointwise op's, from the records: "
@@ -308,7 +314,7 @@ def main(argv=None) -> int:
     if not args.no_models:
         log("capturing ResNet-50 (fit) and BERT (held out) on the meta device")
         fit_cases, held_cases = resnet50_cases(base), bert_cases()
-    ops = [c for path in args.ops for c in op_cases(Path(path))]
+    ops = [c for source, rs in records.items() for c in op_cases(source, rs)]
     op_fit = [c for c in ops if not c.name.startswith(held_models) and c.group == "kernel"]
     op_held = [c for c in ops if c.name.startswith(held_models) or c.group != "kernel"]
     cases = fit_cases + op_fit
