@@ -10,7 +10,9 @@ From the analytic cost model (roofline per kernel, the fill model of
   ``dC``: what the rewrite adds to it (three event calls and one more convolution call per
   split convolution);
 * ``G(b)``: device time of the backward's kernels on one stream (each kernel
-  ``Max(floor, roofline(b) / fill(b))``, linear in ``b`` above the floor),
+  ``Max(floor, startup + roofline(b) / (share * fill(b)))`` as ``DeviceSpec.kernel_time_us``
+  costs it, without the fill where the spec was fitted to measured kernels; linear in ``b``
+  above the floor),
 * ``O(b) = Σ_i Min(D_i(b), W_i(b)) * Min(1, 2 - u_d,i(b) - u_w,i(b))``: what overlapping
   convolution i's data gradient (length ``D_i``, fill ``u_d,i``) with its weight gradient
   (``W_i``, ``u_w,i``) saves under processor sharing,
@@ -42,7 +44,7 @@ from sympy.utilities.lambdify import implemented_function
 
 from fxdream import models
 from fxdream.capturing import capture
-from fxdream.ir.flops import node_flops
+from fxdream.ir.flops import kernel_class, node_flops
 from fxdream.ir.graphs import copy_graph_module
 from fxdream.ir.nodes import is_view, node_dtype, op_name, value_of
 from fxdream.passes.aux_stream_backward import split
@@ -134,6 +136,13 @@ class _Symbolic:
         peak = self.cost.peak_flops(node) if isinstance(node, fx.Node) else self.device.flops(node)
         return _max(flops / peak, nbytes / self.device.mem_bandwidth) * 10**6
 
+    def _kernel_time(self, roofline, kernel_class: str, fill=1):
+        """One kernel as ``DeviceSpec.kernel_time_us`` costs it: the class's startup plus the
+        roofline over its share, floored; divided by the fill only where the spec's kernel
+        times do not already contain it (``DeviceSpec.kernels_measured``)."""
+        share = self.device.share(kernel_class) * (1 if self.device.kernels_measured else fill)
+        return _max(self.kmin, self.device.kernel_startup_us.get(kernel_class, 0.0) + roofline / share)
+
     def _gemm_parts(self, node) -> dict:
         """conv backward → {"dgrad"/"wgrad": (time expr, fill expr)}."""
         grad, x, w = (value_of(a) for a in node.args[:3])
@@ -150,14 +159,15 @@ class _Symbolic:
         if mask[0]:
             m, n, k = batch_x * in_pix, c_in // g, c_out // g * window
             fill = _min(1, sp.ceiling(m / TILE) * math.ceil(n / TILE) * g / self.slots)
-            parts["dgrad"] = (_max(self.kmin, self._roof(2 * m * n * k * g, nbytes, node) / fill), fill)
+            parts["dgrad"] = (self._kernel_time(self._roof(2 * m * n * k * g, nbytes, node), "conv", fill), fill)
         if mask[1]:
             m, n, k = c_out // g, c_in // g * window, batch_g * out_pix
             split = _max(1, sp.floor(k / SPLIT_K_MIN))
             fill = _min(1, math.ceil(m / TILE) * math.ceil(n / TILE) * g * split / self.slots)
-            t = _max(self.kmin, self._roof(2 * m * n * k * g, nbytes, node) / fill)
+            t = self._kernel_time(self._roof(2 * m * n * k * g, nbytes, node), "conv", fill)
             if mask[2]:
-                t = t + _max(self.kmin, self.scaling.nbytes(node.args[0], grad) / self.device.mem_bandwidth * 10**6)
+                t = t + self._kernel_time(self.scaling.nbytes(node.args[0], grad) / self.device.mem_bandwidth * 10**6,
+                                          "other")
             parts["wgrad"] = (t, fill)
         return parts
 
@@ -175,9 +185,9 @@ class _Symbolic:
         if mnk is not None:
             m, n, k, groups = mnk
             fill = _min(1, sp.ceiling(m / TILE) * sp.ceiling(n / TILE) * groups / self.slots)
-            return _max(self.kmin, self._roof(2 * m * n * k * groups, nbytes, node) / fill)
+            return self._kernel_time(self._roof(2 * m * n * k * groups, nbytes, node), kernel_class(node), fill)
         flops = node_flops(node) * (b / self.scaling.b0 if self._batch(node) else 1)
-        return _max(self.kmin, self._roof(flops, nbytes, node_dtype(node)))
+        return self._kernel_time(self._roof(flops, nbytes, node_dtype(node)), kernel_class(node))
 
     def _matmul(self, node: fx.Node, name: str):
         """(M, N, K, groups) of mm / addmm / bmm / conv forward, a batch-sized dimension as ``b``."""

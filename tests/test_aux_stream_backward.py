@@ -19,6 +19,7 @@ from fxdream.pass_registry import available_passes
 from fxdream.ir.graphs import copy_graph_module
 from fxdream.passes import aux_stream_backward as aux
 from fxdream.sim.cost import occupancy
+from fxdream.sim.cost.analytic import Analytic
 from fxdream.ir.nodes import is_view
 from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.lower import lower
@@ -333,6 +334,32 @@ def test_crossover_formula_on_a_toy_device():
     result = crossover_of_graphs([one], device, b0=2, name="toy", max_batch=200)
     assert result.bound == 63 and result.interval == (2, 63)
     assert result.text.startswith("toy: aux_stream_backward is predicted to help for 2 ≤ batch ≤ 63 on toy")
+
+
+def test_crossover_formula_on_a_device_fitted_to_measured_kernels():
+    """The toy conv on a spec fitted to measured kernels (startup 3 µs, 50 % of the roofline for
+    convolutions): each kernel is 3 + work / 0.5 whatever its fill, as the simulator costs it;
+    the fill still sets how much of the shorter gradient the other stream hides."""
+    device = DeviceSpec("toy", "cuda", {"float32": 1e12}, 1e18, launch_overhead_us=0.0,
+                        dispatch_overhead_us=1.0, kernel_min_us=0.0, num_sms=4, memory_bytes=2**30,
+                        roofline_share={"conv": 0.5}, kernel_startup_us={"conv": 3.0}, kernels_measured=True)
+    one, _ = conv_backward_graph(layers=1, channels=128, pixels=8, batch=2)
+    terms = model_terms([one], device, b0=2)
+    _, definitions, gain = formula(terms)
+    work = 2 * 64 * 128 * 128 / 1e12 * 1e6
+
+    def by_hand(batch):
+        fd = min(1.0, math.ceil(64 * batch / 128) / 4)
+        fw = min(1.0, max(1, 64 * batch // 1024) / 4)
+        d = w = 3.0 + work * batch / 0.5
+        g, o = d + w, min(d, w) * min(1.0, 2 - fd - fw)
+        return max(5.0, g) - max(5.0 + terms["dC"], g - o)
+    for batch in (1, 2, 16, 64, 100):
+        assert gain(batch) == pytest.approx(by_hand(batch)), batch
+    assert float(definitions["G"].subs(B, 2)) == pytest.approx(2 * (3.0 + 2 * work / 0.5))
+    simulator = occupancy.OccupancyAware(Analytic(device))
+    kernels = sum(simulator.kernel_us(n) for n in one.graph.nodes if n.op == "call_function")
+    assert float(definitions["G"].subs(B, 2)) == pytest.approx(kernels)
 
 
 def test_crossover_of_a_captured_model_reads_like_the_issue_asks():

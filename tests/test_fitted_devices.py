@@ -1,5 +1,6 @@
 """Fitted GPU parameters: roofline shares per kernel class, fitting them to measured times,
 and the fits a DeviceSpec takes from fxdream/sim/cost/fits."""
+import dataclasses
 import json
 import operator
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from conftest import graph_with_values
-from fxdream.ir.flops import kernel_class
+from fxdream.ir.flops import kernel_bytes, kernel_class, kernel_count, traffic_factor
+from fxdream.ir.nodes import node_bytes
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import (
     FITS_DIR,
@@ -18,6 +20,7 @@ from fxdream.sim.cost.devices import (
     with_parameters,
 )
 from fxdream.sim.cost.fitting import fit_parameters
+from fxdream.sim.cost.occupancy import OccupancyAware
 from fxdream.sim.prediction import graph_prediction
 
 aten = torch.ops.aten
@@ -59,6 +62,78 @@ def test_a_share_divides_the_roofline_of_its_class_only():
     assert half_other.share("gemm") == 1.0 and half_other.share("other") == 0.5
 
 
+def _conv_backward(graph, grad, x, w, mask=(True, True, False)):
+    return graph.call_function(aten.convolution_backward.default,
+                               (grad, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, list(mask)))
+
+
+def test_a_conv_backward_and_its_parts_one_per_kernel_move_alike():
+    """Each kernel of a convolution_backward reads grad_output, input and weight: the fused call
+    moves what its data-gradient and weight-gradient parts move together."""
+    def three(graph, grad, x, w):
+        return tuple(_conv_backward(graph, grad, x, w, mask) for mask in
+                     ((True, True, False), (True, False, False), (False, True, False)))
+    gm = graph_with_values(three, (2, 8, 4, 4), (2, 8, 4, 4), (8, 8, 1, 1))
+    fused, dgrad, wgrad = [n for n in gm.graph.nodes if n.op == "call_function"]
+    inputs = 4 * (2 * 8 * 16 * 2 + 64)  # grad_output, input, weight (float32)
+    assert kernel_bytes(fused) == node_bytes(fused) + inputs
+    assert kernel_bytes(fused) == kernel_bytes(dgrad) + kernel_bytes(wgrad)
+
+
+def test_a_startup_adds_to_each_kernel_of_its_class():
+    """Startup 10 µs for convolutions: a conv backward launches a kernel per gradient in its
+    output mask (data and weight here), so it takes two startups; the floor applies per kernel."""
+    gm = graph_with_values(_conv_backward, (1, 8, 4, 4), (1, 8, 4, 4), (8, 8, 1, 1))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert kernel_count(node) == 2 and kernel_class(node) == "conv"
+    started = with_parameters(TOY, {"kernel_startup_us.conv": 10.0})
+    bare = Analytic(TOY).kernel_us(node)
+    assert bare == pytest.approx(2 * 3.0)  # tiny work: two kernels at the 3 µs floor
+    assert Analytic(started).kernel_us(node) == pytest.approx(2 * 10.0 + kernel_bytes(node) / 1e9 * 1e6)
+    # the roofline part divides by the share, the startup does not
+    assert started.kernel_time_us(0, 1e6, kernel_class="conv") == pytest.approx(10.0 + 1000.0)
+    halved = with_parameters(started, {"roofline_share.conv": 0.5})
+    assert halved.kernel_time_us(0, 1e6, kernel_class="conv") == pytest.approx(10.0 + 2000.0)
+    assert halved.kernel_time_us(0, 1e6, kernel_class="other") == pytest.approx(1000.0)  # its class only
+
+
+def test_batch_norm_traffic_is_float32_and_read_twice_in_training():
+    """A half-precision batch norm costs the traffic of float32 elements; in training the forward
+    and backward cost their training factors more (traffic_factor); other ops their bytes."""
+    def norms(graph, x, w, b, mean, var):
+        half = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float16})
+        infer = graph.call_function(aten._native_batch_norm_legit_no_training.default, (x, w, b, mean, var, 0.1, 1e-5))
+        train = graph.call_function(aten.native_batch_norm.default, (x, w, b, mean, var, True, 0.1, 1e-5))
+        flagged_off = graph.call_function(aten.native_batch_norm.default, (x, w, b, mean, var, False, 0.1, 1e-5))
+        return half, infer, train, flagged_off
+    gm = graph_with_values(norms, (2, 3, 4, 4), (3,), (3,), (3,), (3,))
+    half, infer, train, flagged_off = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert kernel_bytes(half) == node_bytes(half) and kernel_bytes(infer) == node_bytes(infer)
+    assert kernel_bytes(train) == pytest.approx(node_bytes(train) * traffic_factor("aten._native_batch_norm_legit_"
+                                                                                  "functional", "float32"))
+    assert kernel_bytes(flagged_off) == node_bytes(flagged_off)  # its training flag says inference
+    assert traffic_factor("aten._native_batch_norm_legit_no_training", "float16") == 2.0
+    assert traffic_factor("aten.native_batch_norm_backward", "bfloat16") == 2 * traffic_factor(
+        "aten.native_batch_norm_backward", "float32") > 2
+    assert traffic_factor("aten.relu", "float16") == 1.0
+
+
+def test_a_fill_model_is_not_added_to_kernels_fitted_to_measurements():
+    """A datasheet spec's roofline assumes a full device, so the occupancy model divides a
+    convolution by its fill; a spec fitted to measured kernels has the fill in its shares."""
+    def conv(graph, x, w):
+        return graph.call_function(aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))
+    gm = graph_with_values(conv, (1, 256, 64, 64), (256, 256, 3, 3))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    sheet = datasheet_device("h200")
+    measured = dataclasses.replace(sheet, kernels_measured=True)
+    assert OccupancyAware(Analytic(measured)).kernel_us(node) == pytest.approx(Analytic(measured).kernel_us(node))
+    # 4096 x 256 outputs in 128 x 128 tiles: 64 blocks on 132 SMs; the roofline (~10 µs) is above the floor
+    assert Analytic(sheet).kernel_us(node) > 5 * sheet.kernel_min_us
+    assert OccupancyAware(Analytic(sheet)).kernel_us(node) == pytest.approx(Analytic(sheet).kernel_us(node) * 132 / 64)
+    assert get_device("h200").kernels_measured and not sheet.kernels_measured
+
+
 def test_a_getitem_costs_no_dispatch():
     def split(graph, x):
         parts = graph.call_function(aten.split.Tensor, (x, 2))
@@ -86,6 +161,8 @@ def test_parameters_are_validated():
         with_parameters(TOY, {"roofline_share.conv": 1.5})
     with pytest.raises(ValueError, match="host_factor values must be positive"):
         with_parameters(TOY, {"host_factor.conv": 0.0})
+    with pytest.raises(ValueError, match="kernel_startup_us values must be >= 0"):
+        with_parameters(TOY, {"kernel_startup_us.conv": -1.0})
     with pytest.raises(ValueError, match="measured times must be positive"):
         fit_parameters(TOY, ["kernel_min_us"], lambda spec: [1.0], [0.0])
     with pytest.raises(ValueError, match="parameters to fit must be among"):

@@ -8,7 +8,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from fxdream.ir.nodes import op_name, value_of
+from fxdream.ir.nodes import node_bytes, node_dtype, op_name, value_of
+from fxdream.ir.tensors import tensor_bytes
 
 
 GEMM_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.linear", "aten._scaled_mm"})
@@ -21,6 +22,17 @@ BATCH_NORM_OPS = frozenset({"aten.native_batch_norm", "aten._native_batch_norm_l
                             "aten.cudnn_batch_norm_backward",
                             "aten.miopen_batch_norm", "aten.miopen_batch_norm_backward"})
 KERNEL_CLASSES = ("conv", "gemm", "batch_norm", "other")
+# Batch norms in training pass over their data more than once: the forward reads its input for
+# the statistics and again to normalize (2x + y over the x + y its tensors count: 1.5x), the
+# backward reads grad_output and input for its reductions and again for grad_input (5/3x). The
+# kernels take about twice that: the factors below are those with which one fitted batch-norm
+# model sums the H200's per-op records (benchmarks/results/gpu_op_profile_h200_*) as closely
+# for training steps as for inference (0.7-0.9x of the measured kernel time for both; with the
+# pass counts alone, training summed to 0.55x).
+_TRAINING_READS = {"forward": 3.0, "backward": 3.3}
+_BACKWARD_BATCH_NORMS = frozenset({"aten.native_batch_norm_backward", "aten.cudnn_batch_norm_backward",
+                                   "aten.miopen_batch_norm_backward"})
+_TRAINING_ARG = 5  # native_batch_norm, _native_batch_norm_legit(_functional), cudnn/miopen_batch_norm
 
 
 def kernel_class(node: fx.Node) -> str:
@@ -36,6 +48,46 @@ def kernel_class(node: fx.Node) -> str:
     if name in BATCH_NORM_OPS:
         return "batch_norm"
     return "other"
+
+
+def traffic_factor(op: str, dtype: str, training: bool | None = None) -> float:
+    """The memory traffic of one kernel over the bytes of its tensors. Batch-norm kernels compute
+    in float32 whatever their tensors' dtype (PyTorch's accumulate type), so a half-precision one
+    takes the time of float32 traffic; in training they pass over their data more than once
+    (``_TRAINING_READS``). ``training``: the op's flag where it has one (None: the backward and
+    ``_native_batch_norm_legit_functional`` are training ops, others not). 1 for other ops."""
+    if op not in BATCH_NORM_OPS:
+        return 1.0
+    width = 2.0 if dtype in ("float16", "bfloat16") else 1.0
+    if op in _BACKWARD_BATCH_NORMS:
+        return width * _TRAINING_READS["backward"]
+    if training is None:
+        training = op == "aten._native_batch_norm_legit_functional"
+    return width * (_TRAINING_READS["forward"] if training else 1.0)
+
+
+def kernel_bytes(node: fx.Node) -> float:
+    """Bytes of memory traffic one node's kernels take the time of: its tensors' bytes
+    (``node_bytes``) times ``traffic_factor``. Each kernel of a ``convolution_backward`` reads
+    grad_output, input and weight, which its tensors count once: a fused call and its parts
+    split one per kernel (``aux_stream_backward``) move alike."""
+    name = op_name(node)
+    training = None
+    if name in BATCH_NORM_OPS and name not in _BACKWARD_BATCH_NORMS and len(node.args) > _TRAINING_ARG:
+        flag = node.args[_TRAINING_ARG]
+        training = flag if isinstance(flag, bool) else None
+    rereads = 0
+    if name == "aten.convolution_backward" and len(node.args) == 11:
+        rereads = (kernel_count(node) - 1) * tensor_bytes([value_of(a) for a in node.args[:3]])
+    return node_bytes(node) * traffic_factor(name, node_dtype(node), training) + rereads
+
+
+def kernel_count(node: fx.Node) -> int:
+    """Kernels one node launches: a ``convolution_backward`` one per gradient it computes
+    (data, weight, bias: its output mask), any other op one."""
+    if op_name(node) == "aten.convolution_backward" and len(node.args) == 11:
+        return max(1, sum(bool(m) for m in node.args[10]))
+    return 1
 
 
 def node_flops(node: fx.Node) -> int:

@@ -1,7 +1,8 @@
-"""``Analytic(DeviceSpec)``: a roofline, max(FLOPs / peak, bytes / bandwidth) over the share of
-it the kernel's class reaches, floored at the device's smallest kernel, plus a fixed
-dispatch/launch cost per op. It predicts for any GPU from its datasheet, or from the
-overheads and shares fitted to measurements (``DeviceSpec.source``, ``fxdream/sim/cost/fits``).
+"""``Analytic(DeviceSpec)``: a roofline, max(FLOPs / peak, traffic / bandwidth) over the share of
+it the kernel's class reaches, plus the class's startup per kernel, floored at the device's
+smallest kernel, plus a fixed dispatch/launch cost per op (traffic: ``kernel_bytes``). It
+predicts for any GPU from its datasheet, or from the overheads, startups and shares fitted to
+measurements (``DeviceSpec.source``, ``fxdream/sim/cost/fits``).
 
 A ``getitem`` is Python indexing the tuple an op returned: no dispatch, no kernel."""
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxdream.ir.flops import kernel_class, node_flops, rnn_sequential_steps
-from fxdream.ir.nodes import is_view, node_bytes, node_dtype
+from fxdream.ir.flops import kernel_bytes, kernel_class, kernel_count, node_flops, rnn_sequential_steps
+from fxdream.ir.nodes import is_view, node_dtype
 from fxdream.sim.cost.devices import DeviceSpec
 
 
@@ -31,7 +32,7 @@ class Analytic:
             return 0.0
         klass = kernel_class(node)
         dtype = self.device.math_dtype(node_dtype(node), klass, *self.tf32)
-        roofline_us = self.device.kernel_time_us(node_flops(node), node_bytes(node), dtype, klass)
+        roofline_us = self.device.kernel_time_us(node_flops(node), kernel_bytes(node), dtype, klass, kernel_count(node))
         # a recurrence runs its steps in sequence: at least a GEMM and a pointwise kernel each
         sequential = 2 * rnn_sequential_steps(node) * self.device.kernel_min_us
         return max(roofline_us, sequential)

@@ -46,6 +46,10 @@ class DeviceSpec:
     # Share of the roofline kernels of each class reach ("conv", "gemm", "batch_norm", "other":
     # ``fxdream.ir.flops.kernel_class``); a class not named reaches all of it.
     roofline_share: Mapping[str, float] = field(default_factory=dict)
+    # µs each kernel of a class takes besides its work (ramp-up, the last partial wave, the
+    # tail): measured kernels reach a share of the roofline that grows with their work, from
+    # none for a kernel of no work to the class's share for a long one; a class not named: 0.
+    kernel_startup_us: Mapping[str, float] = field(default_factory=dict)
     # The launch cost (the library's host work for one kernel) of each class over that of an op
     # of class "other": cuDNN's convolutions and batch norms set up descriptors on the host; a
     # class not named costs the same as "other". The framework's dispatch is the same for all.
@@ -55,6 +59,9 @@ class DeviceSpec:
     # and one AccumulateGrad (handing a parameter its .grad); host work whatever the device.
     autograd_node_us: float = 0.0
     accumulate_grad_us: float = 0.0
+    # The shares and startups were fitted to measured kernel times, which already contain what
+    # a kernel that fills part of the device loses: a fill model must not add it again.
+    kernels_measured: bool = False
 
     def __post_init__(self):
         if self.kind not in ("cpu", "cuda"):
@@ -62,12 +69,16 @@ class DeviceSpec:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         object.__setattr__(self, "roofline_share", MappingProxyType(dict(self.roofline_share)))
         object.__setattr__(self, "host_factor", MappingProxyType(dict(self.host_factor)))
+        object.__setattr__(self, "kernel_startup_us", MappingProxyType(dict(self.kernel_startup_us)))
         bad = {k: v for k, v in self.roofline_share.items() if not 0 < v <= 1}
         if bad:
             raise ValueError(f"DeviceSpec.roofline_share values must be in (0, 1], got {bad}")
         bad = {k: v for k, v in self.host_factor.items() if not v > 0}
         if bad:
             raise ValueError(f"DeviceSpec.host_factor values must be positive, got {bad}")
+        bad = {k: v for k, v in self.kernel_startup_us.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"DeviceSpec.kernel_startup_us values must be >= 0, got {bad}")
 
     def share(self, kernel_class: str) -> float:
         """Share of the roofline a kernel of ``kernel_class`` reaches (1.0 where not fitted)."""
@@ -92,11 +103,14 @@ class DeviceSpec:
         allowed = tf32_conv if kernel_class == "conv" else tf32_matmul if kernel_class == "gemm" else False
         return "tf32" if key == "float32" and allowed and "tf32" in self.peak_flops else key
 
-    def kernel_time_us(self, flops: float, bytes_moved: float, dtype="float32", kernel_class: str = "other") -> float:
-        """Roofline time of one kernel: max(compute, memory) over the class's share of the
-        roofline, at least ``kernel_min_us``."""
-        t = max(flops / self.flops(dtype), bytes_moved / self.mem_bandwidth) * 1e6 / self.share(kernel_class)
-        return max(t, self.kernel_min_us)
+    def kernel_time_us(self, flops: float, bytes_moved: float, dtype="float32", kernel_class: str = "other",
+                       kernels: int = 1) -> float:
+        """Time of ``kernels`` kernels doing this work in all: the class's startup for each, plus
+        the roofline time, max(compute, memory), over the class's share of the roofline; at
+        least ``kernel_min_us`` each."""
+        roofline_us = max(flops / self.flops(dtype), bytes_moved / self.mem_bandwidth) * 1e6
+        t = kernels * self.kernel_startup_us.get(kernel_class, 0.0) + roofline_us / self.share(kernel_class)
+        return max(t, kernels * self.kernel_min_us)
 
 
 _DTYPE_ALIASES = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -145,9 +159,11 @@ _DATASHEET = {
 }
 
 FITS_DIR = Path(__file__).parent / "fits"  # <device>.json: parameters fitted to measurements
-MAPPED = ("roofline_share", "host_factor")  # per kernel class: FITTABLE as "<field>.<class>"
+# per kernel class, FITTABLE as "<field>.<class>"; the value of a class not named
+MAPPED = {"roofline_share": 1.0, "kernel_startup_us": 0.0, "host_factor": 1.0}
 FITTABLE = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us",
             *(f"roofline_share.{c}" for c in KERNEL_CLASSES),
+            *(f"kernel_startup_us.{c}" for c in KERNEL_CLASSES),
             *(f"host_factor.{c}" for c in KERNEL_CLASSES if c != "other"))
 
 
@@ -172,18 +188,23 @@ def parameters_of(spec: DeviceSpec, names=FITTABLE) -> dict[str, float]:
     """The values of ``names`` (``FITTABLE`` entries) in ``spec``."""
     def value(name: str) -> float:
         field_name, _, kernel_class = name.partition(".")
-        return getattr(spec, field_name).get(kernel_class, 1.0) if kernel_class else getattr(spec, name)
+        return getattr(spec, field_name).get(kernel_class, MAPPED[field_name]) if kernel_class else getattr(spec, name)
     return {n: value(n) for n in names}
+
+
+def with_fit(spec: DeviceSpec, path: Path, source: str | None = None) -> DeviceSpec:
+    """``spec`` with the parameters of a fit file (``benchmarks/fit_gpu_model.py``), its kernel
+    model marked as fitted to measured kernels (``kernels_measured``)."""
+    fit = json.loads(Path(path).read_text())
+    fitted = with_parameters(spec, fit["parameters"], source or f"fitted to {fit['fitted_on']} ({Path(path).name})")
+    return dataclasses.replace(fitted, kernels_measured=True)
 
 
 def _fitted(spec: DeviceSpec) -> DeviceSpec:
     """The datasheet spec with the parameters of ``fits/<name>.json`` where that file exists
-    (written by ``benchmarks/fit_gpu_model.py`` from measurements on that device)."""
+    (written from measurements on that device)."""
     path = FITS_DIR / f"{spec.name}.json"
-    if not path.exists():
-        return spec
-    fit = json.loads(path.read_text())
-    return with_parameters(spec, fit["parameters"], f"fitted to {fit['fitted_on']} ({path.name})")
+    return with_fit(spec, path) if path.exists() else spec
 
 
 def datasheet_device(name: str) -> DeviceSpec:
@@ -293,6 +314,7 @@ class _CalibratedOnUse(DeviceSpec):
         for name, value in (("name", "cpu"), ("kind", "cpu"), ("launch_overhead_us", 0.0),
                             ("kernel_min_us", 0.0), ("num_sms", None),
                             ("roofline_share", MappingProxyType({})), ("host_factor", MappingProxyType({})),
+                            ("kernel_startup_us", MappingProxyType({})), ("kernels_measured", False),
                             ("source", "calibrated on this host")):
             object.__setattr__(self, name, value)
 

@@ -21,7 +21,8 @@ and ``mm``/``addmm``/``bmm``:
   another stream's kernel;
 * consistent with that, a roofline (Analytic) time assumes the whole device: a kernel that
   fills only ``u`` of it takes ``roofline / u`` (never less than the kernel floor).
-  Measured (Profiled) times already include it and are left as they are.
+  Measured (Profiled) times already include it and are left as they are, and so are the
+  times of a spec fitted to measured kernels (``DeviceSpec.kernels_measured``).
 
 Under processor sharing (``fxdream.sim.simulate.Contention``) two kernels of fill ``u_a``,
 ``u_b`` and lengths ``D <= W`` started together finish ``D * min(1, 2 - u_a - u_b)`` sooner
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxdream.ir.flops import kernel_class
+from fxdream.ir.flops import kernel_class, kernel_count
 from fxdream.ir.nodes import is_view, node_bytes, node_dtype, op_name, value_of
 from fxdream.ir.tensors import tensor_bytes
 from fxdream.runtime.streams import OnStream, is_event_node
@@ -161,15 +162,16 @@ def occupancy(node: fx.Node, num_sms: int) -> float | None:
 class OccupancyAware:
     """A cost model whose GEMM kernels follow the fill model (module docstring).
 
-    With a roofline base (``Analytic``; ``inflate`` says so, default: ``isinstance(base,
-    Analytic)``), a ``convolution_backward`` is its separate kernels, each its own roofline
-    over the tensors it really reads (dgrad: grad_output, weight, grad_input; wgrad:
-    grad_output, input, grad_weight; bias: grad_output), divided by its fill and floored at
-    the smallest kernel, then summed: one fused node and its split parts cost alike (and
-    launch alike: one launch per kernel). Other GEMM-like nodes: roofline / fill. Float32
-    convolutions run at the TF32 rate where the device has one and cuDNN may use it
-    (``tf32_conv``, default ``torch.backends.cudnn.allow_tf32``, True in PyTorch). Measured
-    (Profiled) times are kept as they are.
+    With a roofline base whose kernel costs do not already contain the fill (``Analytic`` on a
+    spec without ``kernels_measured``; ``inflate`` says so), a ``convolution_backward`` is its
+    separate kernels, each its startup plus its own roofline over the tensors it really reads
+    (dgrad: grad_output, weight, grad_input; wgrad: grad_output, input, grad_weight; bias:
+    grad_output) divided by its fill, floored at the smallest kernel, then summed: one fused
+    node and its split parts cost alike (and launch alike: one launch per kernel). Other
+    GEMM-like nodes: roofline / fill. Float32 convolutions run at the TF32 rate where the
+    device has one and cuDNN may use it (``tf32_conv``, default
+    ``torch.backends.cudnn.allow_tf32``, True in PyTorch). Measured (Profiled) times, and
+    those of a spec fitted to measured kernels, are kept as they are.
 
     Stream-ordering nodes (``fxdream.streams``): ``EVENT_HOST_US`` of host time and the
     smallest kernel on their stream; an ``OnStream`` node ``STREAM_SWITCH_HOST_US`` more
@@ -184,7 +186,8 @@ class OccupancyAware:
     def __init__(self, base, inflate: bool | None = None, tf32_conv: bool | None = None):
         self.base = base
         self.device = base.device
-        self.inflate = isinstance(base, Analytic) if inflate is None else inflate
+        fill_in_costs = isinstance(base, Analytic) and not base.device.kernels_measured
+        self.inflate = fill_in_costs if inflate is None else inflate
         self.tf32_conv = torch.backends.cudnn.allow_tf32 if tf32_conv is None else tf32_conv
         self.tf32_matmul = torch.backends.cuda.matmul.allow_tf32
 
@@ -200,11 +203,12 @@ class OccupancyAware:
         sms = self.device.num_sms or 0
         floor = self.device.kernel_min_us
         name = op_name(node)
+        startup = self.device.kernel_startup_us.get("conv", 0.0)
         if name == "aten.convolution_backward":
-            return sum(max(floor, self._roofline(node, g.flops, b) / g.fill(sms))
+            return sum(max(floor, startup + self._roofline(node, g.flops, b) / g.fill(sms))
                        for g, b in zip(gemms, _conv_bw_bytes(node, gemms))) + self.bias_gradient_us(node)
         if name == "aten.convolution":
-            return max(floor, self._roofline(node, gemms[0].flops, node_bytes(node)) / gemms[0].fill(sms))
+            return max(floor, startup + self._roofline(node, gemms[0].flops, node_bytes(node)) / gemms[0].fill(sms))
         t = self.base.kernel_us(node)
         return t if t <= floor else max(floor, t / (occupancy(node, sms) or 1.0))
 
@@ -239,9 +243,7 @@ class OccupancyAware:
         if is_event_node(node):
             return EVENT_HOST_US
         extra = STREAM_SWITCH_HOST_US if isinstance(node.target, OnStream) else 0.0
-        if op_name(node) == "aten.convolution_backward" and len(node.args) == 11:
-            launches = sum(bool(m) for m in node.args[10])
-            extra += max(0, launches - 1) * self.device.launch_overhead_us
+        extra += (kernel_count(node) - 1) * self.device.launch_overhead_us
         return self.base.dispatch_us(node) + extra
 
     def graph_call_us(self) -> float:
