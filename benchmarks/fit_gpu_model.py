@@ -3,31 +3,33 @@
 The measurements are the committed results of a GPU lease (``benchmarks/results``); nothing
 runs on a GPU here. Every model is captured on the meta device (no data, no kernels) and its
 graphs are simulated with a DeviceSpec whose fitted parameters (``FITTABLE``: host cost of a
-view and of a kernel launch, the kernel floor, the share of the roofline convolutions and
-batch norms reach) are searched to match the fit cases (``fxdream.sim.cost.fitting``). The
-fit is written to ``fxdream/sim/cost/fits/<device>.json``, which ``get_device`` then applies.
+view and of a kernel launch, the kernel floor, and per kernel class the startup of each kernel
+and the share of the roofline it reaches) are searched to match the fit cases
+(``fxdream.sim.cost.fitting``). The fit is written to ``fxdream/sim/cost/fits/<device>.json``,
+which ``get_device`` then applies.
 
 Fit cases, ResNet-50 in float16 on the H200 (gpu_ab_h200_*, gpu_aux_stream_h200_*):
-batch-1 inference as captured (host-bound), in CUDA graphs, fused + CUDA graphs (kernel floor),
-training steps (forward + backward, no optimizer) at batch 32 and 128 under autocast.
-Held out, BERT-base in float16 on the same machine (diag_hf_bert_h200_*): the zoo's bert_base at
-batch 1 as captured (wall and device time), and Hugging Face BertModel's eager device time at
-batch 128 and 1, against the summed kernels of its captured graph. A kernel class the fit
-model has no time in keeps the datasheet's share: GEMMs (ResNet-50's one linear layer) and
-"other" (pointwise kernels, which the fit cases cannot tell apart from the batch norms beside them).
+batch-1 inference as captured (host-bound), in CUDA graphs and fused + CUDA graphs (timed back
+to back: the larger of host and device time per call), training steps (forward + backward, no
+optimizer) at batch 32 and 128 under autocast. Held out, BERT-base in float16 on the same
+machine (diag_hf_bert_h200_*): the zoo's bert_base at batch 1 as captured (wall and device
+time), and Hugging Face BertModel's eager device time at batch 128 and 1, against the summed
+kernels of its captured graph.
 
-    python benchmarks/fit_gpu_model.py                 # fit, check, write the JSON (~4 min)
-    python benchmarks/fit_gpu_model.py --no-write      # fit and check only
-    python benchmarks/fit_gpu_model.py --ops out/gpu_op_profile.json   # add a lease's per-op records
+    python benchmarks/fit_gpu_model.py --ops benchmarks/results/gpu_op_profile_h200_2026-11-27.json
+                                                       # fit, check, write the JSON (~5 min)
+    python benchmarks/fit_gpu_model.py --no-write      # whole models only, fit and check
 
-Per-op records (``benchmarks/gpu_op_profile.py``): each kernel against the roofline of its FLOPs
-and bytes (fitted; records of ``--held-out-ops`` models are checked, not fitted; each group,
-whole models and per-op kernels, weighs alike). Host times set each kernel class's host cost
-relative to a pointwise op's (``DeviceSpec.host_factor``, which scales the launch part: the
-ratio of the classes' medians, taken as measured); dispatch and launch are fitted to the whole
-models, not to the records: an op timed alone in a loop costs the host less than one called
-from a captured graph's generated code, whose views (never in the records) cost dispatch too.
-The records' host times are then checked.
+Per-op records (``benchmarks/gpu_op_profile.py``, ``--ops``): each kernel time against the
+kernel model of its FLOPs, traffic (``fxdream.ir.flops.kernel_bytes``), dtype, class and kernel
+count (records of ``--held-out-ops`` models are checked, not fitted; each group, whole models
+and per-op kernels, weighs alike). Each class's startup and share start where its own records
+put them (``class_kernel_models``) and are then fitted with the host costs to all cases. Host
+times set each kernel class's host cost relative to a pointwise op's (``DeviceSpec.host_factor``,
+which scales the launch part: the ratio of the classes' medians, taken as measured); dispatch
+and launch are fitted to the whole models, not to the records: an op timed alone in a loop
+costs the host less than one called from a captured graph's generated code, whose views (never
+in the records) cost dispatch too. The records' host times are then checked.
 """
 from __future__ import annotations
 
@@ -38,16 +40,17 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from gpu_op_records import LONG_KERNEL_US, LONG_KERNELS, Case, class_kernel_models, host_factors, op_cases, op_records
 from hf_models import LastHidden
 
 from fxdream import models
 from fxdream.capturing.capture_model import capture
+from fxdream.ir.flops import KERNEL_CLASSES
 from fxdream.plan import plan
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import FITS_DIR, DeviceSpec, datasheet_device, parameters_of, with_parameters
@@ -62,25 +65,37 @@ AUX = "gpu_aux_stream_h200_2026-11-26.json"
 DIAG = "diag_hf_bert_h200_2026-11-26.txt"
 FITTED = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us", "roofline_share.conv",
           "roofline_share.batch_norm")
+# with per-op records, each class's startup and share start where its records put them
+# (class_kernel_models) and are fitted with the host costs and the floor to all cases
+FITTED_HOST = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us")
+
+
+def jointly_fitted(per_class: dict[str, float]) -> list[str]:
+    """The kernel parameters fitted to the whole models too: those of the classes whose records
+    set a share (they have long kernels, and so time in the whole models). A class with short
+    kernels only (ResNet-50's one linear layer) keeps the startup its records give: a whole
+    model has too few of its kernels to move it."""
+    shared = {name.split(".", 1)[1] for name in per_class if name.startswith("roofline_share.")}
+    return [name for name in per_class if name.split(".", 1)[1] in shared]
 
 
 def log(message: str) -> None:
     print(f"[fit_gpu_model {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-@dataclass(frozen=True)
-class Case:
-    """One measured time and how to predict it from a DeviceSpec."""
-    name: str
-    measured_ms: float
-    predict_ms: Callable[[DeviceSpec], float]
-    source: str
-    group: str = "model"  # "model" (a whole step), or a per-op "kernel" / "host" time
-    op: str = ""          # the op of a per-op case
-
-
 def wall_ms(captured, training: bool, graphs=None) -> Callable[[DeviceSpec], float]:
     return lambda spec: predict(captured, Analytic(spec), training, graphs=graphs).time_ms
+
+
+def back_to_back_ms(captured, graphs) -> Callable[[DeviceSpec], float]:
+    """Time per call of calls timed back to back (the A/B harness's loop): the host runs ahead
+    of the device, so a call costs the larger of its host time and its device time, not one
+    call's latency (host, then the kernels it launched)."""
+    def predicted(spec: DeviceSpec) -> float:
+        tasks = predict(captured, Analytic(spec), False, graphs=graphs).task_graph.tasks
+        busy = {kind: sum(t.duration_us for t in tasks if t.kind is kind) for kind in (TaskKind.CPU, TaskKind.GPU)}
+        return max(busy.values()) / 1e3
+    return predicted
 
 
 def device_ms(captured) -> Callable[[DeviceSpec], float]:
@@ -132,7 +147,7 @@ def resnet50_cases(base: DeviceSpec) -> list[Case]:
     for runner, passes in variants:
         rewritten = plan(model, captured, base, False, passes, Analytic(base)).graphs
         cases.append(Case(f"resnet50 fp16 bs1 inference, {runner}", ab[runner]["median_ms"],
-                          wall_ms(captured, False, rewritten), AB))
+                          back_to_back_ms(captured, rewritten), AB))
     for batch in sorted(aux):
         model, inputs = _meta_model("resnet50", batch, True, dtype=torch.float32)
         captured = capture(AutocastLike(model).train(), inputs, training=True)
@@ -215,49 +230,6 @@ def table(cases: list[Case], before: list[float], after: list[float]) -> list[di
              "source": f"benchmarks/results/{c.source}"} for c, b, a in zip(cases, before, after)]
 
 
-# (cuDNN, matmul) TF32 flags the per-op records ran with: PyTorch's defaults, which
-# gpu_op_profile.py leaves as they are. A float32 convolution ran on TF32 tensor cores.
-RECORDED_TF32 = (True, False)
-
-
-def op_records(paths: list[str]) -> dict[str, list[dict]]:
-    """Each ``gpu_op_profile.py`` file's records, by file name, read once."""
-    return {Path(p).name: json.loads(Path(p).read_text())["records"] for p in paths}
-
-
-def op_cases(source: str, records: list[dict]) -> list[Case]:
-    """Per-op cases from the records of one ``gpu_op_profile.py`` file (``source``): each kernel
-    (replayed in a CUDA graph where measured, the stream time the floor stands for; else timed
-    alone) against the roofline of its FLOPs, bytes, dtype and class; each host time against
-    dispatch + launch."""
-    cases = []
-    for r in records:
-        kernel_us = r.get("in_graph_us") or r["kernel_us"]
-        if kernel_us and kernel_us > 0:
-            cases.append(Case(f"{r['case']}: {r['op']} kernel", kernel_us / 1e3, lambda spec, r=r: spec.kernel_time_us(
-                r["flops"], r["bytes"], spec.math_dtype(r["dtype"], r["class"], *RECORDED_TF32), r["class"]) / 1e3,
-                source, "kernel", r["op"]))
-        if r.get("host_us"):
-            cases.append(Case(f"{r['case']}: {r['op']} host", r["host_us"] / 1e3,
-                              lambda spec, r=r: spec.host_us(r["class"]) / 1e3, source,
-                              "host", r["op"]))
-    return cases
-
-
-def host_factors(records: list[dict], held_out: tuple[str, ...]) -> dict[str, float]:
-    """``host_factor.<class>``: each kernel class's median host µs per op over that of class
-    "other" (pointwise ops), from the records of the models not held out."""
-    by_class: dict[str, list[float]] = {}
-    for r in records:
-        if r.get("host_us") and not r["case"].startswith(held_out):
-            by_class.setdefault(r["class"], []).append(r["host_us"])
-    if "other" not in by_class:
-        return {}
-    other = statistics.median(by_class["other"])
-    return {f"host_factor.{c}": round(statistics.median(v) / other, 3) for c, v in sorted(by_class.items())
-            if c != "other"}
-
-
 def weights_of(cases: list[Case]) -> list[float]:
     """Each group of cases (whole models, per-op kernels, per-op host times) weighs as much in
     all as the largest group: hundreds of op records do not drown five model times."""
@@ -280,6 +252,16 @@ def error_summary(cases: list[Case], before: list[float], after: list[float]) ->
             for kind, errors in sorted(kinds.items())}
 
 
+def not_fitted(names) -> str | None:
+    """Which kernel classes keep the datasheet's share of the roofline, and why."""
+    kept = [c for c in KERNEL_CLASSES if f"roofline_share.{c}" not in names]
+    if not kept:
+        return None
+    return (f"the share of {', '.join(kept)} stays the datasheet's 1.0: per-op records set a class's share only "
+            f"from {LONG_KERNELS}+ kernels of {LONG_KERNEL_US:g}+ µs of roofline time (ResNet-50's one linear layer "
+            "is short), and whole models alone cannot tell the classes' kernels apart")
+
+
 def log_rows(report: dict) -> None:
     for section in ("fit", "held_out"):
         for row in report.get(section, []):
@@ -295,7 +277,10 @@ def log_rows(report: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="h200", help="the DeviceSpec the measurements ran on")
-    parser.add_argument("--parameters", default=",".join(FITTED), help="the FITTABLE parameters to fit")
+    parser.add_argument("--parameters", default=None,
+                        help="the FITTABLE parameters to fit (default: the host costs and the kernel floor, and "
+                             "the startup and share of each class with per-op records; without records the conv "
+                             "and batch-norm shares)")
     parser.add_argument("--ops", action="append", default=[], help="a gpu_op_profile.py file (repeatable)")
     parser.add_argument("--held-out-ops", default="bert_base",
                         help="models whose per-op cases are checked, not fitted (comma-separated)")
@@ -321,24 +306,33 @@ def main(argv=None) -> int:
     if not cases:
         parser.error("nothing to fit: give --ops files or leave out --no-models")
     weights = weights_of(cases)
-    names = tuple(args.parameters.split(","))
+    fit_records = [r for rs in records.values() for r in rs if not r["case"].startswith(held_models)]
+    per_class = class_kernel_models(base, fit_records)
+    default = (*FITTED_HOST, *jointly_fitted(per_class)) if per_class else FITTED
+    names = tuple(args.parameters.split(",")) if args.parameters else default
+    start = with_parameters(base, per_class)
+    if per_class:
+        log("each class's kernel model, from its per-op records: " + ", ".join(f"{k} {v:.3g}"
+                                                                            for k, v in per_class.items()))
     log(f"fitting {', '.join(names)} to {len(fit_cases)} model and {len(op_fit)} per-op cases")
     before = evaluate(cases)(base)
-    result = fit_parameters(base, names, evaluate(cases), [c.measured_ms for c in cases], weights=weights,
+    result = fit_parameters(start, names, evaluate(cases), [c.measured_ms for c in cases], weights=weights,
                             progress=lambda n, e: log(f"  {n} evaluations, error {e:.4f}") if n % 40 < 6 else None)
-    fitted = with_parameters(base, result.parameters)
+    fitted = with_parameters(start, result.parameters)
     held_before, held_after = evaluate(held_cases + op_held)(base), evaluate(held_cases + op_held)(fitted)
     n_fit, n_held = len(fit_cases), len(held_cases)
     report = {
         "device": args.device,
         "fitted_on": " + ".join(filter(None, ["ResNet-50 fp16 measured on an H200 (PyTorch 2.11, CUDA 13)"
                                               if fit_cases else "", *args.ops])),
-        "parameters": {**{k: round(v, 4) for k, v in result.parameters.items()}, **factors},
+        "parameters": {**{k: round(v, 4) for k, v in {**per_class, **result.parameters}.items()}, **factors},
+        "kernel_model_source": "each class's startup and share started from its per-op kernel records alone "
+                               f"(the share only for classes with {LONG_KERNELS}+ kernels of {LONG_KERNEL_US:g}+ µs), "
+                               "then fitted with the host costs to all cases" if per_class else None,
         "host_factor_source": "medians of the per-op records' host µs by kernel class (models not held out)"
                               if factors else None,
         "datasheet_parameters": parameters_of(base, names),
-        "not_fitted": ("roofline_share.gemm and .other stay the datasheet's 1.0: ResNet-50 spends almost no time "
-                       "in GEMMs, and its pointwise kernels cannot be told apart from the batch norms beside them"),
+        "not_fitted": not_fitted([*names, *per_class]),
         "fit": table(fit_cases, before[:n_fit], list(result.predicted_ms[:n_fit])),
         "held_out": table(held_cases, held_before[:n_held], held_after[:n_held]),
         "evaluations": result.evaluations,

@@ -301,38 +301,71 @@ def test_cpu_ab_lists_a_missing_engine_as_not_run_with_the_install_hint(tmp_path
            "'.[peers]'): no module |" in pathlib.Path(out + ".md").read_text()
 
 
-def test_fit_gpu_model_recovers_the_floor_and_a_share_from_per_op_records(tmp_path, monkeypatch):
-    """Records made by the roofline of a known spec (kernel floor 5 µs, convolutions at 40 % of the
-    roofline; host: dispatch 1.5 µs + launch 20.5 µs, x3 for a convolution): the per-op fit finds
-    the floor and the share again, takes the host cost per class from the records as a ratio of
-    medians, and checks the held-out model's records and every host time."""
+def test_fit_gpu_model_takes_kernel_and_host_costs_from_per_op_records(tmp_path, monkeypatch):
+    """Records made by a known spec (convolutions: 5 µs startup, 40 % of the roofline; host:
+    dispatch 1.5 µs + launch 20.5 µs, x3 for a convolution): the fit finds the startup and the
+    share again from the records, takes the host cost per class as a ratio of medians, and
+    checks the held-out model's records and every host time."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     fit = _script("fit_gpu_model")
     from fxdream.sim.cost.devices import datasheet_device, with_parameters
-    truth = with_parameters(datasheet_device("h200"), {"kernel_min_us": 5.0, "roofline_share.conv": 0.4,
+    truth = with_parameters(datasheet_device("h200"), {"kernel_startup_us.conv": 5.0, "roofline_share.conv": 0.4,
                                                        "launch_overhead_us": 20.5, "host_factor.conv": 3.0})
     records = []
     for model in ("resnet50", "bert_base"):
-        ops = [("aten.convolution", "conv", 1e9), ("aten.convolution", "conv", 4e10), ("aten.relu", "other", 0),
-               ("aten.convolution", "conv", 1e6)]
+        ops = [("aten.relu", "other", 0)] + [("aten.convolution", "conv", f) for f in (1e6, 1e9, 1e10, 2e10, 4e10,
+                                                                                       6e10, 8e10, 1e11)]
         for i, (op, kind, flops) in enumerate(ops):
             nbytes = 4e6 * (i + 1)
             kernel_us = truth.kernel_time_us(flops, nbytes, "float16", kind)
             records.append({"case": f"{model} fp16 bs8 infer", "op": op, "class": kind, "dtype": "float16",
                             "flops": flops, "bytes": nbytes, "kernel_us": kernel_us, "in_graph_us": None,
-                            "host_us": truth.host_us(kind)})
+                            "host_us": truth.host_us(kind), "key": "k"})
     path = tmp_path / "ops.json"
     path.write_text(json.dumps({"records": records}))
     out = tmp_path / "fit.json"
-    assert fit.main(["--no-models", "--ops", str(path), "--out", str(out),
-                     "--parameters", "kernel_min_us,roofline_share.conv"]) == 0
+    assert fit.main(["--no-models", "--ops", str(path), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["parameters"]["kernel_min_us"] == pytest.approx(5.0, rel=0.02)
-    assert report["parameters"]["roofline_share.conv"] == pytest.approx(0.4, rel=0.02)
+    # within the grid's steps: 0.25 µs of startup, 5 % of share
+    assert report["parameters"]["kernel_startup_us.conv"] == pytest.approx(5.0, abs=0.3)
+    assert report["parameters"]["roofline_share.conv"] == pytest.approx(0.4, rel=0.03)
+    assert "roofline_share.other" not in report["parameters"]  # no long pointwise kernels: the datasheet's
     # (1.5 + 3 x 20.5) / (1.5 + 20.5): the records' ratio, taken as measured
     assert report["parameters"]["host_factor.conv"] == pytest.approx(63.0 / 22.0, rel=1e-3)
     held = report["per_op_held_out"]
-    assert held["aten.convolution kernel"]["cases"] == 3 and held["aten.relu host"]["cases"] == 2
-    assert held["aten.convolution host"]["cases"] == 6  # every model's host times are checked, none fitted
-    assert all(row["fitted_median_abs_error_pct"] < 2 for kind, row in held.items() if kind.endswith("kernel"))
+    assert held["aten.convolution kernel"]["cases"] == 8 and held["aten.relu host"]["cases"] == 2
+    assert held["aten.convolution host"]["cases"] == 16  # every model's host times are checked, none fitted
+    assert all(row["fitted_median_abs_error_pct"] < 3 for kind, row in held.items() if kind.endswith("kernel"))
     assert held["aten.convolution kernel"]["datasheet_median_abs_error_pct"] > 50
+
+
+def test_fit_gpu_model_recovers_each_class_startup_and_share(tmp_path, monkeypatch):
+    """Kernel records made by a known kernel model (convolutions: 8 µs startup per kernel, 40 %
+    of the roofline; pointwise: 1.5 µs, 90 %; the datasheet's 1.2 µs floor below both), from tiny
+    to long kernels: each class's grid fit lands near its startup and share, and the joint fit
+    from there on them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    fit = _script("fit_gpu_model")
+    from fxdream.sim.cost.devices import datasheet_device, with_parameters
+    sheet = datasheet_device("h200")
+    values = {"kernel_startup_us.conv": 8.0, "roofline_share.conv": 0.4,
+              "kernel_startup_us.other": 1.5, "roofline_share.other": 0.9}
+    truth = with_parameters(sheet, values)
+    records = []
+    for i, work in enumerate((1e-3, 1e-2, 0.1, 1.0, 10.0, 20.0, 50.0, 100.0, 200.0)):  # roofline µs at fp16
+        conv = {"op": "aten.convolution", "class": "conv", "flops": work * 989.4e6, "bytes": 0.0}
+        relu = {"op": "aten.relu", "class": "other", "flops": 0, "bytes": work * 4.8e6}
+        for r in (conv, relu):
+            r.update(case=f"resnet50 fp16 bs{i} infer", dtype="float16", key="k", in_graph_us=None, host_us=None)
+            r["kernel_us"] = truth.kernel_time_us(r["flops"], r["bytes"], "float16", r["class"])
+            records.append(r)
+    start = _script("gpu_op_records").class_kernel_models(sheet, records)
+    for name, value in values.items():
+        assert start[name] == pytest.approx(value, rel=0.05), name
+    path, out = tmp_path / "ops.json", tmp_path / "fit.json"
+    path.write_text(json.dumps({"records": records}))
+    assert fit.main(["--no-models", "--ops", str(path), "--out", str(out), "--parameters",
+                     ",".join(values)]) == 0
+    fitted = json.loads(out.read_text())["parameters"]
+    for name, value in values.items():
+        assert fitted[name] == pytest.approx(value, rel=0.03), name

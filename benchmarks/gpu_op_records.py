@@ -1,0 +1,140 @@
+"""The per-op records of a GPU lease (``benchmarks/gpu_op_profile.py``) as fit cases: each
+record's kernel time against the kernel model of a DeviceSpec, each kernel class's startup and
+share where its own records put them, and each class's host cost over a pointwise op's.
+Used by ``benchmarks/fit_gpu_model.py``."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fxdream.ir.flops import traffic_factor
+from fxdream.sim.cost.devices import DeviceSpec
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured time and how to predict it from a DeviceSpec."""
+    name: str
+    measured_ms: float
+    predict_ms: Callable[[DeviceSpec], float]
+    source: str
+    group: str = "model"  # "model" (a whole step), or a per-op "kernel" / "host" time
+    op: str = ""          # the op of a per-op case
+
+
+# (cuDNN, matmul) TF32 flags the per-op records ran with: PyTorch's defaults, which
+# gpu_op_profile.py leaves as they are. A float32 convolution ran on TF32 tensor cores.
+RECORDED_TF32 = (True, False)
+
+
+def op_records(paths: list[str]) -> dict[str, list[dict]]:
+    """Each ``gpu_op_profile.py`` file's records, by file name, read once."""
+    return {Path(p).name: json.loads(Path(p).read_text())["records"] for p in paths}
+
+
+def record_kernels(record: dict) -> int:
+    """Kernels one record's op launched: a convolution_backward one per gradient in its output
+    mask (the key's last three fields), any other op one (``fxdream.ir.flops.kernel_count``)."""
+    if record["op"] != "aten.convolution_backward":
+        return 1
+    return max(1, record["key"].rsplit(",", 3)[1:].count("True"))
+
+
+def record_kernel_us(record: dict) -> float | None:
+    """The kernel time a record measured: replayed in a CUDA graph where it was (the stream time
+    the floor stands for), else timed alone."""
+    return record.get("in_graph_us") or record["kernel_us"]
+
+
+_ITEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def record_traffic(record: dict) -> float:
+    """A record's memory traffic as ``fxdream.ir.flops.kernel_bytes`` counts it for the node:
+    its tensors' bytes times ``traffic_factor``, and for a convolution_backward the first three
+    tensors of its key (grad_output, input, weight) read again by each kernel after the first."""
+    traffic = record["bytes"] * traffic_factor(record["op"], record["dtype"])
+    if record["op"] == "aten.convolution_backward":
+        tensors = re.findall(r"T\(([^)]*)\):(\w+):", record["key"])[:3]
+        read = sum(math.prod(int(d) for d in shape.split(",") if d.strip()) * _ITEM_BYTES.get(dtype, 4)
+                   for shape, dtype in tensors)
+        traffic += (record_kernels(record) - 1) * read
+    return traffic
+
+
+def record_roofline_us(spec: DeviceSpec, record: dict) -> float:
+    """A record's kernel time on ``spec``'s roofline, its math at the rate it ran at."""
+    dtype = spec.math_dtype(record["dtype"], record["class"], *RECORDED_TF32)
+    traffic = record_traffic(record)
+    return spec.kernel_time_us(record["flops"], traffic, dtype, record["class"], record_kernels(record))
+
+
+# A class's share of the roofline is read from its long kernels, where the startup is a small
+# part of the time: a class with fewer than LONG_KERNELS records of at least LONG_KERNEL_US of
+# roofline time keeps the datasheet's share (ResNet-50's GEMMs, its one small linear layer).
+LONG_KERNEL_US = 10.0
+LONG_KERNELS = 5
+
+
+def class_kernel_models(spec: DeviceSpec, records: list[dict]) -> dict[str, float]:
+    """For each kernel class in ``records``, the startup per kernel and the share of the
+    roofline that best fit its kernel times (least mean |log error| over a grid; the share
+    only where the class has long kernels), the floor staying ``spec``'s."""
+    bare = dataclasses.replace(spec, kernel_min_us=0.0, roofline_share={}, kernel_startup_us={})
+    by_class: dict[str, list[tuple[float, int, float]]] = {}
+    for r in records:
+        if record_kernel_us(r):
+            by_class.setdefault(r["class"], []).append((record_roofline_us(bare, r), record_kernels(r),
+                                                        record_kernel_us(r)))
+    values = {}
+    for kernel_class, rows in sorted(by_class.items()):
+        roofline, kernels, measured = (torch.tensor(column, dtype=torch.float64) for column in zip(*rows))
+        long_kernels = int((roofline >= LONG_KERNEL_US).sum())
+        shares = torch.logspace(-1.7, 0.0, 80) if long_kernels >= LONG_KERNELS else torch.ones(1)
+        startups = torch.linspace(0.0, 30.0, 121)
+        predicted = torch.maximum(startups[:, None, None] * kernels + roofline / shares[None, :, None],
+                                  spec.kernel_min_us * kernels)
+        best = int((predicted / measured).log().abs().mean(-1).argmin())
+        values[f"kernel_startup_us.{kernel_class}"] = float(startups[best // len(shares)])
+        if len(shares) > 1:
+            values[f"roofline_share.{kernel_class}"] = float(shares[best % len(shares)])
+    return values
+
+
+def op_cases(source: str, records: list[dict]) -> list[Case]:
+    """Per-op cases from the records of one ``gpu_op_profile.py`` file (``source``): each kernel
+    time (``record_kernel_us``) against the kernel model of its FLOPs, bytes, dtype, class and
+    kernel count; each host time against dispatch + launch."""
+    cases = []
+    for r in records:
+        kernel_us = record_kernel_us(r)
+        if kernel_us and kernel_us > 0:
+            cases.append(Case(f"{r['case']}: {r['op']} kernel", kernel_us / 1e3,
+                              lambda spec, r=r: record_roofline_us(spec, r) / 1e3, source, "kernel", r["op"]))
+        if r.get("host_us"):
+            cases.append(Case(f"{r['case']}: {r['op']} host", r["host_us"] / 1e3,
+                              lambda spec, r=r: spec.host_us(r["class"]) / 1e3, source,
+                              "host", r["op"]))
+    return cases
+
+
+def host_factors(records: list[dict], held_out: tuple[str, ...]) -> dict[str, float]:
+    """``host_factor.<class>``: each kernel class's median host µs per op over that of class
+    "other" (pointwise ops), from the records of the models not held out."""
+    by_class: dict[str, list[float]] = {}
+    for r in records:
+        if r.get("host_us") and not r["case"].startswith(held_out):
+            by_class.setdefault(r["class"], []).append(r["host_us"])
+    if "other" not in by_class:
+        return {}
+    other = statistics.median(by_class["other"])
+    return {f"host_factor.{c}": round(statistics.median(v) / other, 3) for c, v in sorted(by_class.items())
+            if c != "other"}
