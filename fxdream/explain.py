@@ -44,7 +44,7 @@ from sympy.utilities.lambdify import implemented_function
 
 from fxdream import models
 from fxdream.capturing import capture
-from fxdream.ir.flops import kernel_class, node_flops
+from fxdream.ir.flops import kernel_class, node_flops, node_traffic_factor
 from fxdream.ir.graphs import copy_graph_module
 from fxdream.ir.nodes import is_view, node_dtype, op_name, value_of
 from fxdream.passes.aux_stream_backward import split
@@ -187,7 +187,8 @@ class _Symbolic:
             fill = _min(1, sp.ceiling(m / TILE) * sp.ceiling(n / TILE) * groups / self.slots)
             return self._kernel_time(self._roof(2 * m * n * k * groups, nbytes, node), kernel_class(node), fill)
         flops = node_flops(node) * (b / self.scaling.b0 if self._batch(node) else 1)
-        return self._kernel_time(self._roof(flops, nbytes, node_dtype(node)), kernel_class(node))
+        traffic = nbytes * node_traffic_factor(node)
+        return self._kernel_time(self._roof(flops, traffic, node_dtype(node)), kernel_class(node))
 
     def _matmul(self, node: fx.Node, name: str):
         """(M, N, K, groups) of mm / addmm / bmm / conv forward, a batch-sized dimension as ``b``."""

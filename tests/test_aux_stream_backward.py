@@ -13,7 +13,7 @@ import fxdream
 from fxdream import models
 from fxdream.runtime import streams
 from fxdream.explain import b as B
-from fxdream.explain import crossover, crossover_of_graphs, formula, model_terms
+from fxdream.explain import _Symbolic, crossover, crossover_of_graphs, formula, model_terms
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes
 from fxdream.ir.graphs import copy_graph_module
@@ -360,6 +360,26 @@ def test_crossover_formula_on_a_device_fitted_to_measured_kernels():
     simulator = occupancy.OccupancyAware(Analytic(device))
     kernels = sum(simulator.kernel_us(n) for n in one.graph.nodes if n.op == "call_function")
     assert float(definitions["G"].subs(B, 2)) == pytest.approx(kernels)
+
+
+def test_the_formula_costs_a_batch_norm_backward_as_the_simulator_does():
+    """G(b)'s kernels outside the GEMMs take their traffic as the simulator does
+    (``kernel_bytes``: a training batch norm's backward passes over its data more than once)."""
+    device = DeviceSpec("toy", "cuda", {"float32": 1e12}, 1e9, launch_overhead_us=0.0,
+                        dispatch_overhead_us=1.0, kernel_min_us=0.0, num_sms=4, memory_bytes=2**30)
+    graph = fx.Graph()
+    grad, x, w, mean, invstd = (graph.placeholder(n) for n in ("g", "x", "w", "mean", "invstd"))
+    node = graph.call_function(torch.ops.aten.native_batch_norm_backward.default,
+                               (grad, x, w, None, None, mean, invstd, True, 1e-5, [True, True, True]))
+    graph.output(node)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    RecordValues(gm).run(torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.randn(4), torch.randn(4),
+                         torch.rand(4))
+    symbolic = float(_Symbolic(device, b0=2).kernel(node).subs(B, 2))
+    simulator = occupancy.OccupancyAware(Analytic(device)).kernel_us(node)
+    assert symbolic == pytest.approx(simulator)
+    # three float32 tensors of 512 elements, their bytes x 3.3 for the backward's passes
+    assert simulator > 3 * 3 * 512 * 4 / 1e9 * 1e6
 
 
 def test_crossover_of_a_captured_model_reads_like_the_issue_asks():

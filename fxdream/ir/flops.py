@@ -66,20 +66,25 @@ def traffic_factor(op: str, dtype: str, training: bool | None = None) -> float:
     return width * (_TRAINING_READS["forward"] if training else 1.0)
 
 
-def kernel_bytes(node: fx.Node) -> float:
-    """Bytes of memory traffic one node's kernels take the time of: its tensors' bytes
-    (``node_bytes``) times ``traffic_factor``. Each kernel of a ``convolution_backward`` reads
-    grad_output, input and weight, which its tensors count once: a fused call and its parts
-    split one per kernel (``aux_stream_backward``) move alike."""
+def node_traffic_factor(node: fx.Node) -> float:
+    """``traffic_factor`` of one node, its training flag read where its op has one."""
     name = op_name(node)
     training = None
     if name in BATCH_NORM_OPS and name not in _BACKWARD_BATCH_NORMS and len(node.args) > _TRAINING_ARG:
         flag = node.args[_TRAINING_ARG]
         training = flag if isinstance(flag, bool) else None
+    return traffic_factor(name, node_dtype(node), training)
+
+
+def kernel_bytes(node: fx.Node) -> float:
+    """Bytes of memory traffic one node's kernels take the time of: its tensors' bytes
+    (``node_bytes``) times ``node_traffic_factor``. Each kernel of a ``convolution_backward``
+    reads grad_output, input and weight, which its tensors count once: a fused call and its
+    parts split one per kernel (``aux_stream_backward``) move alike."""
     rereads = 0
-    if name == "aten.convolution_backward" and len(node.args) == 11:
+    if op_name(node) == "aten.convolution_backward" and len(node.args) == 11:
         rereads = (kernel_count(node) - 1) * tensor_bytes([value_of(a) for a in node.args[:3]])
-    return node_bytes(node) * traffic_factor(name, node_dtype(node), training) + rereads
+    return node_bytes(node) * node_traffic_factor(node) + rereads
 
 
 def kernel_count(node: fx.Node) -> int:
