@@ -9,12 +9,12 @@ and the share of the roofline it reaches) are searched to match the fit cases
 which ``get_device`` then applies.
 
 Fit cases, ResNet-50 in float16 on the H200 (gpu_ab_h200_*, gpu_aux_stream_h200_*):
-batch-1 inference as captured (host-bound), in CUDA graphs and fused + CUDA graphs (timed back
-to back: the larger of host and device time per call), training steps (forward + backward, no
-optimizer) at batch 32 and 128 under autocast. Held out, BERT-base in float16 on the same
-machine (diag_hf_bert_h200_*): the zoo's bert_base at batch 1 as captured (wall and device
-time), and Hugging Face BertModel's eager device time at batch 128 and 1, against the summed
-kernels of its captured graph.
+batch-1 inference as captured (host-bound), in CUDA graphs and fused + CUDA graphs (inference
+predicted with calls back to back, as timed: ``fxdream.sim.prediction.iteration_us``), training
+steps (forward + backward, no optimizer) at batch 32 and 128 under autocast. Held out, BERT-base
+in float16 on the same machine (diag_hf_bert_h200_*): the zoo's bert_base at batch 1 as captured
+(wall and device time), and Hugging Face BertModel's eager device time at batch 128 and 1,
+against the summed kernels of its captured graph.
 
     python benchmarks/fit_gpu_model.py --ops benchmarks/results/gpu_op_profile_h200_2026-11-27.json
                                                        # fit, check, write the JSON (~5 min)
@@ -87,17 +87,6 @@ def wall_ms(captured, training: bool, graphs=None) -> Callable[[DeviceSpec], flo
     return lambda spec: predict(captured, Analytic(spec), training, graphs=graphs).time_ms
 
 
-def back_to_back_ms(captured, graphs) -> Callable[[DeviceSpec], float]:
-    """Time per call of calls timed back to back (the A/B harness's loop): the host runs ahead
-    of the device, so a call costs the larger of its host time and its device time, not one
-    call's latency (host, then the kernels it launched)."""
-    def predicted(spec: DeviceSpec) -> float:
-        tasks = predict(captured, Analytic(spec), False, graphs=graphs).task_graph.tasks
-        busy = {kind: sum(t.duration_us for t in tasks if t.kind is kind) for kind in (TaskKind.CPU, TaskKind.GPU)}
-        return max(busy.values()) / 1e3
-    return predicted
-
-
 def device_ms(captured) -> Callable[[DeviceSpec], float]:
     """Summed kernel time: what a profiler's "device time" of the step adds up."""
     def predicted(spec: DeviceSpec) -> float:
@@ -147,7 +136,7 @@ def resnet50_cases(base: DeviceSpec) -> list[Case]:
     for runner, passes in variants:
         rewritten = plan(model, captured, base, False, passes, Analytic(base)).graphs
         cases.append(Case(f"resnet50 fp16 bs1 inference, {runner}", ab[runner]["median_ms"],
-                          back_to_back_ms(captured, rewritten), AB))
+                          wall_ms(captured, False, rewritten), AB))
     for batch in sorted(aux):
         model, inputs = _meta_model("resnet50", batch, True, dtype=torch.float32)
         captured = capture(AutocastLike(model).train(), inputs, training=True)

@@ -7,9 +7,11 @@ from fxdream.report import Report
 from fxdream.sim.cost import Analytic, Profiled, get_device
 from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.lower import lower
-from fxdream.sim.prediction import Prediction
+from fxdream.sim.prediction import Prediction, iteration_us
 from fxdream.sim.profile.op_keys import profile_key
 from fxdream.sim.simulate import simulate
+from fxdream.sim.task import DepKind, Task, TaskKind
+from fxdream.sim.taskgraph import TaskGraph
 from conftest import graph_with_values
 
 
@@ -136,3 +138,33 @@ def test_a_run_spread_is_a_prediction_interval_scaled_from_the_measured_sides():
     assert RunSpread.of_runs(keys, [100.0]) == RunSpread(keys, 1.0, 1.0)  # one run: no spread measured
     assert RunSpread.of_runs(keys, [0.0, 0.0]) is None
     assert RunSpread.of_runs(keys, [10.0, 100.0]).low == 0.05  # never at or below zero
+
+
+def _launch_chain(kernel_us: float, sync: bool = False) -> TaskGraph:
+    """Three host launches of 4 µs, each launching a kernel of ``kernel_us`` on stream 0; with
+    ``sync`` the host then waits for the last kernel (``.item()``)."""
+    graph = TaskGraph()
+    for i in range(3):
+        graph.append(Task.cpu(f"L{i}", 4.0, op="aten.relu"))
+        graph.append(Task.gpu(f"K{i}", kernel_us, op="aten.relu"), deps=[f"L{i}"])
+    if sync:
+        graph.append(Task("S", TaskKind.SYNC, 0.0, "cpu:0"), deps=[("K2", DepKind.SYNC)])
+    return graph
+
+
+@pytest.mark.parametrize("kernel_us, sync, expected_us", [
+    (10.0, False, 30.0),   # device-bound: the stream's 3 x 10 µs, the next call's launches hidden
+    (1.0, False, 12.0),    # host-bound: the 3 x 4 µs of launches
+    (10.0, True, 34.0),    # the host waits each call: one call's makespan, 4 + 3 x 10 µs
+])
+def test_inference_calls_back_to_back_cost_their_busiest_resource(kernel_us, sync, expected_us):
+    graph = _launch_chain(kernel_us, sync)
+    timeline = simulate(graph)
+    h100 = get_device("h100")
+    assert iteration_us(h100, graph, timeline) == pytest.approx(expected_us)
+    back_to_back = Prediction(h100, False, graph, timeline, 0, back_to_back=True)
+    one_call = Prediction(h100, False, graph, timeline, 0)
+    assert back_to_back.time_ms == pytest.approx(expected_us / 1e3)
+    assert one_call.time_ms == pytest.approx(timeline.makespan_us / 1e3)
+    assert one_call.time_ms >= back_to_back.time_ms
+    assert iteration_us(get_device("cpu"), graph, timeline) == timeline.makespan_us  # a CPU runs both

@@ -1,6 +1,7 @@
 """fxdream.simulate(): capture → (passes) → lower → simulate, for this machine or any DeviceSpec."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.lower import OptimizerModel, lower, lower_captured
 from fxdream.sim.simulate import Contention, Timeline
 from fxdream.sim.simulate import simulate as simulate_graph
-from fxdream.sim.taskgraph import TaskGraph
+from fxdream.sim.taskgraph import TaskGraph, TaskKind
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,17 @@ class Prediction:
     # (low, high) ms: simulated at the fast and the slow end of the measured costs (``SpreadBound``:
     # whole runs' spread, or each op's samples); None where the costs are not measured (analytic)
     range_ms: tuple[float, float] | None = None
+    # an inference call of a captured model, timed with calls back to back (``iteration_us``);
+    # False: one iteration's makespan (a training step; a task graph given as one iteration)
+    back_to_back: bool = False
 
     @property
     def time_ms(self) -> float:
-        return self.timeline.makespan_us / 1e3
+        """Time per iteration: one iteration's makespan, or with ``back_to_back`` the time per
+        call of calls run back to back (``iteration_us``)."""
+        if not self.back_to_back:
+            return self.timeline.makespan_us / 1e3
+        return iteration_us(self.device, self.task_graph, self.timeline) / 1e3
 
     @property
     def time_ms_range(self) -> tuple[float, float]:
@@ -78,6 +86,17 @@ class Prediction:
         return "\n".join(lines)
 
 
+def iteration_us(device: DeviceSpec, graph: TaskGraph | None, timeline: Timeline) -> float:
+    """Time per iteration of iterations run back to back, as a loop over calls runs them and as
+    fxdream times them. On a CPU the host runs the kernels: one iteration's makespan. On a GPU
+    the host launches the next iteration while the device runs this one, so an iteration costs
+    its busiest resource (the host's launches or a stream's kernels), unless the host waits for
+    the device within it (a SYNC task: ``.item()``), which serializes them."""
+    if device.kind != "cuda" or graph is None or any(t.kind is TaskKind.SYNC for t in graph.tasks):
+        return timeline.makespan_us
+    return min(timeline.makespan_us, max(timeline.busy_us.values(), default=0.0))
+
+
 def this_machine_device(device: torch.device | str = "cpu") -> str:
     """The DeviceSpec name for where a module runs: "cpu", or the table's name of this GPU."""
     if torch.device(device).type != "cuda":
@@ -105,16 +124,15 @@ def predict(captured: Captured | tuple, cost: CostModel, training: bool,
     if isinstance(cost, Profiled):
         cost.profile_in_context(captured, graphs=graphs)
 
-    def simulated(model: CostModel):
+    def prediction(model: CostModel) -> Prediction:
         lowered = lower_captured(captured, model, optimizer if training else None, graphs, step)
-        return lowered, simulate_graph(lowered.graph, Contention() if contention else None,
-                                       initial_memory_bytes=lowered.static_bytes)
-    lowered, timeline = simulated(cost)
-    range_ms = None
-    if isinstance(cost, Profiled):
-        ms = timeline.makespan_us / 1e3
-        low, high = (simulated(SpreadBound(cost, side))[1].makespan_us / 1e3 for side in ("low", "high"))
-        range_ms = (min(low, ms), max(high, ms))
-    return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes, range_ms=range_ms)
+        timeline = simulate_graph(lowered.graph, Contention() if contention else None,
+                                  initial_memory_bytes=lowered.static_bytes)
+        return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes,
+                          back_to_back=not training)
 
-
+    predicted = prediction(cost)
+    if not isinstance(cost, Profiled):
+        return predicted
+    low, high = (prediction(SpreadBound(cost, side)).time_ms for side in ("low", "high"))
+    return dataclasses.replace(predicted, range_ms=(min(low, predicted.time_ms), max(high, predicted.time_ms)))

@@ -143,7 +143,8 @@ def _simulate(tg: TaskGraph, contention: bool, static_bytes: int):
 def _prediction(like: Prediction, tg: TaskGraph, contention: bool, *, device: DeviceSpec | None = None,
                 static_bytes: int | None = None) -> Prediction:
     static = like.static_bytes if static_bytes is None else static_bytes
-    return Prediction(device or like.device, like.training, tg, _simulate(tg, contention, static), static)
+    return Prediction(device or like.device, like.training, tg, _simulate(tg, contention, static), static,
+                      back_to_back=like.back_to_back)
 
 
 @dataclass(frozen=True)
