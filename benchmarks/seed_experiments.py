@@ -2,11 +2,11 @@
 
 Nothing runs on a GPU: each model is captured on the meta device and simulated for a V100
 three ways: the datasheet spec; the datasheet with the parameters fitted on the H200
-(``fxdream/sim/cost/fits/h200.json``: PyTorch's host costs, the kernel floor, the shares of
-the roofline) carried over; and, for the CUDA-graph experiment, that spec with its host costs
-scaled so the prediction without graphs equals the seed's own time without graphs (MXNet's
-executor costs less per op than PyTorch's generated code; the seed's second number is then
-a prediction from its first).
+(``fxdream/sim/cost/fits/h200.json``: PyTorch's host costs, the kernel floor, each kernel
+class's startup and share of the roofline) carried over; and, for the CUDA-graph experiment,
+that spec with its host costs scaled so the prediction without graphs equals the seed's own
+time without graphs (MXNet's executor costs less per op than PyTorch's generated code; the
+seed's second number is then a prediction from its first).
 
 1. CUDA graphs (MXNet PR 19142): ResNet-50 fp16 inference at batch 1 and 128, without and
    with the ``cuda_graphs`` pass. Seed: 2.815 → 2.323 ms per batch at 1 (17.5 % less time),
