@@ -10,6 +10,7 @@ from fxdream import whatif as W
 from fxdream.sim.prediction import Prediction, predict
 from fxdream.sim import DepKind, Task, TaskGraph, get_device
 from fxdream.sim.cost.analytic import Analytic
+from fxdream.sim.cost.devices import with_parameters
 from fxdream.sim.lower import ADAM, SGD
 from conftest import TwoSubgraphs
 
@@ -150,6 +151,10 @@ def test_fused_optimizer_without_captured_reads_bytes_from_kernel_times():
     w = W.fused_optimizer(g, device="h100")
     kernels = w.task_graph.select(phase="optim", kind="gpu")
     assert len(kernels) == 1 and w.task_graph.task(kernels[0]).duration_us == pytest.approx(40.0)
+    # on a spec whose kernels start up (a fitted one), the fused kernel is priced as one kernel
+    started = with_parameters(get_device("h100"), {"kernel_startup_us.other": 3.0})
+    w = W.fused_optimizer(g, device=started)
+    assert w.task_graph.task(w.task_graph.select(phase="optim", kind="gpu")[0]).duration_us == pytest.approx(43.0)
     with pytest.raises(ValueError, match="no optimizer tasks"):
         W.fused_optimizer(kernel_chain())
 

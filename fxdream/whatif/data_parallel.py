@@ -254,9 +254,7 @@ def _need_grads(s: _Start, tg: TaskGraph) -> tuple[Gradient, ...]:
 
 def _copy_task(name: str, like: Task, nbytes: float, spec: DeviceSpec) -> Task:
     """A memory-bound copy of ``nbytes`` (read + write counted) on ``like``'s resource."""
-    us = nbytes / spec.mem_bandwidth * 1e6
-    if like.kind is TaskKind.GPU:
-        us = max(us, spec.kernel_min_us)
+    us = spec.kernel_time_us(0, nbytes) if like.kind is TaskKind.GPU else nbytes / spec.mem_bandwidth * 1e6
     kind = TaskKind.GPU if like.kind is TaskKind.GPU else TaskKind.CPU
     return Task(name, kind, us, like.resource, op="ddp.copy", phase="comm")
 

@@ -46,7 +46,7 @@ def fused_optimizer(x, *, captured=None, graphs=None, device=None,
         nbytes = sum(t for t in times if t > floor) * bw / 1e6
         source = ("per-parameter kernel times x bandwidth (kernels at the device's floor "
                   "count 0: a lower bound)")
-    kernel_us = max(nbytes / bw * 1e6, spec.kernel_min_us)
+    kernel_us = spec.kernel_time_us(0, nbytes)  # one memory-bound kernel over every parameter
     keep_host, keep_kernel = host[0], (kernels[0] if kernels else None)
     before_ms = sum(tg.task(n).duration_us for n in optim) / 1e3
     durations = {keep_host: launch if on_gpu else launch + kernel_us}
