@@ -14,11 +14,18 @@ def check_model(model) -> None:
 
 def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
                  model: torch.nn.Module | None = None) -> tuple:
-    """The example call as one positional tuple, at least one of its values a tensor:
-    ``example_inputs`` (a tensor, or a tuple/list of forward's positional arguments) and
-    ``example_kwargs`` (forward's keyword arguments, as torch.export takes them), put in place by
-    ``positional_call`` on ``model``'s forward. Keywords without a position (keyword-only,
-    ``**kwargs``) are not in it: ``capturing.keywords.bind_keywords`` binds them to the model."""
+    """The example call as one positional tuple (``check_call``'s first part)."""
+    return check_call(example_inputs, example_kwargs, model)[0]
+
+
+def check_call(example_inputs, example_kwargs: Mapping | None = None,
+               model: torch.nn.Module | None = None) -> tuple[tuple, dict]:
+    """(the example call as one positional tuple, at least one of its values a tensor; the
+    keywords without a position). ``example_inputs``: a tensor, or a tuple/list of forward's
+    positional arguments; ``example_kwargs``: forward's keyword arguments, as torch.export takes
+    them, put in place by ``positional_call`` on ``model``'s forward. Keywords without a position
+    (keyword-only, ``**kwargs``, ``keyword_split``) are returned apart:
+    ``capturing.keywords.bind_keywords`` binds them to the model."""
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     if not isinstance(example_inputs, (tuple, list)):
@@ -30,11 +37,11 @@ def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
     if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
         raise TypeError(f"example_kwargs must be a dict of forward's keyword arguments, got "
                         f"{type(example_kwargs).__name__}")
-    inputs = tuple(example_inputs)
+    inputs, unplaced = tuple(example_inputs), {}
     if example_kwargs:
         if model is None:
             raise TypeError("example_kwargs needs the model, whose forward's signature places them")
-        placed, _ = keyword_split(_signature(model.forward), example_kwargs)
+        placed, unplaced = keyword_split(_signature(model.forward), example_kwargs)
         inputs = positional_call(model.forward, inputs, placed)
     allowed = (torch.Tensor, bool, int, float, str, type(None))
     leaves = []
@@ -47,7 +54,7 @@ def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
             leaves.append(leaf)
     if not any(isinstance(v, torch.Tensor) for v in leaves):
         raise TypeError("example_inputs holds no torch.Tensor; pass the model's tensor arguments")
-    return inputs
+    return inputs, unplaced
 
 
 def _signature(forward: Callable) -> inspect.Signature:

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import torch
 
-from fxdream.capturing.arguments import check_inputs, keyword_split, positional_call
+from fxdream.capturing.arguments import check_call, keyword_split, positional_call
 
 
 class WithKeywords(torch.nn.Module):
@@ -59,8 +59,5 @@ def user_model(model: torch.nn.Module) -> torch.nn.Module:
 def bind_keywords(model: torch.nn.Module, example_inputs, example_kwargs: Mapping | None) -> tuple:
     """(model, positional example inputs): keywords with a position put there, those without
     one (keyword-only, ``**kwargs``; no tensors in them) bound by ``WithKeywords``."""
-    inputs = check_inputs(example_inputs, example_kwargs, model)
-    if not example_kwargs:
-        return model, inputs
-    _, unplaced = keyword_split(inspect.signature(model.forward), example_kwargs)
+    inputs, unplaced = check_call(example_inputs, example_kwargs, model)
     return (WithKeywords(model, unplaced) if unplaced else model), inputs
