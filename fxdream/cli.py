@@ -149,7 +149,7 @@ def cmd_whatif(args) -> int:
 
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, True)
     print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
-    model, inputs, _, cost = prediction_inputs(model, inputs, None, args.device, args.cost)  # analytic: on meta
+    model, inputs, cost = prediction_inputs(model, inputs, args.device, args.cost)  # analytic: on meta
     captured = capture(model, inputs, training=True)
     base = predict(captured, cost, True, OPTIMIZERS[args.optimizer])
     on_gpu = base.device.kind == "cuda"
@@ -231,7 +231,7 @@ def cmd_explain(args) -> int:
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} ...", flush=True)
-    model, inputs, _, _ = prediction_inputs(model, inputs, None, args.device, "auto")  # another device: on meta
+    model, inputs, _ = prediction_inputs(model, inputs, args.device, "auto")  # another device: on meta
     captured = fxdream.capture(model, inputs, training=args.training)
     model.train(args.training)
     result = plan(model, captured, device=args.device, training=args.training,

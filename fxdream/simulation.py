@@ -32,24 +32,20 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
     model, example_inputs = bind_keywords(model, example_inputs, example_kwargs)  # all positional from here
-    example_kwargs = None
-    original = (model, example_inputs, example_kwargs)
-    model, example_inputs, example_kwargs, model_cost = prediction_inputs(model, example_inputs, example_kwargs,
-                                                                          device, cost)
+    original = (model, example_inputs)
+    model, example_inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
     measure, fallback = isinstance(model_cost, Profiled), ()
     try:  # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
         with _autocast_watch() as autocast_notes:
-            captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure,
-                                                           example_kwargs=example_kwargs)
+            captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure)
         notes = tuple(autocast_notes) + tuple(notes)
     except Exception as error:
         if on_meta(*original) and "FakeTensor" in str(error):
             raise CaptureError(f"{error}\n{META_CONSTANT_HINT}") from error
         if measure or model is original[0] or on_meta(*original):
             raise
-        model, example_inputs, example_kwargs = original  # it reads tensor values: capture on its data
-        captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False,
-                                                       example_kwargs=example_kwargs)
+        model, example_inputs = original  # it reads tensor values: capture on its data
+        captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
         fallback = (f"captured on the example's data here, not on the meta device: the model reads tensor values "
                     f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",)
     notes = fallback + tuple(notes)
@@ -91,18 +87,17 @@ def _autocast_watch():
                      "disabled: predicted without autocast (its dtype casts and low-precision kernels)")
 
 
-def prediction_inputs(model: torch.nn.Module, example_inputs, example_kwargs, device: str | DeviceSpec,
-                      cost: str) -> tuple:
-    """(model, inputs, kwargs, cost model) to capture for a prediction: with analytic costs (a
+def prediction_inputs(model: torch.nn.Module, example_inputs, device: str | DeviceSpec, cost: str) -> tuple:
+    """(model, positional inputs, cost model) to capture for a prediction: with analytic costs (a
     device that is not here, or ``cost="analytic"``) a copy on the meta device, so nothing runs
     on real data here; a model already on the meta device takes analytic costs."""
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    meta = on_meta(model, inputs, example_kwargs)
+    meta = on_meta(model, inputs)
     if meta and cost == "profiled":
         raise ValueError("cost='profiled' measures the model on this machine, and its tensors are on the meta "
                          "device (no data): use cost='analytic' (or 'auto') for a meta model")
     model_cost = cost_model_for(device, "analytic" if meta and cost == "auto" else cost, reuse=True)
     if isinstance(model_cost, Profiled) or meta:
-        return model, example_inputs, example_kwargs, model_cost
-    model, inputs, kwargs = meta_copy(model, inputs, example_kwargs)
-    return model, inputs, kwargs, model_cost
+        return model, example_inputs, model_cost
+    model, inputs, _ = meta_copy(model, inputs)
+    return model, inputs, model_cost
