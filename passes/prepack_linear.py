@@ -19,6 +19,7 @@ says so.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -205,15 +206,14 @@ def _trial(gm: fx.GraphModule, sites: list[Site], kind: str, ctx: PassContext, p
     trial = copy_graph_module(gm)
     by_name = {n.name: n for n in trial.graph.nodes}
     same = lambda node: None if node is None else by_name[node.name]  # noqa: E731
-    return _rewrite(trial, [Site(same(s.mm), same(s.weight), same(s.view), same(s.act), kind, s.transposed)
-                            for s in sites], ctx, packs)
+    return _rewrite(trial, [dataclasses.replace(s, mm=same(s.mm), weight=same(s.weight), view=same(s.view),
+                                                act=same(s.act), kind=kind) for s in sites], ctx, packs)
 
 
 def _mkl_fits(site: Site, ctx: PassContext, packs: dict) -> bool:
     weight = frozen_value(site.weight, ctx)
-    mkl = Site(site.mm, site.weight, kind=MKL, transposed=site.transposed)
     return MKL_LINEAR is not None and weight.dtype == torch.float32 and \
-        _packed(mkl, ctx, packs).numel() <= MKL_MAX_GROWTH * weight.numel()
+        _packed(dataclasses.replace(site, kind=MKL), ctx, packs).numel() <= MKL_MAX_GROWTH * weight.numel()
 
 
 def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
@@ -247,7 +247,7 @@ def _faster_packed(gm: fx.GraphModule, sites: list[Site], ctx: PassContext,
         notes.append(f"{_describe(site, ctx, len(group))}: {listing}{unfit} (alone) → "
                      + ("left as it was" if best == "as captured" else f"packed by {best}{forced}"))
         if best != "as captured":
-            keep.extend(Site(s.mm, s.weight, s.view, s.act, best, s.transposed) for s in group)
+            keep.extend(dataclasses.replace(s, kind=best) for s in group)
     used = {_pack_key(s, ctx) for s in keep}
     for key in [k for k in packs if k not in used]:
         del packs[key]  # let the trials' other buffers go now
