@@ -174,8 +174,8 @@ def _rewrite(gm: fx.GraphModule, gelus: list[Gelu]) -> None:
             fused = graph.call_function(aten.gelu.default, (gelu.x,), {"approximate": gelu.approximate})
         fused.meta.update(gelu.output.meta)
         gelu.output.replace_all_uses_with(fused)
-        for node in reversed(list(graph.nodes)):  # readers first
-            if node in gelu.formula and not node.users:
+        for node in gelu.formula:  # collected from the output down: each node before what it reads
+            if not node.users:
                 graph.erase_node(node)
     graph.lint()
     gm.recompile()
