@@ -18,7 +18,6 @@ import collections
 import datetime
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -29,7 +28,8 @@ from cpu_peers import require
 
 import fxdream
 from fxdream.build import cost_model_for
-from fxdream.cli import build_model
+from fxdream.capturing.dynamo import describe_error
+from fxdream.cli import build_model, file_safe
 from fxdream.ir.nodes import op_name
 
 RESULTS = Path(__file__).parent / "results"
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         try:
             times, wall, extra = profile(model, inputs, args.calls)
         except Exception as error:  # an engine that cannot convert or run the model: its row says why
-            not_run[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+            not_run[name] = describe_error(error)
             print(f"{name}: not run: {not_run[name]}", flush=True)
             continue
         kinds = _by_kind(times, args.calls)
@@ -169,8 +169,7 @@ def main(argv=None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     suffix = "" if args.precision == "fp32" else f"_{args.precision}"
-    label = re.sub(r"[^\w.-]+", "_", args.model.replace(".py", ""))  # a FILE.py:FUNCTION model too
-    name = f"cpu_peer_profile_{label}_bs{args.batch}{suffix}_{datetime.date.today()}.json"
+    name = f"cpu_peer_profile_{file_safe(args.model)}_bs{args.batch}{suffix}_{datetime.date.today()}.json"
     out = Path(args.out or RESULTS / name)
     out.write_text(json.dumps({"model": args.model, "batch": args.batch, "calls": args.calls,
                                "threads": torch.get_num_threads(), "torch": torch.__version__,

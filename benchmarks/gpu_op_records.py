@@ -54,9 +54,6 @@ def record_kernel_us(record: dict) -> float | None:
     return record.get("in_graph_us") or record["kernel_us"]
 
 
-_ITEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-
-
 def record_traffic(record: dict) -> float:
     """A record's memory traffic as ``fxdream.ir.flops.kernel_bytes`` counts it for the node:
     its tensors' bytes times ``traffic_factor``, and for a convolution_backward the first three
@@ -64,7 +61,7 @@ def record_traffic(record: dict) -> float:
     traffic = record["bytes"] * traffic_factor(record["op"], record["dtype"])
     if record["op"] == "aten.convolution_backward":
         tensors = re.findall(r"T\(([^)]*)\):(\w+):", record["key"])[:3]
-        read = sum(math.prod(int(d) for d in shape.split(",") if d.strip()) * _ITEM_BYTES.get(dtype, 4)
+        read = sum(math.prod(int(d) for d in shape.split(",") if d.strip()) * getattr(torch, dtype).itemsize
                    for shape, dtype in tensors)
         traffic += (record_kernels(record) - 1) * read
     return traffic

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
+from fxdream.capturing.dynamo import describe_error
 from fxdream.ir.nodes import arg_values, is_view, op_name
 from fxdream.ir.tensors import real_tensors, size_hint
 from fxdream.runtime.direct_calls import direct
@@ -204,8 +205,8 @@ class Profiled:
             return _time_calls(call, self.rounds, self.target_block_us), None
         except Exception as error:  # an op that cannot run on synthetic inputs: fall back to the roofline
             # said aloud: a pass comparing this guess with measured times compares unlike things
-            log.warning("%s could not be timed alone (%s: %s); its cost is the analytic model's guess",
-                        op_name(node), type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+            log.warning("%s could not be timed alone (%s); its cost is the analytic model's guess",
+                        op_name(node), describe_error(error))
             return self._fallback.kernel_us(node), None
 
     @property
