@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import fxdream
+from fxdream.capturing import host_gaps
 from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.capturing.host_gaps import END, StepCalls, SubgraphClock, measure_host_gaps, step_calls
 from fxdream.sim.prediction import predict
@@ -164,17 +165,41 @@ def test_a_graph_called_per_block_is_simulated_per_call():
     assert len(prediction.task_graph.select(phase="optim")) == 6
 
 
-def test_measuring_stops_when_the_budget_is_spent_and_keeps_a_long_warm_up_step():
+def test_measuring_stops_when_the_budget_is_spent_and_keeps_a_long_warm_up_step_spent_in_graphs():
     clock = SubgraphClock()
-    call = clock.wrap(lambda args: args, "g0.fw")
+    call = clock.wrap(lambda args: time.sleep(0.03), "g0.fw")
     runs = []
 
-    def slow_step():
+    def slow_graph_step():
         runs.append(1)
-        time.sleep(0.03)
         call([])
-    measured = measure_host_gaps(slow_step, clock, rounds=5, warmup=1, budget_s=0.01)
-    assert len(runs) == 1 and measured.gaps_us[0] >= 30000  # the warm-up step alone was over budget
+    measured = measure_host_gaps(slow_graph_step, clock, rounds=5, warmup=1, budget_s=0.01)
+    assert len(runs) == 1 and measured.calls == ("g0.fw",)  # the warm-up step alone was over budget
     runs.clear()
-    measured = measure_host_gaps(slow_step, clock, rounds=2, warmup=1, budget_s=60.0)
+    measured = measure_host_gaps(slow_graph_step, clock, rounds=2, warmup=1, budget_s=60.0)
     assert len(runs) == 3 and measured.calls == ("g0.fw",)  # within budget: warm-up + every round
+
+
+def test_a_long_warm_up_step_spent_outside_the_graphs_is_not_the_sample(monkeypatch):
+    """Eager code between graphs runs slower on a cold step: its gaps are taken from the next."""
+    clock, fake = SubgraphClock(), _StepTime()
+    monkeypatch.setattr(host_gaps, "time", fake)
+    call = clock.wrap(lambda args: None, "g0.fw")
+    gap_s = [2.0, 1.0, 1.0, 1.0]  # a cold step, then steady ones
+
+    def eager_step():
+        fake.now += gap_s.pop(0)
+        call([])
+    measured = measure_host_gaps(eager_step, clock, rounds=5, warmup=1, budget_s=0.5)
+    assert measured.gaps_us[0] == pytest.approx(1e6)  # the steady step's gap, not the cold one's
+    assert len(gap_s) == 2  # the warm-up and one sample: the budget was spent
+
+
+class _StepTime:
+    """perf_counter for ``measure_host_gaps``: it moves only where a step moves it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
