@@ -39,6 +39,10 @@ TIE_MAX_GAIN = 0.05
 # the graph as captured (``Profiled.profile_side_by_side``) before the choice; slower ones cannot win.
 SIDE_BY_SIDE_MARGIN = 0.25
 SIDE_BY_SIDE_NEW_SHARE = 0.05  # ... unless its ops not in the graphs timed with it are less of its time
+# Under passes="auto" the side-by-side rounds time the contenders again, so the first look at a
+# graph (the capture's, each candidate's) whose run takes longer than this (seconds) is one
+# round: a second would cost a whole run of build time for samples those rounds replace.
+FIRST_LOOK_ONE_ROUND_S = 0.25
 
 
 class RewriteFailed(RuntimeError):
@@ -99,7 +103,7 @@ class PassPipeline:
         if phase == "fw" and inputs:
             self._inputs[(index, "fw")] = inputs
             if not cost.measured_in_context(gm):
-                values = cost.profile_graph(gm, inputs)
+                values = cost.profile_graph(gm, inputs, one_round_above_s=self._first_look_s())
                 self._timed_now.add((index, "fw"))
             else:  # the backward's saved tensors, only if a backward candidate needs them
                 values = lambda: cost.run_graph(gm, inputs)  # noqa: E731
@@ -116,10 +120,16 @@ class PassPipeline:
             self._inputs[(index, "bw")] = backward_inputs
             if not cost.measured_in_context(gm) and self._real_inputs(index, "bw") is not None:
                 self._timed_now.add((index, "bw"))
-                if cost.profile_graph(gm, self._real_inputs(index, "bw")) is not None:
+                if cost.profile_graph(gm, self._real_inputs(index, "bw"),
+                                      one_round_above_s=self._first_look_s()) is not None:
                     self._ran_alone.add((index, "bw"))
             elif cost.measured_in_context(gm):
                 self._ran_alone.add((index, "bw"))
+
+    def _first_look_s(self) -> float:
+        """Seconds past which one timed round of a graph will do: under ``auto``, where the
+        side-by-side rounds time the contenders again (``_time_side_by_side``)."""
+        return FIRST_LOOK_ONE_ROUND_S if self.auto else math.inf
 
     def _real_inputs(self, index: int, phase: str):
         """The graph's real inputs, computed now if they were left for later (None if unknown)."""
@@ -146,7 +156,8 @@ class PassPipeline:
                 best = self._best_us.get((index, phase), math.inf)
                 try:
                     cost.profile_graph(gm, inputs, new_keys_only=True, give_up_above_us=GIVE_UP_SLOWER_THAN * best,
-                                       raise_errors=(index, phase) in self._ran_alone)
+                                       raise_errors=(index, phase) in self._ran_alone,
+                                       one_round_above_s=self._first_look_s())
                 except Exception as error:
                     raise RewriteFailed(f"the rewritten graph raised when run on the example inputs, where the "
                                         f"graph before it ran: {describe_error(error)}") from error

@@ -121,6 +121,22 @@ def test_a_long_graph_is_timed_twice_not_three_times_and_keeps_the_warm_run(monk
     assert _time_slow_graph({}, rounds=6) == 6
 
 
+def test_a_first_look_at_a_long_graph_is_one_round_and_every_round_ignores_it(monkeypatch):
+    import fxdream.sim.profile.in_context as in_context
+    monkeypatch.setattr(in_context, "LONG_ROUNDS_S", float("inf"))
+    samples = {}
+    assert _time_slow_graph(samples, rounds=6, one_round_above_s=0.05) == 1  # the first round took ~80 ms
+    assert len(next(iter(samples.values()))) == 1
+    assert _time_slow_graph({}, rounds=6, one_round_above_s=1.0) == 6  # a shorter first round: all six
+    assert _time_slow_graph({}, rounds=3, one_round_above_s=0.05, every_round=True) == 3
+
+
+def test_auto_takes_a_first_look_of_one_round_where_side_by_side_rounds_follow():
+    from fxdream.pass_runner import FIRST_LOOK_ONE_ROUND_S, PassPipeline
+    assert PassPipeline((), PassContext(), auto=True)._first_look_s() == FIRST_LOOK_ONE_ROUND_S
+    assert PassPipeline((), PassContext(), auto=False)._first_look_s() == float("inf")
+
+
 def test_a_graph_slower_than_a_bound_in_its_first_two_rounds_is_timed_twice():
     samples = {}
     assert _time_slow_graph(samples, rounds=4, give_up_above_us=5e3) == 2  # a round: ≥ 20 ms

@@ -253,7 +253,8 @@ class Profiled:
 
     def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int | None = None, warmup: int = 0,
                       budget_s: float | None = None, new_keys_only: bool = False,
-                      give_up_above_us: float = math.inf, raise_errors: bool = False) -> dict | None:
+                      give_up_above_us: float = math.inf, raise_errors: bool = False,
+                      one_round_above_s: float = math.inf) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
         Past ``MIN_ROUNDS`` timed rounds, no new round starts once they took ``budget_s``: a
@@ -264,7 +265,8 @@ class Profiled:
         ``new_keys_only``: keep samples only for ops not measured yet (a rewrite's new ops), so
         the costs a prediction of the unrewritten graph used stay as they were.
         ``give_up_above_us``: no third round where both first ones took longer (``time_graph``).
-        ``raise_errors``: a graph that raises when run raises here, instead of giving None."""
+        ``raise_errors``: a graph that raises when run raises here, instead of giving None.
+        ``one_round_above_s``: one timed round where it took longer (``time_graph``)."""
         if rounds is None:
             rounds = self.context_rounds or 5
         if budget_s is None:
@@ -273,7 +275,8 @@ class Profiled:
         samples: dict[str, list[float]] = {}
         with real_tensors():
             values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s, give_up_above_us,
-                                raise_errors, every_round=self.context_rounds is not None)
+                                raise_errors, every_round=self.context_rounds is not None,
+                                one_round_above_s=one_round_above_s)
         for key, times in samples.items():
             if new_keys_only and key in self.samples:
                 continue
