@@ -353,3 +353,18 @@ def test_a_full_dynamo_cache_for_the_models_forward_is_cleared_and_said(monkeypa
     assert notes[:2] == [(), ()]
     assert notes[2] == ("dynamo's cache for Fresh.forward was full (2 compilations earlier in this "
                         "process); cleared it to capture this one",)
+
+
+def test_a_full_dynamo_cache_shared_by_torchs_own_modules_is_cleared_and_said(monkeypatch):
+    """dynamo compiles a torch.nn module (nn.Linear) through one wrapper frame all of them share:
+    past the limit every later build of any of them would run eagerly."""
+    from fxdream.capturing import dynamo as dynamo_glue
+    monkeypatch.setattr(dynamo_glue, "_raise_recompile_limit", lambda: 2)
+    x = torch.randn(2, 4)
+    notes = []
+    for _ in range(3):
+        optimized = fxdream.optimize(nn.Linear(4, 4), (x,), training=True, cost=None)
+        assert optimized.report.graphs and not optimized.report.ran_eagerly
+        notes.extend(optimized.report.notes)
+    assert "dynamo's cache for Linear.forward (a frame every torch.nn module shares) was full (2 compilations " \
+           "earlier in this process); cleared it to capture this one" in notes

@@ -16,11 +16,13 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
     """torch.compile with static shapes (one capture per input shape, as CUDA graphs need);
     ``session`` is the backend (a ``CaptureSession``: it takes the notes said here)."""
     limit = _raise_recompile_limit()
-    forward = getattr(type(model).forward, "__code__", None)
-    if forward is not None and len(_cache_entries(forward)) >= limit:
+    code = _compiled_code(model)
+    if code is not None and len(_cache_entries(code)) >= limit:
         # each optimize() is a new backend: with the cache full, dynamo would run this one eagerly, silently
-        torch._dynamo.eval_frame.remove_from_cache(forward)  # private, isolated
-        session.notes.append(f"dynamo's cache for {type(model).__name__}.forward was full ({limit} "
+        torch._dynamo.eval_frame.remove_from_cache(code)  # private, isolated
+        shared = " (a frame every torch.nn module shares)" if code is not getattr(type(model).forward, "__code__", None) \
+            else ""
+        session.notes.append(f"dynamo's cache for {type(model).__name__}.forward{shared} was full ({limit} "
                              f"compilations earlier in this process); cleared it to capture this one")
     _clear_skip_marks(model)
     return torch.compile(model, backend=session, dynamic=False)
@@ -77,6 +79,20 @@ def compiling_code():
         return InstructionTranslator.current_tx().f_code
     except Exception:
         return None
+
+
+def _compiled_code(model: torch.nn.Module):
+    """The code object whose cache holds ``torch.compile(model)``'s compilations: its forward's,
+    or, for torch's own modules (``nn.Linear``: dynamo wraps them in a frame it can capture),
+    that wrapper's, which every such module in the process shares."""
+    forward = getattr(type(model).forward, "__code__", None)
+    try:  # private, isolated
+        from torch._dynamo import external_utils, trace_rules
+        if torch._dynamo.config.wrap_top_frame or trace_rules.check(model.forward):
+            return external_utils.wrap_inline(model).__code__
+    except Exception:
+        pass
+    return forward
 
 
 def _cache_entries(code) -> list:
