@@ -61,9 +61,19 @@ def preserved_modes(model: torch.nn.Module):
             m.training = training
 
 
+# Module attributes of these types are values a forward can only rebind (a call counter,
+# a flag set on the first call): a throw-away step's rebinding is undone
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
+_MODULE_FIELDS = frozenset({"_parameters", "_buffers", "_modules", "training"})
+
+
 @contextlib.contextmanager
 def preserved_state(model: torch.nn.Module):
-    """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
+    """Run a throw-away step: keep parameters' grads, buffers (BN stats), the RNG and every
+    module's plain attributes (numbers, strings, flags) unchanged: a build runs the forward
+    several times, and a counter it increments must read as if it had not run."""
+    plain = [(m.__dict__, key, value) for m in model.modules() for key, value in vars(m).items()
+             if key not in _MODULE_FIELDS and type(value) in _PLAIN_VALUES]
     grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
     buffers = [(b, tensor_version(b), b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index for p in model.parameters()
@@ -78,6 +88,8 @@ def preserved_state(model: torch.nn.Module):
                         buffer.copy_(saved)
             for p, saved in grads.items():
                 p.grad = saved
+            for attributes, key, value in plain:
+                attributes[key] = value
             _refresh_rnn_weights(model)
 
 
