@@ -155,6 +155,16 @@ def test_a_model_dynamo_compiles_on_every_call_runs_eagerly_with_the_reason(trai
     assert model.calls == 6  # the build's own calls are undone (preserved_state): the user's six count
 
 
+def test_a_torch_module_dynamo_gave_up_on_does_not_leave_the_next_ones_uncaptured():
+    """dynamo gives up on an nn.LSTM in training and marks the frame it entered, the wrapper every
+    torch.nn module shares, to be skipped: the next torch.nn module built must still be captured."""
+    lstm = fxdream.optimize(nn.LSTM(4, 4, batch_first=True), (torch.randn(2, 3, 4),), training=True, cost=None)
+    assert lstm.report.ran_eagerly  # the RNN itself: dynamo does not trace it
+    x = torch.randn(2, 3, 4)
+    attention = fxdream.optimize(nn.MultiheadAttention(4, 2, batch_first=True).eval(), (x, x, x), cost=None)
+    assert attention.report.graphs and not attention.report.ran_eagerly, attention.report.fallback_reason
+
+
 def test_a_build_leaves_plain_attributes_as_they_were_and_mutable_ones_alone():
     from fxdream.capturing.model_state import preserved_state
     model = CountsCalls()

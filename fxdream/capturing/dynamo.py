@@ -24,7 +24,7 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
             else ""
         session.notes.append(f"dynamo's cache for {type(model).__name__}.forward{shared} was full ({limit} "
                              f"compilations earlier in this process); cleared it to capture this one")
-    _clear_skip_marks(model)
+    _clear_skip_marks(model, code)
     return torch.compile(model, backend=session, dynamic=False)
 
 
@@ -50,12 +50,14 @@ def dynamo_state_kept():
             pgo._CODE_STATE = saved
 
 
-def _clear_skip_marks(model: torch.nn.Module) -> None:
+def _clear_skip_marks(model: torch.nn.Module, compiled_code=None) -> None:
     """Dynamo marks a function it gave up on (an RNN in training, a break in a loop), and the
     resume functions after a break, to be skipped for the rest of the process: a later capture
     of the same class (inference, where it would trace) would get less or nothing, silently. Every
     such function from the files of the model's own (not torch's) modules goes back to the
-    default, so dynamo tries again."""
+    default, so dynamo tries again; so does ``compiled_code``, the frame this compilation enters
+    (``_compiled_code``: for torch.nn's own modules one wrapper they all share, which a build of
+    an ``nn.LSTM`` in training would leave skipped for every torch.nn module built after it)."""
     try:  # private, isolated
         from torch._C._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.convert_frame import input_codes
@@ -66,7 +68,7 @@ def _clear_skip_marks(model: torch.nn.Module) -> None:
                  and not code.co_filename.startswith(torch_dir)}
         for ref in list(input_codes.seen):
             code = ref()
-            if code is not None and code.co_filename in files:
+            if code is not None and (code.co_filename in files or code is compiled_code):
                 set_code_exec_strategy(code, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT))
     except Exception:
         pass
