@@ -44,6 +44,7 @@ from sympy.utilities.lambdify import implemented_function
 
 from fxdream import models
 from fxdream.capturing import capture
+from fxdream.capturing.meta import meta_copy
 from fxdream.ir.flops import kernel_class, node_flops, node_traffic_factor
 from fxdream.ir.graphs import copy_graph_module
 from fxdream.ir.nodes import is_view, node_dtype, op_name, value_of
@@ -281,11 +282,14 @@ def _intervals(gains: list[tuple[int, float]]) -> list[tuple[int, int]]:
 
 
 def crossover(model, device: str | DeviceSpec = "h100", batch: int = 32, max_batch: int = MAX_BATCH,
-              join: str = "next", simulate_at_batch: bool = True, dtype: torch.dtype = torch.float32) -> Crossover:
+              join: str = "next", simulate_at_batch: bool = True, dtype: torch.dtype = torch.float32,
+              example_inputs: tuple | None = None) -> Crossover:
     """``(sympy expression of b, largest helping batch or None, text)`` for aux_stream_backward.
 
     ``model``: a zoo name (captured in training at ``batch`` and ``dtype`` on the meta device:
-    no memory, no compute) or a ``Captured`` (tuple) from ``fxdream.capture(..., training=True)``.
+    no memory, no compute), an ``nn.Module`` with its ``example_inputs`` (a copy on the meta
+    device is captured in training: nothing runs on their data), or a ``Captured`` (tuple) from
+    ``fxdream.capture(..., training=True)``.
     """
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
     if spec.kind != "cuda":
@@ -294,6 +298,13 @@ def crossover(model, device: str | DeviceSpec = "h100", batch: int = 32, max_bat
     if name is not None:
         net, inputs, _ = models.build(name, batch, device="meta", dtype=dtype)
         captured = capture(net, inputs, training=True)
+    elif isinstance(model, torch.nn.Module):
+        if example_inputs is None:
+            raise ValueError(f"crossover of a {type(model).__name__} needs its example_inputs (a tuple of "
+                             f"tensors at the batch to explain): it is captured in training on the meta device")
+        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+        net, inputs, _ = meta_copy(model, inputs)
+        captured = capture(net.train(), inputs, training=True)
     else:
         captured = model
     return crossover_of_graphs(_backward_graphs(captured), spec, _captured_batch(captured), name, max_batch, join,

@@ -40,8 +40,9 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
             captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure)
         notes = tuple(autocast_notes) + tuple(notes)
     except Exception as error:
-        if on_meta(*original) and "FakeTensor" in str(error):
-            raise CaptureError(f"{error}\n{META_CONSTANT_HINT}") from error
+        hint = meta_hint(error) if on_meta(*original) else None
+        if hint is not None:
+            raise CaptureError(f"{error}\n{hint}") from error
         if measure or model is original[0] or on_meta(*original):
             raise
         model, example_inputs = original  # it reads tensor values: capture on its data
@@ -64,6 +65,26 @@ META_CONSTANT_HINT = ("hint: the model made a tensor on the meta device outside 
                       "capture with fake tensors cannot use; for a Hugging Face model pass use_cache=False in "
                       "example_kwargs, or build the model on the CPU (simulate copies it to the meta device "
                       "itself)")
+
+
+# A model on the meta device that reads a tensor's value (``.item()``, ``if x.sum() > 0``,
+# ``nonzero``, ``.tolist()``) has none to read: torch's meta kernels say so in these words.
+META_VALUE_ERRORS = ("cannot be called on meta tensors", "meta tensor; no data", "register_meta function",
+                     "cannot be converted to Scalar")
+META_VALUE_HINT = ("hint: the model reads a tensor's value (.item(), a branch on a tensor, nonzero, .tolist()), "
+                   "which a model on the meta device does not have: build the model on the CPU with real "
+                   "example inputs (simulate then captures on their data, nothing runs on the predicted device), "
+                   "or make the forward not depend on values")
+
+
+def meta_hint(error: Exception) -> str | None:
+    """What to do about a capture of a meta model that failed, where the error says why."""
+    text = str(error)
+    if "fake tensor" in text.lower():
+        return META_CONSTANT_HINT
+    if any(words in text for words in META_VALUE_ERRORS):
+        return META_VALUE_HINT
+    return None
 
 
 @contextlib.contextmanager

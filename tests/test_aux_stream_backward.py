@@ -392,6 +392,16 @@ def test_crossover_of_a_captured_model_reads_like_the_issue_asks():
         crossover(captured, device="cpu")
 
 
+def test_crossover_of_a_module_with_its_inputs_equals_that_of_its_capture_and_runs_nothing():
+    net, inputs, _ = models.build("mnist_convnet", 4)
+    captured = fxdream.capture(net.train(), inputs, training=True)
+    from_module = crossover(net, device="h100", max_batch=64, example_inputs=inputs)
+    assert str(from_module[0]) == str(crossover(captured, device="h100", max_batch=64)[0])
+    assert all(p.device.type == "cpu" for p in net.parameters())  # a meta copy was captured
+    with pytest.raises(ValueError, match="crossover of a Sequential needs its example_inputs"):
+        crossover(torch.nn.Sequential(torch.nn.Linear(2, 2)), device="h100")
+
+
 # --- CUDA: real streams -----------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_cuda_events_order_the_streams():

@@ -111,3 +111,11 @@ def test_a_meta_model_making_meta_constants_gets_a_hint_and_use_cache_false_work
     prediction = fxdream.simulate(model, device="h100", training=True,
                                   example_kwargs=dict(input_ids=ids, labels=ids, use_cache=False))
     assert prediction.time_ms > 0
+
+
+
+def test_a_meta_model_reading_a_value_gets_a_capture_error_saying_what_to_do():
+    with torch.device("meta"):
+        model = ReadsAValue()
+    with pytest.raises(fxdream.CaptureError, match="reads a tensor's value .* build the model on the CPU"):
+        fxdream.simulate(model, (torch.randn(2, 4, device="meta"),), device="h100")

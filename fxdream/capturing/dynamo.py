@@ -20,8 +20,8 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
     if code is not None and len(_cache_entries(code)) >= limit:
         # each optimize() is a new backend: with the cache full, dynamo would run this one eagerly, silently
         torch._dynamo.eval_frame.remove_from_cache(code)  # private, isolated
-        shared = " (a frame every torch.nn module shares)" if code is not getattr(type(model).forward, "__code__", None) \
-            else ""
+        own = getattr(type(model).forward, "__code__", None)
+        shared = "" if code is own else " (a frame every torch.nn module shares)"
         session.notes.append(f"dynamo's cache for {type(model).__name__}.forward{shared} was full ({limit} "
                              f"compilations earlier in this process); cleared it to capture this one")
     _clear_skip_marks(model, code)
