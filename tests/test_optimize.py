@@ -170,6 +170,10 @@ def test_a_build_leaves_plain_attributes_as_they_were_and_mutable_ones_alone():
     model = CountsCalls()
     model.seen = []
     with preserved_state(model):
+        model.calls = 3
+    assert model.calls == 3  # a step inside a build: a change it made is seen by the next
+    model.calls = 0
+    with preserved_state(model, plain_attributes=True):
         model.calls, model.created = 5, "on the first call"
         model.seen.append(1)
     assert model.calls == 0  # a rebound number: back

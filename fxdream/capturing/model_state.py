@@ -68,12 +68,16 @@ _MODULE_FIELDS = frozenset({"_parameters", "_buffers", "_modules", "training"})
 
 
 @contextlib.contextmanager
-def preserved_state(model: torch.nn.Module):
-    """Run a throw-away step: keep parameters' grads, buffers (BN stats), the RNG and every
-    module's plain attributes (numbers, strings, flags) unchanged: a build runs the forward
-    several times, and a counter it increments must read as if it had not run."""
+def preserved_state(model: torch.nn.Module, plain_attributes: bool = False):
+    """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged.
+
+    ``plain_attributes``: every module's plain attributes (numbers, strings, flags) too, for
+    the whole of a build, which runs the forward several times: a counter it increments must
+    read as if it had not run. Not for each step inside it: a model that changes itself on its
+    first call (a flag it clears) is told from one that always breaks by a second step that
+    sees the change."""
     plain = [(m.__dict__, key, value) for m in model.modules() for key, value in vars(m).items()
-             if key not in _MODULE_FIELDS and type(value) in _PLAIN_VALUES]
+             if plain_attributes and key not in _MODULE_FIELDS and type(value) in _PLAIN_VALUES]
     grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
     buffers = [(b, tensor_version(b), b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index for p in model.parameters()

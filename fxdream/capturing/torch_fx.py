@@ -167,7 +167,7 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
         before = _module_state(model)
         runs, attributes_changed = [], False
         for fn in (model, lambda *xs: pytree.tree_unflatten(list(traced(*xs)), out_spec)):
-            with preserved_state(model), torch.no_grad():  # (which puts plain attributes back)
+            with preserved_state(model), torch.no_grad():
                 torch.manual_seed(0)
                 out = fn(*inputs)
                 runs.append((out, [b.detach().clone() for b in model.buffers()]))
