@@ -62,7 +62,7 @@ def preserved_modes(model: torch.nn.Module):
 
 
 # Module attributes of these types are values a forward can only rebind (a call counter,
-# a flag set on the first call): a throw-away step's rebinding is undone
+# a flag set on the first call): a build's rebinding of them is undone
 _PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
 _MODULE_FIELDS = frozenset({"_parameters", "_buffers", "_modules", "training"})
 

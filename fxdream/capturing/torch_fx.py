@@ -165,14 +165,13 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
         if training:
             _rnns_called_eagerly(traced)
         before = _module_state(model)
-        runs, attributes_changed = [], False
+        runs = []
         for fn in (model, lambda *xs: pytree.tree_unflatten(list(traced(*xs)), out_spec)):
             with preserved_state(model), torch.no_grad():
                 torch.manual_seed(0)
                 out = fn(*inputs)
                 runs.append((out, [b.detach().clone() for b in model.buffers()]))
-                attributes_changed = attributes_changed or _module_state(model) != before
-        if attributes_changed:
+        if _module_state(model) != before:
             return None, "forward changes the modules' Python attributes (a trace would do it only once)"
         if not _same(*(out for out, _ in runs)) or not _same(*(buffers for _, buffers in runs)):
             return None, "the torch.fx trace's outputs or buffers differ from eager on the example"
