@@ -235,3 +235,21 @@ def test_a_rewrite_of_a_graph_shared_by_two_instances_runs_only_for_the_state_it
     first, second = model.blocks
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), second.lin(2 * first.lin(x)))
+
+
+class CountsItsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x) * self.calls
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_capture_and_simulate_leave_a_call_counter_as_it_was(training):
+    model, x = CountsItsCalls().train(training), torch.randn(2, 4)
+    fxdream.capture(model, (x,), training=training)
+    fxdream.simulate(model, (x,), training=training)  # captured and measured on this machine
+    assert model.calls == 0
