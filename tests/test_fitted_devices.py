@@ -207,6 +207,10 @@ def test_a_gpu_with_a_fit_file_takes_its_parameters():
     assert fitted.source.startswith("fitted to ") and datasheet.source == "datasheet"
     assert datasheet.share("conv") == 1.0 and datasheet.dispatch_overhead_us == 1.5
     assert fitted.peak_flops == datasheet.peak_flops and fitted.memory_bytes == datasheet.memory_bytes
-    assert get_device("h100").source == "datasheet"           # a fit applies to its own device only
+    h100, h100_datasheet = get_device("h100"), datasheet_device("h100")  # the same SMs: the H200's fit
+    assert parameters_of(h100, tuple(fit["parameters"])) == pytest.approx(fit["parameters"])
+    assert h100.mem_bandwidth == h100_datasheet.mem_bandwidth == 3.35e12 and h100.kernels_measured
+    assert "h100's own datasheet peaks, bandwidth and memory" in h100.source
+    assert get_device("a100").source == get_device("v100").source == "datasheet"  # other SMs: no fit
     with pytest.raises(ValueError, match="no datasheet GPU 'cpu'"):
         datasheet_device("cpu")

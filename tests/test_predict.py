@@ -279,7 +279,8 @@ def test_analytic_gpu_costs_are_roofline():
     assert isinstance(cost, Analytic)
     conv = next(n for n in captured.forward.graph.nodes if "convolution" in str(n.target))
     assert cost.kernel_us(conv) >= cost.device.kernel_min_us
-    assert cost.dispatch_us(conv) == cost.device.dispatch_overhead_us + cost.device.launch_overhead_us
+    launch = cost.device.launch_overhead_us * cost.device.host_factor.get("conv", 1.0)  # cuDNN's host work
+    assert cost.dispatch_us(conv) == pytest.approx(cost.device.dispatch_overhead_us + launch)
 
 
 def test_symbolic_sizes_are_costed_and_materialized_at_their_traced_sizes():

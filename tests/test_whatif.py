@@ -8,13 +8,13 @@ from torch import nn
 import fxdream
 from fxdream import whatif as W
 from fxdream.sim.prediction import Prediction, predict
-from fxdream.sim import DepKind, Task, TaskGraph, get_device
+from fxdream.sim import DepKind, Task, TaskGraph
 from fxdream.sim.cost.analytic import Analytic
-from fxdream.sim.cost.devices import with_parameters
+from fxdream.sim.cost.devices import datasheet_device, with_parameters
 from fxdream.sim.lower import ADAM, SGD
 from conftest import TwoSubgraphs
 
-H100 = get_device("h100")
+H100 = datasheet_device("h100")  # hand-computed from its datasheet figures
 MB = 2 ** 20
 
 
@@ -91,7 +91,7 @@ def test_amp_ratios_on_a_hand_built_graph():
     g.append(Task.gpu("softmax", 8.0, op="aten._softmax", phase="fw"), deps=["L3"])
     g.append(Task.cpu("O", 1.0, op="optimizer.adam", phase="optim"))
     g.append(Task.gpu("O:k", 20.0, op="optimizer.adam", phase="optim"), deps=["O"])
-    w = W.amp(g, "h100", "float16")
+    w = W.amp(g, H100, "float16")
     d = {t.name: t.duration_us for t in w.task_graph.tasks}
     assert d["conv"] == pytest.approx(100.0 * 67 / 989.4)     # fp32 -> fp16 tensor-core peak
     assert d["relu"] == pytest.approx(5.0)                    # half the bytes
@@ -148,11 +148,11 @@ def test_fused_optimizer_without_captured_reads_bytes_from_kernel_times():
     for i in range(4):
         g.append(Task.cpu(f"optim:{i}", 5 * 6.5, op="optimizer.adam", phase="optim"))
         g.append(Task.gpu(f"optim:{i}:k", 10.0, op="optimizer.adam", phase="optim"), deps=[f"optim:{i}"])
-    w = W.fused_optimizer(g, device="h100")
+    w = W.fused_optimizer(g, device=H100)
     kernels = w.task_graph.select(phase="optim", kind="gpu")
     assert len(kernels) == 1 and w.task_graph.task(kernels[0]).duration_us == pytest.approx(40.0)
     # on a spec whose kernels start up (a fitted one), the fused kernel is priced as one kernel
-    started = with_parameters(get_device("h100"), {"kernel_startup_us.other": 3.0})
+    started = with_parameters(H100, {"kernel_startup_us.other": 3.0})
     w = W.fused_optimizer(g, device=started)
     assert w.task_graph.task(w.task_graph.select(phase="optim", kind="gpu")[0]).duration_us == pytest.approx(43.0)
     with pytest.raises(ValueError, match="no optimizer tasks"):

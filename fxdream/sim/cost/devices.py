@@ -200,11 +200,27 @@ def with_fit(spec: DeviceSpec, path: Path, source: str | None = None) -> DeviceS
     return dataclasses.replace(fitted, kernels_measured=True)
 
 
+# A GPU without a fit of its own takes the fit of one with the same SMs (count, clocks, tensor
+# cores) and the same software, with its own datasheet peaks, bandwidth and memory: the H100 SXM
+# and H200 are one Hopper GH100 die (132 SMs, the same FLOP/s) with HBM3 3.35 against HBM3e
+# 4.8 TB/s. Not across generations: the H200's startups and shares put a V100's ResNet-50 bs1
+# kernels at 0.63x and its bs128 ones at 1.34x the seed's times (docs/simulator.md).
+FIT_OF_SAME_SMS = {"h100": "h200"}
+
+
 def _fitted(spec: DeviceSpec) -> DeviceSpec:
     """The datasheet spec with the parameters of ``fits/<name>.json`` where that file exists
-    (written from measurements on that device)."""
+    (written from measurements on that device), else of its ``FIT_OF_SAME_SMS`` sibling's."""
     path = FITS_DIR / f"{spec.name}.json"
-    return with_fit(spec, path) if path.exists() else spec
+    if path.exists():
+        return with_fit(spec, path)
+    sibling = FIT_OF_SAME_SMS.get(spec.name)
+    path = FITS_DIR / f"{sibling}.json"
+    if sibling is None or not path.exists():
+        return spec
+    fit = json.loads(path.read_text())
+    return with_fit(spec, path, f"fitted to {fit['fitted_on']} ({path.name}: the same SMs; "
+                                f"{spec.name}'s own datasheet peaks, bandwidth and memory)")
 
 
 def datasheet_device(name: str) -> DeviceSpec:
