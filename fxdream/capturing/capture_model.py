@@ -20,8 +20,9 @@ def capture(model: torch.nn.Module, example_inputs=(), training: bool = False, e
     ``Captured``, or a tuple of them after graph breaks.
 
     The model's grads, buffers, RNG state, plain attributes (a call counter) and every
-    submodule's train/eval flag are left as they were (during the capture, a model whose own flag is not ``training`` is switched whole:
-    ``switch_to_build_mode``). Raises ``CaptureError`` when dynamo captured nothing.
+    submodule's train/eval flag are left as they were (during the capture, a model whose own
+    flag is not ``training`` is switched whole: ``switch_to_build_mode``). Raises
+    ``CaptureError`` when dynamo captured nothing.
     """
     return capture_with_host_gaps(model, example_inputs, training, measure=False, example_kwargs=example_kwargs)[0]
 

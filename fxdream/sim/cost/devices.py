@@ -11,7 +11,8 @@ Hopper entries use these; V100/A100 use the same host costs and a longer floor (
 A GPU with a ``fits/<name>.json`` (``benchmarks/fit_gpu_model.py``) takes the overheads, the
 kernel floor and the share of the roofline each kernel class reaches from that file: fitted
 to measurements of captured graphs on that GPU, which datasheet figures overrate several
-times at small batches. ``datasheet_device(name)`` keeps the datasheet-only spec.
+times at small batches; a GPU with the same SMs takes its sibling's (``FIT_OF_SAME_SMS``).
+``datasheet_device(name)`` keeps the datasheet-only spec.
 """
 from __future__ import annotations
 
