@@ -98,6 +98,9 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     first = resolve_passes(PRECISIONS[precision])
     selected = first + tuple(p for p in selected if p not in first)
     target = resolve_device(device, model, inputs)
+    on_meta = target.type == "meta"
+    if on_meta:  # no data: nothing to time, compare or pack
+        selected, cost, verify, measure, eager_check = (), None, False, False, False
     switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
     # the user's RNG, BN statistics, grads, plain attributes, inputs
@@ -111,6 +114,8 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         build_seconds = time.perf_counter() - started
         if switched:
             module._note(f"{switched}; it stays in that mode", first=True)
+        if on_meta:
+            module._note(META_BUILD, first=True)
         if isinstance(model, WithKeywords):
             module._note(model.describe(), first=True)
         numeric_rows = _numeric_rows(module, selected)
@@ -129,6 +134,8 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
 
 # the passes each precision applies first, forced
 PRECISIONS = {"fp32": (), "bf16": ("bf16",)}
+META_BUILD = ("the model is on the meta device (shapes, no data): captured without passes, timing or checks, which "
+              "need values; fxdream.simulate(model, inputs, device=...) predicts it on any device")
 
 
 def _numeric_rows(module: OptimizedModule, selected) -> list:

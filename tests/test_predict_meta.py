@@ -119,3 +119,15 @@ def test_a_meta_model_reading_a_value_gets_a_capture_error_saying_what_to_do():
         model = ReadsAValue()
     with pytest.raises(fxdream.CaptureError, match="reads a tensor's value .* build the model on the CPU"):
         fxdream.simulate(model, (torch.randn(2, 4, device="meta"),), device="h100")
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_optimize_of_a_meta_model_captures_without_passes_or_timing_and_says_so(training):
+    with torch.device("meta"):
+        model = Net().train(training)
+    x = torch.randn(4, 3, 16, 16, device="meta")
+    built = fxdream.optimize(model, (x,), passes="auto", training=training)
+    report = built.report
+    assert report.graphs and not report.passes and report.predicted_optimized_ms is None
+    assert report.measured_eager_ms is None and "on the meta device" in report.notes[0]
+    assert built(x).shape == model(x).shape
