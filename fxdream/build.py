@@ -103,9 +103,8 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         selected, cost, verify, measure, eager_check = (), None, False, False, False
     switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
-    # the user's RNG, BN statistics, grads, plain attributes, inputs
-    with preserved_state(model, plain_attributes=True), preserved_inputs(inputs), older_objects_frozen(), \
-            dynamo_state_kept():
+    # the user's RNG, BN statistics, grads, inputs
+    with preserved_state(model), preserved_inputs(inputs), older_objects_frozen(), dynamo_state_kept():
         started, name = time.perf_counter(), type(user_model(model)).__name__
         log.info("building %s (%s, %s, passes: %s) ...", name, "training" if training else "inference", target,
                  "auto" if auto else ", ".join(p.name for p in selected) or "none")

@@ -9,7 +9,7 @@ from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.keywords import bind_keywords
-from fxdream.capturing.model_state import preserved_modes, preserved_state, switch_to_build_mode
+from fxdream.capturing.model_state import preserved_modes, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
 from fxdream.capturing.torch_fx import compile_model
@@ -19,10 +19,9 @@ def capture(model: torch.nn.Module, example_inputs=(), training: bool = False, e
     """Capture ``model`` at ``example_inputs`` (and keyword inputs ``example_kwargs``): a
     ``Captured``, or a tuple of them after graph breaks.
 
-    The model's grads, buffers, RNG state, plain attributes (a call counter) and every
-    submodule's train/eval flag are left as they were (during the capture, a model whose own
-    flag is not ``training`` is switched whole: ``switch_to_build_mode``). Raises
-    ``CaptureError`` when dynamo captured nothing.
+    The model's grads, buffers, RNG state and every submodule's train/eval flag are left as they
+    were (during the capture, a model whose own flag is not ``training`` is switched whole:
+    ``switch_to_build_mode``). Raises ``CaptureError`` when dynamo captured nothing.
     """
     return capture_with_host_gaps(model, example_inputs, training, measure=False, example_kwargs=example_kwargs)[0]
 
@@ -33,7 +32,7 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs=(), training: 
     graph calls and host time outside the graphs of a few steps: (captured, StepCalls or None, notes)."""
     check_model(model)
     model, inputs = bind_keywords(model, example_inputs, example_kwargs)
-    with preserved_modes(model), preserved_state(model, plain_attributes=True), dynamo_state_kept():
+    with preserved_modes(model), dynamo_state_kept():
         switch_to_build_mode(model, training)
         return _capture(model, inputs, training, measure)
 

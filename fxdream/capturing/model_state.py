@@ -61,23 +61,9 @@ def preserved_modes(model: torch.nn.Module):
             m.training = training
 
 
-# Module attributes of these types are values a forward can only rebind (a call counter,
-# a flag set on the first call): a build's rebinding of them is undone
-_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None))
-_MODULE_FIELDS = frozenset({"_parameters", "_buffers", "_modules", "training"})
-
-
 @contextlib.contextmanager
-def preserved_state(model: torch.nn.Module, plain_attributes: bool = False):
-    """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged.
-
-    ``plain_attributes``: every module's plain attributes (numbers, strings, flags) too, for
-    the whole of a build, which runs the forward several times: a counter it increments must
-    read as if it had not run. Not for each step inside it: a model that changes itself on its
-    first call (a flag it clears) is told from one that always breaks by a second step that
-    sees the change."""
-    plain = [(m.__dict__, key, value) for m in model.modules() for key, value in vars(m).items()
-             if plain_attributes and key not in _MODULE_FIELDS and type(value) in _PLAIN_VALUES]
+def preserved_state(model: torch.nn.Module):
+    """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
     grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
     buffers = [(b, tensor_version(b), b.detach().clone()) for b in model.buffers()]
     devices = sorted({p.device.index for p in model.parameters()
@@ -92,8 +78,6 @@ def preserved_state(model: torch.nn.Module, plain_attributes: bool = False):
                         buffer.copy_(saved)
             for p, saved in grads.items():
                 p.grad = saved
-            for attributes, key, value in plain:
-                attributes[key] = value
             _refresh_rnn_weights(model)
 
 
