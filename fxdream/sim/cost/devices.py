@@ -212,16 +212,15 @@ FIT_OF_SAME_SMS = {"h100": "h200"}
 def _fitted(spec: DeviceSpec) -> DeviceSpec:
     """The datasheet spec with the parameters of ``fits/<name>.json`` where that file exists
     (written from measurements on that device), else of its ``FIT_OF_SAME_SMS`` sibling's."""
-    path = FITS_DIR / f"{spec.name}.json"
-    if path.exists():
-        return with_fit(spec, path)
+    own = FITS_DIR / f"{spec.name}.json"
+    if own.exists():
+        return with_fit(spec, own)
     sibling = FIT_OF_SAME_SMS.get(spec.name)
-    path = FITS_DIR / f"{sibling}.json"
-    if sibling is None or not path.exists():
+    if sibling is None or not (FITS_DIR / f"{sibling}.json").exists():
         return spec
-    fit = json.loads(path.read_text())
-    return with_fit(spec, path, f"fitted to {fit['fitted_on']} ({path.name}: the same SMs; "
-                                f"{spec.name}'s own datasheet peaks, bandwidth and memory)")
+    fitted = with_fit(spec, FITS_DIR / f"{sibling}.json")
+    return dataclasses.replace(fitted, source=f"{fitted.source}: the same SMs; {spec.name}'s own datasheet "
+                                              f"peaks, bandwidth and memory")
 
 
 def datasheet_device(name: str) -> DeviceSpec:
