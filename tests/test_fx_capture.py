@@ -9,6 +9,7 @@ import fxdream
 from conftest import ConvBnNet, assert_step_matches
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import trace_and_compile
+from fxdream.capturing.trace_check import one_sample
 
 
 class IsinstanceBranch(nn.Module):
@@ -418,3 +419,57 @@ def test_inference_tensors_and_builds_inside_inference_mode_work():
         optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])
         torch.testing.assert_close(optimized(x), expected)
     assert optimized.report.passes[0].applied
+
+
+class FixedBatch(nn.Module):
+    """forward reshapes to the batch size it was written for: a one-sample input is not valid."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.lin(x.reshape(4, 12))
+
+
+class PerSample(nn.Module):
+    """Returns one tensor per sample: how many follows the batch."""
+    def forward(self, x):
+        return torch.unbind(x * 2)
+
+
+def test_the_trace_is_checked_on_one_sample_of_a_batch():
+    model, x = IsinstanceBranch(), torch.randn(4, 3)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == ("dynamo (the torch.fx trace's output differs from eager on the example "
+                                        "(its first sample))")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_a_model_that_fixes_its_batch_size_is_checked_on_the_whole_example():
+    model, x = FixedBatch(), torch.randn(4, 3, 4)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+def test_outputs_whose_number_follows_the_batch_are_checked_on_the_whole_example():
+    model, x = PerSample(), torch.randn(5, 2)
+    optimized = _eval_optimize(model, x)
+    with torch.no_grad():
+        got, want = optimized(x), model(x)
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_one_sample_needs_a_batch_dimension_every_input_shares():
+    x, mask = torch.randn(4, 3), torch.ones(4, 7)
+    sample = one_sample((x, mask))
+    assert [tuple(t.shape) for t in sample] == [(1, 3), (1, 7)]
+    sample[0].add_(1)  # copies: an in-place update by forward stays in them
+    assert not torch.equal(x[:1], sample[0])
+    assert one_sample((torch.randn(1, 3),)) is None  # already one sample
+    assert one_sample((torch.randn(20, 4, 3), torch.randn(2, 4, 5))) is None  # sequence-first input, h0
+    assert one_sample((torch.randn(4, 3), torch.tensor(2.0))) is None  # a scalar

@@ -25,10 +25,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxdream.capturing.dynamo import compile_with, graph_break_counts, new_graph_breaks
-from fxdream.capturing.model_state import preserved_inputs, preserved_state
+from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
-from fxdream.runtime.graph_guards import tensor_version
+from fxdream.capturing.trace_check import module_state, run_both, same, same_leaves, state_versions
 
 
 def _signature(args: tuple) -> tuple:
@@ -109,43 +109,35 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         return None, "training"
     if autocast_enabled():
         return None, "built under autocast (its graph would run with autocast's casts at every call)"
-    versions = _state_versions(model)
+    versions = state_versions(model)
     traced, out_spec, reason = _flat_trace(model, inputs)
     if traced is None:
         return None, reason
-    devices = sorted({t.device.index for t in list(model.parameters()) + list(inputs)
-                      if t.device.type == "cuda" and t.device.index is not None})
-    before = _module_state(model)
+    before = module_state(model)
     try:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(0)
-            with preserved_inputs(inputs):  # the traced run gets the inputs eager got
-                input_versions = [tensor_version(x) for x in inputs]
-                expected = model(*inputs)
-                mutates_inputs = [tensor_version(x) for x in inputs] != input_versions or (
-                    None in input_versions and torch.is_inference_mode_enabled())  # unknown: assume it may
-            torch.manual_seed(0)
-            values = list(traced(*inputs))
-            actual = pytree.tree_unflatten(values, out_spec)
+        runs = run_both(model, traced, inputs)
     except Exception as error:
         return None, f"the torch.fx trace does not run ({_headline(error)})"
+    values = runs.values
+    actual = pytree.tree_unflatten(values, out_spec)
     if not all(isinstance(v, torch.Tensor) for v in values):
         out_spec = _expand_outputs(traced, values, out_spec)
         if out_spec is None:
             return None, "an output that is not a tensor"
-    if _module_state(model) != before:
+    if module_state(model) != before:
         return None, "forward changes the modules' Python attributes (a trace would do it only once)"
-    if _state_versions(model) != versions:
+    if state_versions(model) != versions:
         return None, "forward updates a parameter or buffer in place (a trace would do it only once)"
-    if not _same(expected, actual):
-        if not _same_leaves(expected, values):
-            return None, "the torch.fx trace's output differs from eager on the example"
-        out_spec = pytree.tree_flatten(expected)[1]  # only the containers differ: return eager's
+    if not same(runs.expected, actual):
+        if not same_leaves(runs.expected, values):
+            return None, "the torch.fx trace's output differs from eager on the example" + (
+                " (its first sample)" if runs.on_one_sample else "")
+        out_spec = pytree.tree_flatten(runs.expected)[1]  # only the containers differ: return eager's
     try:
         compiled = session(traced, list(inputs), one_trace=True)
     except Exception as error:
         return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
-    return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=mutates_inputs), None
+    return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=runs.mutates_inputs), None
 
 
 def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSession,
@@ -164,16 +156,16 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
             return None, reason
         if training:
             _rnns_called_eagerly(traced)
-        before = _module_state(model)
+        before = module_state(model)
         runs = []
         for fn in (model, lambda *xs: pytree.tree_unflatten(list(traced(*xs)), out_spec)):
             with preserved_state(model), torch.no_grad():
                 torch.manual_seed(0)
                 out = fn(*inputs)
                 runs.append((out, [b.detach().clone() for b in model.buffers()]))
-        if _module_state(model) != before:
+        if module_state(model) != before:
             return None, "forward changes the modules' Python attributes (a trace would do it only once)"
-        if not _same(*(out for out, _ in runs)) or not _same(*(buffers for _, buffers in runs)):
+        if not same(*(out for out, _ in runs)) or not same(*(buffers for _, buffers in runs)):
             return None, "the torch.fx trace's outputs or buffers differ from eager on the example"
     except Exception as error:  # this path is a second chance: never the reason a model fails
         return None, f"the torch.fx path failed ({_headline(error)})"
@@ -236,20 +228,6 @@ def capture_from_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSe
     why = "; ".join(b.rstrip(".") for b in breaks) or "no graph"
     return (runner, f"dynamo over the torch.fx trace (dynamo on forward captured nothing: {why})",
             new_graph_breaks(breaks_before))
-
-
-def _module_state(model: torch.nn.Module) -> list:
-    """Every module's plain attributes (identity of each value): what a forward with Python
-    side effects (a counter, a cache) changes."""
-    skip = {"_parameters", "_buffers", "_modules", "training"}
-    return [(name, key, id(value)) for name, m in model.named_modules()
-            for key, value in vars(m).items() if key not in skip]
-
-
-def _state_versions(model: torch.nn.Module) -> list:
-    """Version counters of the parameters and buffers: an in-place update (``self.steps += 1``)
-    bumps them. A trace runs such an update once, at trace time, and records nothing."""
-    return [tensor_version(t) for t in list(model.parameters()) + list(model.buffers())]
 
 
 def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None, str | None]:
@@ -347,38 +325,3 @@ def _plain(value):
 
 def _is_namedtuple_class(target) -> bool:
     return isinstance(target, type) and issubclass(target, tuple) and hasattr(target, "_fields")
-
-
-_TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
-
-
-def _same_leaves(expected, values: list) -> bool:
-    """Whether eager's output holds the trace's values, in order, whatever its containers (a
-    ``ModelOutput`` where the trace builds a plain dict)."""
-    leaves = pytree.tree_leaves(expected)
-    return len(leaves) == len(values) and _same(leaves, list(values))
-
-
-def _same(expected, actual) -> bool:
-    e_leaves, e_spec = pytree.tree_flatten(expected)
-    a_leaves, a_spec = pytree.tree_flatten(actual)
-    if e_spec != a_spec:
-        return False
-    for e, a in zip(e_leaves, a_leaves):
-        if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
-            return False
-        if isinstance(e, torch.Tensor):
-            # loose enough for kernels that differ call to call (cuDNN's autotuner, TF32), far
-            # tighter than a wrong branch
-            if e.shape != a.shape or e.dtype != a.dtype:
-                return False
-            if not (e.is_floating_point() or e.is_complex()):
-                if not torch.equal(e, a):
-                    return False
-                continue
-            rtol, atol = _TOLERANCE.get(e.dtype, (1e-4, 1e-5))
-            if not torch.allclose(e, a, rtol=rtol, atol=atol, equal_nan=True):
-                return False
-        elif e != a:
-            return False
-    return True
