@@ -123,6 +123,17 @@ def test_optimizer_step_follows_the_backward_as_its_own_tasks():
     assert step.duration_us == pytest.approx(20.0)
 
 
+def test_optimizer_state_is_static_memory_of_its_size_per_updated_parameter():
+    def build(graph, x):
+        return _call(graph, aten.neg.default, (x,), "neg"), None
+    bw = graph_with_values(build, (1000,))  # one "gradient" of 4000 bytes
+    without = lower([("g.bw", bw)], FixedCost(GPU)).static_bytes
+    momentum = lower([("g.bw", bw)], FixedCost(GPU), optimizer=OptimizerModel("sgd", 5.0, 2, state_copies=1))
+    moments = lower([("g.bw", bw)], FixedCost(GPU), optimizer=OptimizerModel("adam", 7.0, 5, state_copies=2))
+    assert momentum.static_bytes - without == 4000
+    assert moments.static_bytes - without == 8000
+
+
 def test_optimizer_updates_the_parameters_of_every_subgraph():
     import fxdream
     from fxdream.sim.cost.analytic import Analytic

@@ -52,16 +52,19 @@ class OptimizerModel:
     """The optimizer step as kernels: bytes moved per gradient byte and kernels per parameter.
 
     SGD with momentum reads p, g, buf and writes p, buf (5x); Adam reads p, g, m, v and
-    writes p, m, v (7x). ``fused=True`` is one kernel for all parameters.
+    writes p, m, v (7x). ``fused=True`` is one kernel for all parameters. Its state (momentum;
+    Adam's two moments) is ``state_copies`` tensors the size of each updated parameter, made
+    on the first step and kept: static memory in every step after it.
     """
     name: str = "sgd"
     bytes_per_grad_byte: float = 5.0
     kernels_per_param: int = 2
     fused: bool = False
+    state_copies: int = 1
 
 
-SGD = OptimizerModel("sgd", 5.0, 2)
-ADAM = OptimizerModel("adam", 7.0, 5)
+SGD = OptimizerModel("sgd", 5.0, 2, state_copies=1)
+ADAM = OptimizerModel("adam", 7.0, 5, state_copies=2)
 OPTIMIZERS = {"sgd": SGD, "adam": ADAM}
 
 
@@ -87,13 +90,14 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
         if engine:
             _append_autograd(lowering.tg, f"{label}:accumulate_grad",
                              len(gradient_outputs(gm)) * cost.device.accumulate_grad_us)
-    tg = lowering.tg
+    tg, static = lowering.tg, lowering.static
     _append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw")
     if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
         # backwards run in reverse subgraph order; the optimizer's gradients are in subgraph order
-        _lower_optimizer(tg, [gm for label, gm in reversed(graphs) if label.endswith("bw")], cost, optimizer,
-                         lowering.on_gpu)
-    return Lowered(_with_memory(tg, lowering.allocs, lowering.buffers.frees()), lowering.static)
+        backwards = [gm for label, gm in reversed(graphs) if label.endswith("bw")]
+        _lower_optimizer(tg, backwards, cost, optimizer, lowering.on_gpu)
+        static += optimizer.state_copies * sum(tensor_bytes(g) for bw in backwards for g in gradient_values(bw))
+    return Lowered(_with_memory(tg, lowering.allocs, lowering.buffers.frees()), static)
 
 
 class _Lowering:
