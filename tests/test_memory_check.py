@@ -5,6 +5,7 @@ import torch
 import fxdream
 from fxdream import models
 from fxdream.memory_check import allocated_peak_bytes_during, peak_bytes_during
+from fxdream.simulation import state_outside_graphs
 
 MIB = 2**20
 
@@ -63,3 +64,32 @@ def test_the_allocators_peak_sees_a_captured_training_steps_backward():
     for p in model.parameters():
         p.grad = None
     assert allocated > peak_bytes_during(step) and allocated >= gradients
+
+
+class RecurrentHead(torch.nn.Module):
+    """An LSTM (run eagerly in training: dynamo does not trace RNN modules there) and a linear layer."""
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(4, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0])
+
+
+@pytest.mark.parametrize("optimizer, copies", [(None, 2), ("sgd", 3), ("adam", 4)])
+def test_state_no_graph_takes_is_in_the_peak_with_its_gradients_and_optimizer_state(optimizer, copies):
+    model, x = RecurrentHead(), torch.randn(3, 5, 4)
+    lstm_bytes = sum(p.numel() for p in model.lstm.parameters()) * 4  # 448 float32 values
+    predicted = fxdream.simulate(model, (x,), device="h100", training=True, optimizer=optimizer)
+    # the weights, their gradients and the optimizer's momentum (sgd) or two moments (adam)
+    assert predicted.outside_state_bytes == copies * lstm_bytes
+    assert any("inputs of no captured graph" in note for note in predicted.notes) == (copies * lstm_bytes >= MIB)
+
+
+def test_state_outside_graphs_counts_gradients_in_training_only():
+    model, x = RecurrentHead().eval(), torch.randn(3, 5, 4)
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert state_outside_graphs(model, fxdream.capture(model, (x,)), training=False) == (0, 0)  # all in the graph
+    assert state_outside_graphs(model, (), training=False) == (weight_bytes, 0)
+    assert state_outside_graphs(model, (), training=True) == (weight_bytes, weight_bytes)  # no optimizer: no state

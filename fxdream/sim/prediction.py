@@ -34,6 +34,9 @@ class Prediction:
     # an inference call of a captured model, timed with calls back to back (``iteration_us``);
     # False: one iteration's makespan (a training step; a task graph given as one iteration)
     back_to_back: bool = False
+    # the model's state no captured graph takes as input (eager code's, e.g. an RNN in training),
+    # with its gradients and optimizer state in training: in the peak beside the timeline's memory
+    outside_state_bytes: int = 0
 
     @property
     def time_ms(self) -> float:
@@ -51,7 +54,7 @@ class Prediction:
 
     @property
     def peak_memory_bytes(self) -> int:
-        return self.timeline.peak_memory_bytes
+        return self.timeline.peak_memory_bytes + self.outside_state_bytes
 
     @property
     def fits_in_memory(self) -> bool:
