@@ -44,6 +44,7 @@ from sympy.utilities.lambdify import implemented_function
 
 from fxdream import models
 from fxdream.capturing import capture
+from fxdream.capturing.arguments import check_inputs
 from fxdream.capturing.meta import meta_copy
 from fxdream.ir.flops import kernel_class, node_flops, node_traffic_factor
 from fxdream.ir.graphs import copy_graph_module
@@ -302,8 +303,7 @@ def crossover(model, device: str | DeviceSpec = "h100", batch: int = 32, max_bat
         if example_inputs is None:
             raise ValueError(f"crossover of a {type(model).__name__} needs its example_inputs (a tuple of "
                              f"tensors at the batch to explain): it is captured in training on the meta device")
-        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-        net, inputs, _ = meta_copy(model, inputs)
+        net, inputs, _ = meta_copy(model, check_inputs(example_inputs))
         captured = capture(net.train(), inputs, training=True)
     else:
         captured = model

@@ -50,20 +50,21 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
         fallback = (f"captured on the example's data here, not on the meta device: the model reads tensor values "
                     f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",)
     notes = fallback + tuple(notes)
-    outside_static, outside_gradients = state_outside_graphs(model, captured, training, OPTIMIZERS.get(optimizer))
-    outside = dict(static_bytes=outside_static, gradient_bytes=outside_gradients)
+    optimizer_model = OPTIMIZERS.get(optimizer)
+    outside_static, outside_gradients = state_outside_graphs(model, captured, training, optimizer_model)
     if outside_static + outside_gradients >= 2**20:
         notes += (f"{(outside_static + outside_gradients) / 2**20:.1f} MiB of the model's parameters and buffers"
                   f"{' (with their gradients and optimizer state)' if training else ''} are inputs of no captured "
                   f"graph (eager code between the graphs uses them, or nothing does): counted in the peak, while "
                   f"the activations of eager code are not",)
-    if not passes:
-        prediction = predict(captured, model_cost, training, OPTIMIZERS.get(optimizer),
-                             contention=contention, step=step)
-        return with_state_outside(dataclasses.replace(prediction, notes=notes), **outside)
-    planned = plan(model, captured, device, training, passes, model_cost, memory_budget,
-                   OPTIMIZERS.get(optimizer), contention, step=step)
-    return with_state_outside(dataclasses.replace(planned.after, passes=planned.rows, notes=notes), **outside)
+    if passes:
+        planned = plan(model, captured, device, training, passes, model_cost, memory_budget, optimizer_model,
+                       contention, step=step)
+        prediction = dataclasses.replace(planned.after, passes=planned.rows)
+    else:
+        prediction = predict(captured, model_cost, training, optimizer_model, contention=contention, step=step)
+    return dataclasses.replace(prediction, notes=notes, static_bytes=prediction.static_bytes + outside_static,
+                               outside_state_bytes=outside_static + outside_gradients)
 
 
 def state_outside_graphs(model: torch.nn.Module, captured, training: bool,
@@ -75,6 +76,7 @@ def state_outside_graphs(model: torch.nn.Module, captured, training: bool,
     parameter's gradient. Tensors are told apart by their storage (a graph's input is a detached
     view of the parameter; on the meta device every data pointer is 0)."""
     parts = captured if isinstance(captured, tuple) else (captured,)
+    # a storage's _cdata (its C++ object's address; private, isolated): equal for views of one storage
     seen = {x.untyped_storage()._cdata for part in parts for position, x in enumerate(part.example_inputs)
             if position in part.state_positions and isinstance(x, torch.Tensor)}
     state_copies = optimizer.state_copies if training and optimizer is not None else 0
@@ -88,13 +90,6 @@ def state_outside_graphs(model: torch.nn.Module, captured, training: bool,
         static += storage.nbytes() * (1 + (state_copies if learned else 0))
         gradients += storage.nbytes() if learned else 0
     return static, gradients
-
-
-def with_state_outside(prediction: Prediction, static_bytes: int, gradient_bytes: int) -> Prediction:
-    """``prediction`` with the state outside its graphs (``state_outside_graphs``) in its static
-    memory and its peak."""
-    return dataclasses.replace(prediction, static_bytes=prediction.static_bytes + static_bytes,
-                               outside_state_bytes=static_bytes + gradient_bytes)
 
 
 # A model on the meta device whose forward makes a tensor in code dynamo runs as Python (not

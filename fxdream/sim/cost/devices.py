@@ -215,10 +215,10 @@ def _fitted(spec: DeviceSpec) -> DeviceSpec:
     own = FITS_DIR / f"{spec.name}.json"
     if own.exists():
         return with_fit(spec, own)
-    sibling = FIT_OF_SAME_SMS.get(spec.name)
-    if sibling is None or not (FITS_DIR / f"{sibling}.json").exists():
+    sibling = FITS_DIR / f"{FIT_OF_SAME_SMS[spec.name]}.json" if spec.name in FIT_OF_SAME_SMS else None
+    if sibling is None or not sibling.exists():
         return spec
-    fitted = with_fit(spec, FITS_DIR / f"{sibling}.json")
+    fitted = with_fit(spec, sibling)
     return dataclasses.replace(fitted, source=f"{fitted.source}: the same SMs; {spec.name}'s own datasheet "
                                               f"peaks, bandwidth and memory")
 
