@@ -7,7 +7,9 @@ from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.lower import STREAM, OptimizerModel, lower
 from fxdream.sim.simulate import Contention, simulate
 from fxdream.sim.taskgraph import DepKind, TaskKind
-from conftest import TwoSubgraphs, graph_with_values
+import torch.fx as fx
+
+from conftest import RecordValues, TwoSubgraphs, graph_with_values
 
 aten = torch.ops.aten
 GPU = DeviceSpec("toy-gpu", "cuda", {"float32": 1e12}, 1e9, launch_overhead_us=0.0,
@@ -69,6 +71,34 @@ def test_memory_outputs_allocated_at_start_freed_after_last_use_through_views():
     assert (add.mem_alloc, add.mem_free) == (16, 16)
     timeline = simulate(lowered.graph, initial_memory_bytes=lowered.static_bytes)
     assert timeline.peak_memory_bytes == 16 + 16 + 16
+
+
+def _forward_and_backward(returned: str) -> list[tuple[str, fx.GraphModule]]:
+    """aot_autograd's shape: the forward returns its caller's output, then what the backward saves
+    (relu); the backward reads the saved relu and its incoming gradient (``tangents_1``)."""
+    fw, bw = fx.Graph(), fx.Graph()
+    x = fw.placeholder("x")
+    relu = _call(fw, aten.relu.default, (x,), "relu")
+    neg = _call(fw, aten.neg.default, (x,), "neg")
+    fw.output((relu if returned == "relu" else neg, relu))
+    saved, grad = bw.placeholder("relu"), bw.placeholder("tangents_1")
+    bw.output((_call(bw, aten.mul.Tensor, (grad, saved), "mul"),))
+    fw_gm, bw_gm = fx.GraphModule(torch.nn.Module(), fw), fx.GraphModule(torch.nn.Module(), bw)
+    RecordValues(fw_gm).run(torch.randn(4))
+    RecordValues(bw_gm).run(torch.randn(4), torch.randn(4))
+    return [("g.fw", fw_gm), ("g.bw", bw_gm)]
+
+
+@pytest.mark.parametrize("returned, freed_by_backward", [("neg", 16), ("relu", 0)])
+def test_a_saved_value_is_freed_at_its_last_use_unless_the_forward_returned_it(returned, freed_by_backward):
+    """The caller holds what the forward returned (the model's output) through the backward, so
+    a value both returned and saved lives to the step's end; one only saved dies where the
+    backward last reads it."""
+    lowered = lower(_forward_and_backward(returned), FixedCost(CPU))
+    assert lowered.graph.task("g.bw:mul").mem_free == freed_by_backward
+    # x (16 B) static; relu and neg 16 B each from the forward, mul's 16 B in the backward
+    timeline = simulate(lowered.graph, initial_memory_bytes=lowered.static_bytes)
+    assert timeline.peak_memory_bytes == 16 + 16 + 16 + 16
 
 
 def _two_branches(graph, x):

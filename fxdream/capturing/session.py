@@ -27,6 +27,7 @@ from fxdream.capturing.layers import annotate_backward, annotate_forward, frame_
 from fxdream.ir.nodes import PARAMETER_GRADIENTS
 from fxdream.ir.tensors import size_hint
 from fxdream.ops.keep_whole import keep_ops_whole, outside_keep_ops_whole
+from fxdream.runtime.boxed import boxed_runner
 from fxdream.runtime.direct_calls import call_ops_directly
 from fxdream.runtime.graph_guards import captured_if_rewrite_raises, same_state_or, weights_as_built_or
 
@@ -157,7 +158,7 @@ class CaptureSession:
             if runnable is bw:
                 bw.recompile()
             record.compile_seconds += time.perf_counter() - started
-            return self.clock.wrap(make_boxed_func(runnable.forward), f"g{record.index}.bw")
+            return self.clock.wrap(boxed_runner(runnable), f"g{record.index}.bw")  # frees saved tensors early
 
         with keep_ops_whole(gm):
             fw = _traced_once(gm, example_inputs) if one_trace and not record.training else None

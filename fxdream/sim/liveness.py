@@ -6,6 +6,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from fxdream.ir.aliasing import aliases_input
 from fxdream.ir.nodes import is_view
@@ -22,6 +23,7 @@ class Buffers:
         self.last_use: dict[tuple, tuple[int, str]] = {}  # buffer → (graph index, task name)
         self.output_graph: dict[tuple, int] = {}
         self.pooled: set[tuple] = set()           # in a CUDA graph's pool: never freed
+        self.held: set[tuple] = set()             # returned to the forward's caller: alive to the step's end
 
     def key(self, node: fx.Node) -> str:
         return f"{self.scope}/{node.name}"
@@ -61,10 +63,15 @@ class Buffers:
             for buffer in self._buffers_of(arg):
                 self.last_use[buffer] = (graph_index, task)
 
-    def output(self, node: fx.Node, graph_index: int) -> None:
-        for arg in node.all_input_nodes:
+    def output(self, node: fx.Node, graph_index: int, returned: int | None = None) -> None:
+        """``node``'s graph outputs leave it; the first ``returned`` of them (all where None) go
+        to its caller, which holds them until the step ends (the rest a backward reads)."""
+        values = [a for a in tree_flatten(node.args)[0] if isinstance(a, fx.Node)]
+        for position, arg in enumerate(values):
             for buffer in self._buffers_of(arg):
                 self.output_graph[buffer] = graph_index
+                if returned is not None and position < returned:
+                    self.held.add(buffer)
 
     def _buffers_of(self, arg: fx.Node) -> list[tuple]:
         root = self.root.get(self.key(arg))
@@ -78,7 +85,7 @@ class Buffers:
         """Task name → bytes freed when it ends (buffers that do not leave the iteration)."""
         freed: dict[str, int] = {}
         for buffer, size in self.size.items():
-            if buffer in self.pooled:
+            if buffer in self.pooled or buffer in self.held:
                 continue
             used = self.last_use.get(buffer)
             out = self.output_graph.get(buffer)

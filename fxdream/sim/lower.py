@@ -82,11 +82,12 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
     the label of the graph it precedes or ``END``: one host task each, before that graph's call."""
     gaps = dict(host_gaps or {})
     lowering = _Lowering(cost)
+    saved = {label.rsplit(".", 1)[0]: saved_inputs(gm) for label, gm in graphs if label.endswith(".bw")}
     for graph_index, (label, gm) in enumerate(graphs):
         engine = host_gaps is None and label.endswith(".bw")  # measured gaps hold the engine's time
         if engine:
             _append_autograd(lowering.tg, f"{label}:autograd", cost.device.autograd_node_us)
-        lowering.graph(graph_index, label, gm, gaps.pop(label, 0.0))
+        lowering.graph(graph_index, label, gm, gaps.pop(label, 0.0), saved.get(label.rsplit(".", 1)[0]))
         if engine:
             _append_autograd(lowering.tg, f"{label}:accumulate_grad",
                              len(gradient_outputs(gm)) * cost.device.accumulate_grad_us)
@@ -112,8 +113,11 @@ class _Lowering:
         self.allocs: dict[str, int] = {}
         self.static = 0
 
-    def graph(self, graph_index: int, label: str, gm: fx.GraphModule, gap_us: float) -> None:
-        """Append one graph's tasks: the host gap before it, its call, then node by node."""
+    def graph(self, graph_index: int, label: str, gm: fx.GraphModule, gap_us: float,
+              saved: int | None = None) -> None:
+        """Append one graph's tasks: the host gap before it, its call, then node by node.
+        ``saved``: of a forward's outputs, how many its backward reads (the last ones, as
+        aot_autograd orders them); those before go to the caller (``Buffers.output``)."""
         gm = inline_cuda_graph_runners(gm)
         regions = cuda_graph_regions(gm) if self.on_gpu else {}
         self.static += sum(r.pool_bytes for r in regions.values())
@@ -131,7 +135,7 @@ class _Lowering:
                 self.buffers.define(node)
                 continue
             if node.op == "output":
-                self.buffers.output(node, graph_index)
+                self.buffers.output(node, graph_index, _returned(node, saved) if phase == "fw" else None)
                 continue
             if node.op == "get_attr":  # a constant (packed or folded weights, values made from no input):
                 self.static += tensor_bytes(node.meta.get("val"))  # alive beside the model's own
@@ -267,6 +271,19 @@ def _with_memory(tg: TaskGraph, allocs: dict[str, int], frees: dict[str, int]) -
     for dep in tg.deps:
         changed.add_dep(dep.src, dep.dst, dep.kind)
     return changed
+
+
+def saved_inputs(bw: fx.GraphModule) -> int:
+    """How many of a backward graph's inputs its forward saved: all but the incoming gradients
+    (aot_autograd's ``tangents_*``)."""
+    return sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+
+
+def _returned(output: fx.Node, saved: int | None) -> int | None:
+    """How many of a forward's outputs its caller gets (None: all, a forward with no backward)."""
+    if saved is None:
+        return None
+    return max(0, len([a for a in tree_flatten(output.args)[0] if isinstance(a, fx.Node)]) - saved)
 
 
 def gradient_values(bw: fx.GraphModule) -> list[torch.Tensor]:
