@@ -4,6 +4,7 @@ import weakref
 import torch
 import torch.fx as fx
 
+import fxdream
 from fxdream.runtime.boxed import boxed_runner
 from fxdream.runtime.direct_calls import call_ops_directly
 
@@ -38,3 +39,19 @@ def test_the_argument_list_is_emptied_and_an_input_dies_at_its_last_use():
 def test_a_module_that_is_not_a_plain_graph_is_called_with_the_list_unpacked():
     run = boxed_runner(torch.nn.ReLU())
     torch.testing.assert_close(run([torch.tensor([-1.0, 2.0])]), torch.tensor([0.0, 2.0]))
+
+
+def test_a_retained_graph_runs_its_backward_twice():
+    """Emptying the list the backward gets leaves autograd's saved tensors alone: a second
+    backward over a retained graph reads them again (donated buffers off, as torch asks)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    with torch._functorch.config.patch(donated_buffer=False):
+        captured = fxdream.optimize(model, (x,), training=True)
+        out = captured(x)
+        out.sum().backward(retain_graph=True)
+        first = [p.grad.clone() for p in model.parameters()]
+        out.sum().backward()
+    for once, twice in zip(first, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(twice, 2 * once)
