@@ -74,6 +74,7 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
                chosen=[r.name for r in report.passes if r.applied and r.name != "auto"],
                ran_eagerly=report.fallback_reason is not None, measured_eager_ms=measured["eager"].median_ms,
                measured_baseline_ms=base_ms, measured_optimized_ms=auto_ms,
+               measured_baseline_min_ms=measured["no passes"].min_ms, measured_optimized_min_ms=measured["auto"].min_ms,
                measured_gain=base_ms / auto_ms, disturbed=report.measurements_disturbed)
     predicted_base, predicted_auto = report.predicted_baseline_ms, report.predicted_optimized_ms
     if predicted_base is None or predicted_auto is None:
