@@ -3,10 +3,11 @@
 For each zoo model × batch × inference (and, with --modes infer,train, training steps without an
 optimizer): ``simulate`` (no passes, no optimizer) predicts the peak above the static memory
 (weights and inputs), and the captured module's step is measured two ways (``fxdream.memory_check``):
-the op outputs (each op's net allocation at its start, as the simulator holds them; the check for
-inference) and every allocation the CPU allocator made, workspaces inside ops included (the check
-for training, where the op-level reading misses the compiled backward's frees). Gradients are
-cleared before each measured step, so all count the gradients the step makes.
+the op outputs (each op's net allocation at its start; it misses the temporaries an op frees
+before returning and, in training, the compiled backward's frees) and every allocation the CPU
+allocator made, workspaces inside ops included: the check, as the simulator holds the workspaces
+it knows (``fxdream.sim.workspaces``). Gradients are cleared before each measured step, so all
+count the gradients the step makes.
 
 On a GPU (``--device cuda``) the prediction is for this GPU's DeviceSpec and the measurement is
 ``torch.cuda.max_memory_allocated`` over the step (every allocation, cuDNN/cuBLAS workspaces
@@ -60,9 +61,7 @@ def one_row(name: str, batch: int, training: bool, tiny: bool, device: str = "cp
             p.grad = None
         measured[reading] = measure(step)
     measured.setdefault("allocated", measured["op_outputs"])  # a GPU's one reading is every allocation
-    # the check: op outputs in inference (what the simulator holds), every allocation in training
-    # (the op-level reading misses the compiled backward's frees)
-    checked = measured["allocated" if training else "op_outputs"]
+    checked = measured["allocated"]  # what the step held, op workspaces included
     above_static = predicted.peak_memory_bytes - predicted.static_bytes
     return dict(model=name, batch=batch, training=training, tiny=tiny, device=device, dtype=dtype,
                 static_mib=predicted.static_bytes / MIB,
@@ -73,7 +72,7 @@ def one_row(name: str, batch: int, training: bool, tiny: bool, device: str = "cp
 
 def to_markdown(rows: list[dict]) -> str:
     lines = ["| model | batch | mode | config | static MiB | predicted peak MiB | measured: op outputs MiB "
-             "| measured: every allocation MiB | error (infer: op outputs; train: allocations) |",
+             "| measured: every allocation MiB | error (against every allocation) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         error = "–" if r["error_pct"] is None else f"{r['error_pct']:+.1f} %"

@@ -11,8 +11,8 @@ that function's start.
 
 ``allocated_peak_bytes_during(step)`` replays every allocation and free the CPU allocator made
 (the profiler's ``[memory]`` records, inside ops too) in time order: what the step really held,
-op workspaces included, and right for training steps too; the simulator holds no workspaces on
-a CPU, so it reads above a prediction by those.
+op workspaces included, and right for training steps too: the reading a prediction is checked
+against (the simulator holds the workspaces it knows, ``fxdream.sim.workspaces``).
 
 Both compare with a prediction's ``peak_memory_bytes - static_bytes``. Clear what the step should
 not count before calling it (``p.grad = None``: a step that frees last step's gradients starts by

@@ -38,8 +38,8 @@ inside a multi-stream CUDA-graph capture, pytorch #155398); the wgrad's outputs 
 ``record_stream(main)`` outside captures. The simulator's liveness sees the same thing:
 the wait is those buffers' last use, so the overlap's extra memory (inputs held while the
 main stream allocates the next layers' gradients) is in the predicted peak. Not modelled:
-cuDNN workspaces (``OccupancyAware.workspace_bytes`` has split-K's; lowering does not add
-workspaces yet) and the caching allocator's per-stream pools.
+cuDNN's own workspaces (only split-K's partial sums are held, ``OccupancyAware.workspace_bytes``,
+each on its kernel's stream while it runs) and the caching allocator's per-stream pools.
 
 ``join``: "next" (default) puts convolution k's wait right after convolution k+1's dgrad:
 wgrad k overlaps its own dgrad, the batch-norm / ReLU backward after it and the next dgrad,

@@ -39,7 +39,7 @@ def test_an_inference_steps_predicted_peak_is_the_measured_one(name):
         with torch.no_grad():
             captured(*inputs)
     step()
-    measured = peak_bytes_during(step)
+    measured = allocated_peak_bytes_during(step)  # oneDNN's reorders inside convolutions included
     assert predicted.peak_memory_bytes - predicted.static_bytes == pytest.approx(measured, rel=0.01)
 
 

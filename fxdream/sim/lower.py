@@ -7,7 +7,9 @@ are one task. Views cost only dispatch. Data dependencies across streams become 
 edges; ops that read a device value on the host (``.item()``, nonzero) add a SYNC task.
 Memory: a kernel allocates its outputs when it starts; a buffer is freed when the last
 task using it (through any view) ends, unless it leaves the iteration (an output, a
-gradient). Training adds the optimizer step as its own tasks, and, where no measured host
+gradient, what a forward returns to its caller). A kernel also holds its workspace from start
+to end (``fxdream.sim.workspaces``, and a cost model's ``workspace_bytes``: split-K's).
+Training adds the optimizer step as its own tasks, and, where no measured host
 gaps hold them, autograd's engine: a host task running each backward graph's node and one
 handing its parameters their gradients (AccumulateGrad).
 
@@ -38,6 +40,7 @@ from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph
 from fxdream.sim.liveness import Buffers
 from fxdream.sim.profile.op_keys import HOST_SYNC_OPS
 from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
+from fxdream.sim.workspaces import workspace_bytes
 
 STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on
 # Host cost of one graph launch beyond the CUDA launch itself: the runner's Python (shape key,
@@ -98,7 +101,10 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
         backwards = [gm for label, gm in reversed(graphs) if label.endswith("bw")]
         _lower_optimizer(tg, backwards, cost, optimizer, lowering.on_gpu)
         static += optimizer.state_copies * sum(tensor_bytes(g) for bw in backwards for g in gradient_values(bw))
-    return Lowered(_with_memory(tg, lowering.allocs, lowering.buffers.frees()), static)
+    frees = lowering.buffers.frees()
+    for task, workspace in lowering.workspaces.items():
+        frees[task] = frees.get(task, 0) + workspace
+    return Lowered(_with_memory(tg, lowering.allocs, frees), static)
 
 
 class _Lowering:
@@ -111,6 +117,7 @@ class _Lowering:
         self.tg, self.buffers = TaskGraph(), Buffers()
         self.kernel_of: dict[str, str] = {}
         self.allocs: dict[str, int] = {}
+        self.workspaces: dict[str, int] = {}  # task → bytes it holds while it runs (freed at its end)
         self.static = 0
 
     def graph(self, graph_index: int, label: str, gm: fx.GraphModule, gap_us: float,
@@ -188,7 +195,11 @@ class _Lowering:
         elif node.all_input_nodes:  # a view: its producer is its base's
             self.kernel_of[buffers.key(node)] = self.kernel_of.get(buffers.key(node.all_input_nodes[0]))
         created = buffers.define(node)
-        self.allocs[work] = self.allocs.get(work, 0) + sum(buffers.size[b] for b in created)
+        workspace = workspace_bytes(node, cost.device.kind) + (
+            cost.workspace_bytes(node) if hasattr(cost, "workspace_bytes") else 0)
+        self.allocs[work] = self.allocs.get(work, 0) + sum(buffers.size[b] for b in created) + workspace
+        if workspace:
+            self.workspaces[work] = self.workspaces.get(work, 0) + workspace
         buffers.use(node, work, graph_index)
 
 

@@ -1,0 +1,90 @@
+"""Memory an op allocates and frees again while it runs, beyond its outputs: its task in the
+timeline holds it from start to end.
+
+The rules are ATen's own choices on a CPU, each checked against the allocator's records of
+one call (torch.profiler, ``profile_memory=True``):
+
+* ``aten.mkldnn_rnn_layer`` (an LSTM layer through oneDNN) copies its weights and bias into
+  oneDNN's layout on every call and keeps a scratch of the gates: input-to-hidden and
+  hidden-to-hidden weights, the bias, and time × batch × 4 × hidden values.
+* A float convolution on a CPU goes through oneDNN unless ATen takes its slow path (below).
+  oneDNN computes in its blocked layout: from a contiguous (NCHW) input it reorders the input
+  (not with at most ``PLAIN_SOURCE_CHANNELS`` input channels, which it reads as they are) and
+  the weight, computes a blocked output, then reorders that into the output. Beside the output
+  the simulator already holds, that is the larger of (input + weight) and the output. Where the
+  input or the weight is channels_last (ATen runs the convolution channels_last then; a trace on
+  the meta device may give the input contiguous strides) only the weight is reordered. A
+  prepacked convolution (a pass's) reorders nothing and is not ``aten.convolution``.
+* ATen's slow path (``_slow_conv2d``, where its heuristic finds oneDNN slower: batch 1, one
+  group, a kernel of at most 3 on a side, an input of at most ``SLOW_PATH_MAX_NUMEL`` values)
+  unfolds the input into columns: channels × kernel area × output positions values.
+
+On a GPU cuDNN's and cuBLAS's workspaces depend on the algorithm chosen at run time: none is
+held here (a cost model may add what it knows: ``OccupancyAware.workspace_bytes``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from fxdream.ir.nodes import op_name, value_of
+from fxdream.ir.tensors import tensor_bytes
+
+PLAIN_SOURCE_CHANNELS = 4    # oneDNN reads an NCHW source with this many channels or fewer as it is
+SLOW_PATH_MAX_NUMEL = 20480  # ATen's ConvParams::use_mkldnn: a smaller batch-1 input takes the slow path
+
+
+def workspace_bytes(node: fx.Node, device_kind: str) -> int:
+    """Bytes ``node``'s op holds while it runs beyond its outputs (0 where no rule applies)."""
+    name = op_name(node) if node.op == "call_function" else ""
+    if name == "aten.mkldnn_rnn_layer":
+        return _rnn_layer_bytes(node)
+    if name == "aten.convolution" and device_kind == "cpu":
+        return _cpu_convolution_bytes(node)
+    return 0
+
+
+def _rnn_layer_bytes(node: fx.Node) -> int:
+    x, w_ih, w_hh, b_ih = (value_of(a) for a in node.args[:4])
+    hidden, batch_first = node.args[10], node.args[14]
+    if not all(isinstance(t, torch.Tensor) for t in (x, w_ih, w_hh)):
+        return 0
+    time_steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    gates = int(time_steps) * int(batch) * 4 * int(hidden) * x.element_size()
+    return tensor_bytes(w_ih) + tensor_bytes(w_hh) + tensor_bytes(b_ih) + gates
+
+
+def _cpu_convolution_bytes(node: fx.Node) -> int:
+    x, w, out = value_of(node.args[0]), value_of(node.args[1]), node.meta.get("val")
+    transposed, groups = node.args[6], node.args[8]
+    if not all(isinstance(t, torch.Tensor) for t in (x, w, out)) or transposed or not x.is_floating_point():
+        return 0
+    if x.dim() == 4 and _slow_path(x, w, groups):
+        return _columns_bytes(node, x, w, out, groups)
+    if _channels_last(x) or _channels_last(w):  # ATen's rule for channels_last: the weight alone is reordered
+        return tensor_bytes(w)
+    source = tensor_bytes(x) if x.shape[1] > PLAIN_SOURCE_CHANNELS else 0
+    return max(source + tensor_bytes(w), tensor_bytes(out))
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return layout is not None and x.is_contiguous(memory_format=layout) and not x.is_contiguous()
+
+
+def _slow_path(x: torch.Tensor, w: torch.Tensor, groups: int) -> bool:
+    large_kernel = w.shape[-1] > 3 and w.shape[-2] > 3
+    return (x.dtype == torch.float32 and groups == 1 and int(x.shape[0]) == 1 and not large_kernel
+            and int(x.numel()) <= SLOW_PATH_MAX_NUMEL)
+
+
+def _columns_bytes(node: fx.Node, x, w, out, groups: int) -> int:
+    """The unfolded input of ATen's slow convolution; none for a 1x1 kernel at stride 1 without padding."""
+    stride, padding = node.args[3], node.args[4]
+    if tuple(w.shape[-2:]) == (1, 1) and all(s == 1 for s in stride) and not any(padding):
+        return 0
+    columns = (int(x.shape[1]) // groups) * math.prod(int(k) for k in w.shape[-2:]) * math.prod(
+        int(d) for d in out.shape[-2:])
+    return int(x.shape[0]) * columns * x.element_size()

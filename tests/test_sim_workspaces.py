@@ -1,0 +1,80 @@
+"""What an op holds while it runs beyond its outputs (fxdream.sim.workspaces), worked out by hand
+and, for whole steps, against the allocator's records (tests/test_memory_check.py)."""
+import pytest
+import torch
+import torch.fx as fx
+
+import fxdream
+from fxdream.memory_check import allocated_peak_bytes_during
+from fxdream.sim.workspaces import workspace_bytes
+from conftest import RecordValues
+
+aten = torch.ops.aten
+
+
+def _conv_node(x: torch.Tensor, out_channels: int, kernel: int = 3) -> fx.Node:
+    graph = fx.Graph()
+    placeholder = graph.placeholder("x")
+    weight = graph.create_node("get_attr", "weight")
+    conv = graph.call_function(aten.convolution.default, (placeholder, weight, None, [1, 1], [kernel // 2] * 2,
+                                                          [1, 1], False, [0, 0], 1))
+    graph.output(conv)
+    root = torch.nn.Module()
+    root.weight = torch.nn.Parameter(torch.randn(out_channels, x.shape[1], kernel, kernel))
+    gm = fx.GraphModule(root, graph)
+    RecordValues(gm).run(x)
+    for node in gm.graph.nodes:  # the weight's value, as a captured graph's placeholder carries it
+        if node.op == "get_attr":
+            node.meta["val"] = root.weight.detach()
+    return conv
+
+
+FLOAT = 4
+
+
+def test_an_nchw_convolution_holds_its_reordered_input_and_weight_or_its_blocked_output():
+    conv = _conv_node(torch.randn(2, 8, 6, 6), 16)  # batch 2: oneDNN, not the slow path
+    source, weight, output = 2 * 8 * 36 * FLOAT, 16 * 8 * 9 * FLOAT, 2 * 16 * 36 * FLOAT
+    assert workspace_bytes(conv, "cpu") == max(source + weight, output) == 6912
+
+
+def test_a_few_channels_are_read_as_they_are_and_channels_last_reorders_only_the_weight():
+    rgb = _conv_node(torch.randn(2, 3, 6, 6), 16)
+    assert workspace_bytes(rgb, "cpu") == max(16 * 3 * 9 * FLOAT, 2 * 16 * 36 * FLOAT)  # the blocked output
+    channels_last = _conv_node(torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last), 16)
+    assert workspace_bytes(channels_last, "cpu") == 16 * 8 * 9 * FLOAT
+    assert workspace_bytes(channels_last, "cuda") == 0  # cuDNN's: chosen at run time, not held
+
+
+def test_atens_slow_convolution_unfolds_its_input_into_columns():
+    conv = _conv_node(torch.randn(1, 8, 6, 6), 16)  # batch 1, 3x3, 288 values: ATen's slow path
+    assert workspace_bytes(conv, "cpu") == 8 * 9 * 36 * FLOAT
+
+
+def test_an_lstm_layer_copies_its_weights_and_keeps_its_gates():
+    lstm = torch.nn.LSTM(8, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    captured = fxdream.capture(lstm, (x,))
+    layer = next(n for n in captured.forward.graph.nodes if n.target == aten.mkldnn_rnn_layer.default)
+    weights = (16 * 8 + 16 * 4 + 16) * FLOAT  # input-to-hidden, hidden-to-hidden, bias (4 gates x hidden 4)
+    gates = 5 * 2 * 16 * FLOAT
+    assert workspace_bytes(layer, "cpu") == weights + gates
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_conv_steps_predicted_peak_is_the_allocators(channels_last):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 3, padding=1)).eval()
+    x = torch.randn(4, 16, 32, 32)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    predicted = fxdream.simulate(model, (x,), device="cpu", cost="analytic")
+    captured = fxdream.optimize(model, (x,), cost=None)
+
+    def step():
+        with torch.no_grad():
+            captured(x)
+    step()
+    measured = allocated_peak_bytes_during(step)
+    assert predicted.peak_memory_bytes - predicted.static_bytes == pytest.approx(measured, rel=0.02)
