@@ -78,3 +78,20 @@ def test_a_conv_steps_predicted_peak_is_the_allocators(channels_last):
     step()
     measured = allocated_peak_bytes_during(step)
     assert predicted.peak_memory_bytes - predicted.static_bytes == pytest.approx(measured, rel=0.02)
+
+
+def test_an_lstm_captured_on_the_meta_device_is_one_op_holding_its_largest_layers_workspace():
+    """On the meta device ATen would unroll an LSTM step by step; it is kept whole as the CPU
+    (oneDNN) and the GPU (cuDNN) run it, and on a CPU it holds its largest layer's copies."""
+    with torch.device("meta"):
+        lstm = torch.nn.LSTM(8, 4, num_layers=2, bidirectional=True, batch_first=True).eval()
+        x = torch.empty(2, 5, 8)
+    prediction = fxdream.simulate(lstm, (x,), device="cpu", cost="analytic")
+    ops = [t.op for t in prediction.task_graph.tasks]
+    assert ops.count("fxdream.lstm_inference") == 1 and "aten.sigmoid" not in ops
+    layer = next(t for t in prediction.task_graph.tasks if t.op == "fxdream.lstm_inference")
+    # the second layer reads both directions (8 wide): its input weights 16x8 like the first's
+    weights = (16 * 8 + 16 * 4 + 16) * FLOAT  # input-to-hidden, hidden-to-hidden, one bias
+    outputs = (2 * 5 * 8 + 2 * (4 * 2 * 4)) * FLOAT  # (2, 5, 2x4) and h, c of (4, 2, 4)
+    assert layer.mem_alloc == outputs + weights + 5 * 2 * 16 * FLOAT
+    assert layer.mem_free >= weights + 5 * 2 * 16 * FLOAT

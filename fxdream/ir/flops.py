@@ -128,7 +128,7 @@ def _sdpa_flops(node: fx.Node) -> int:
 
 
 _RNN_OPS = frozenset({"aten.lstm", "aten.gru", "aten.rnn_tanh", "aten.rnn_relu", "aten.mkldnn_rnn_layer",
-                      "aten._cudnn_rnn", "fxdream.rnn_inference"})
+                      "aten._cudnn_rnn", "fxdream.rnn_inference", "fxdream.lstm_inference"})
 
 
 def _rnn_flops(node: fx.Node) -> int:
@@ -145,7 +145,7 @@ def _rnn_flops(node: fx.Node) -> int:
 
 # (index of num_layers, index of batch_first) in each RNN op's arguments
 _RNN_LAYOUT_ARGS = {**{f"aten.{name}": (4, 8) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
-                    "fxdream.rnn_inference": (5, 7), "aten._cudnn_rnn": (9, 10)}
+                    "fxdream.rnn_inference": (5, 7), "fxdream.lstm_inference": (4, 6), "aten._cudnn_rnn": (9, 10)}
 
 
 def rnn_sequential_steps(node: fx.Node) -> int:

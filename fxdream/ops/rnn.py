@@ -52,6 +52,8 @@ rnn_inference = torch.ops.fxdream.rnn_inference.default
 # An LSTM with projections (``proj_size``): oneDNN's fused layer does not take them, so on a CPU
 # eager runs ATen's C++ loop, which a trace unrolls into ops per time step (256 wide, 50 steps:
 # 1218 nodes), slower than eager's loop. Without projections the capture keeps oneDNN's layer.
+# On the meta device (a prediction's capture) ATen has neither oneDNN's nor cuDNN's layer and
+# unrolls every LSTM the same way, where the devices predicted for run one fused layer: kept whole.
 _LIB.define("lstm_inference(Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
             "bool bidirectional, bool batch_first) -> (Tensor, Tensor, Tensor)")
 
@@ -78,13 +80,15 @@ lstm_inference = torch.ops.fxdream.lstm_inference.default
 
 
 def redirect_lstm(args, kwargs):
-    """``lstm_inference(...)`` for a CPU inference LSTM with projections (as nn.LSTM calls
-    ``_VF.lstm``: 9 arguments, train=False); else None."""
+    """``lstm_inference(...)`` for an inference LSTM (as nn.LSTM calls ``_VF.lstm``: 9
+    arguments, train=False) on the meta device, or on a CPU with projections; else None."""
     if kwargs or len(args) != 9 or args[6] is not False or not isinstance(args[1], (tuple, list)):
         return None
     input, (h, c), params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
-    if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or input.device.type != "cpu" \
-            or h.shape[-1] == c.shape[-1] or torch.is_autocast_enabled("cpu"):
+    if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or torch.is_autocast_enabled("cpu"):
+        return None
+    projected_on_cpu = input.device.type == "cpu" and h.shape[-1] != c.shape[-1]
+    if not (projected_on_cpu or input.device.type == "meta"):
         return None
     return tuple(lstm_inference(input, [h, c], list(params), has_biases, num_layers, bidirectional, batch_first))
 

@@ -6,7 +6,8 @@ one call (torch.profiler, ``profile_memory=True``):
 
 * ``aten.mkldnn_rnn_layer`` (an LSTM layer through oneDNN) copies its weights and bias into
   oneDNN's layout on every call and keeps a scratch of the gates: input-to-hidden and
-  hidden-to-hidden weights, the bias, and time × batch × 4 × hidden values.
+  hidden-to-hidden weights, the bias, and time × batch × 4 × hidden values. A whole LSTM
+  (``fxdream::lstm_inference``, as a meta-device capture keeps it) runs its layers so, one by one.
 * A float convolution on a CPU goes through oneDNN unless ATen takes its slow path (below).
   oneDNN computes in its blocked layout: from a contiguous (NCHW) input it reorders the input
   (not with at most ``PLAIN_SOURCE_CHANNELS`` input channels, which it reads as they are) and
@@ -41,6 +42,8 @@ def workspace_bytes(node: fx.Node, device_kind: str) -> int:
     name = op_name(node) if node.op == "call_function" else ""
     if name == "aten.mkldnn_rnn_layer":
         return _rnn_layer_bytes(node)
+    if name == "fxdream.lstm_inference" and device_kind == "cpu":
+        return _whole_lstm_bytes(node)
     if name == "aten.convolution" and device_kind == "cpu":
         return _cpu_convolution_bytes(node)
     return 0
@@ -54,6 +57,22 @@ def _rnn_layer_bytes(node: fx.Node) -> int:
     time_steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
     gates = int(time_steps) * int(batch) * 4 * int(hidden) * x.element_size()
     return tensor_bytes(w_ih) + tensor_bytes(w_hh) + tensor_bytes(b_ih) + gates
+
+
+def _whole_lstm_bytes(node: fx.Node) -> int:
+    """An LSTM kept whole (``fxdream::lstm_inference``, a meta-device capture) runs on a CPU as
+    one oneDNN layer per layer and direction, one after another: the largest one's workspace.
+    With projections (oneDNN takes none; ATen's loop runs) nothing is held."""
+    x, hx, params = value_of(node.args[0]), [value_of(h) for h in node.args[1]], [value_of(p) for p in node.args[2]]
+    has_biases, batch_first = node.args[3], node.args[6]
+    per_layer = 4 if has_biases else 2
+    if not isinstance(x, torch.Tensor) or len(hx) != 2 or hx[0].shape[-1] != hx[1].shape[-1] or len(params) % per_layer:
+        return 0
+    hidden = int(hx[1].shape[-1])
+    time_steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    gates = int(time_steps) * int(batch) * 4 * hidden * x.element_size()
+    layers = [params[i:i + per_layer] for i in range(0, len(params), per_layer)]
+    return max(sum(tensor_bytes(t) for t in layer[:3]) for layer in layers) + gates
 
 
 def _cpu_convolution_bytes(node: fx.Node) -> int:
