@@ -57,4 +57,16 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
     if measure and worth_measuring(training, len(captured)):
         step = measure_model_gaps(runner, model, inputs, training, session.clock)
         notes = describe_gaps(step, len(captured), training) if step is not None else ()
+    elif not measure:
+        notes = _unmeasured_breaks(new_graph_breaks(breaks_before))
     return (captured[0] if len(captured) == 1 else captured), step, notes
+
+
+def _unmeasured_breaks(breaks: list[str]) -> tuple[str, ...]:
+    """Where the graph broke and nothing is measured (a prediction for another device, or on the
+    meta device), the eager code between the graphs is in no task: said, with the first reason."""
+    if not breaks:
+        return ()
+    more = f", and {len(breaks) - 1} more" if len(breaks) > 1 else ""
+    return (f"not in this prediction: the eager code where the graph broke ({breaks[0]}{more}); its time is "
+            f"measured only in a prediction for this machine with real inputs (cost='auto')",)
