@@ -131,3 +131,33 @@ def test_optimize_of_a_meta_model_captures_without_passes_or_timing_and_says_so(
     assert report.graphs and not report.passes and report.predicted_optimized_ms is None
     assert report.measured_eager_ms is None and "on the meta device" in report.notes[0]
     assert built(x).shape == model(x).shape
+
+
+def test_a_training_lstm_on_the_meta_device_is_one_op_with_its_backward_and_twice_its_flops():
+    """On the meta device an LSTM in training is kept whole with its backward, as cuDNN and oneDNN
+    run it, instead of a graph break whose eager code no prediction there could time."""
+    from collections import Counter
+
+    from fxdream.ir.flops import node_flops
+    with torch.device("meta"):
+        model = torch.nn.Sequential()
+        model.rnn = torch.nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        x = torch.empty(4, 10, 8)
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.out = model.rnn, torch.nn.Linear(16, 3, device="meta")
+
+        def forward(self, x):
+            return self.out(self.rnn(x)[0])
+    prediction = fxdream.simulate(Head(), (x,), device="h100", training=True)
+    ops = Counter(t.op for t in prediction.task_graph.tasks if t.resource.startswith("stream"))  # kernels
+    assert ops["fxdream.lstm_train"] == 1 and ops["fxdream.lstm_train_backward"] == 1 and not ops["aten.sigmoid"]
+    assert not any(n.startswith("not in this prediction") for n in prediction.notes)
+    assert prediction.outside_state_bytes == 0  # its weights are graph inputs, updated by the optimizer
+    captured = fxdream.capture(Head(), (x,), training=True)
+    fw, bw = (next(n for n in gm.graph.nodes if str(n.target).startswith(op))
+              for gm, op in ((captured.forward, "fxdream.lstm_train"), (captured.backward, "fxdream.lstm_train_back")))
+    # every weight matrix times every one of the 40 tokens: (64x8 + 64x16) + (64x16 + 64x16), 2 FLOPs each
+    assert node_flops(fw) == 2 * 40 * (64 * 8 + 3 * 64 * 16) and node_flops(bw) == 2 * node_flops(fw)

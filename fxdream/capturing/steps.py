@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from fxdream.capturing.dynamo import graph_break_counts, new_graph_breaks
+from fxdream.capturing.meta import on_meta
 from fxdream.capturing.model_state import preserved_inputs, preserved_state
 
 
@@ -19,15 +20,23 @@ def differentiable_scalar(output) -> torch.Tensor | None:
     return sum(t.float().sum() for t in leaves)
 
 
-def tracing_config(training: bool):
+def tracing_config(training: bool, meta: bool = False):
     """Inference: dynamo traces RNN modules (``allow_rnn``) instead of breaking the graph there:
     ``aten.lstm`` stays one op, exact, and in the graph the simulator sees. Training keeps the
-    break: autograd's decomposed LSTM gradients differ from the fused kernel's (~1e-3 on GNMT).
+    break: autograd's decomposed LSTM gradients differ from the fused kernel's (~1e-3 on GNMT);
+    except on the meta device (``meta``: a prediction's capture, which computes nothing), where
+    an LSTM is traced as one op with its backward (``fxdream.ops.rnn.lstm_train``).
     Applied while fxdream builds; a later recompile (new shape) breaks at the RNN as dynamo does
     by default, still correct (patching every call would add host time to every call)."""
-    if training or not hasattr(torch._dynamo.config, "allow_rnn"):
+    if (training and not meta) or not hasattr(torch._dynamo.config, "allow_rnn"):
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(allow_rnn=True)
+
+
+def rnns_kept_whole_in_training(model: torch.nn.Module) -> bool:
+    """Whether every RNN module of ``model`` is an LSTM, the one a meta-device training capture
+    keeps whole: a GRU traced there would unroll step by step, so it keeps its graph break."""
+    return all(isinstance(m, torch.nn.LSTM) for m in model.modules() if isinstance(m, torch.nn.RNNBase))
 
 
 def one_step(call: Callable, inputs: tuple, training: bool):
@@ -45,7 +54,8 @@ def one_step(call: Callable, inputs: tuple, training: bool):
 
 def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
-    with preserved_state(model), preserved_inputs(inputs), tracing_config(training):
+    with preserved_state(model), preserved_inputs(inputs), tracing_config(
+            training, on_meta(model, inputs) and rnns_kept_whole_in_training(model)):
         return one_step(compiled, inputs, training)
 
 

@@ -128,7 +128,8 @@ def _sdpa_flops(node: fx.Node) -> int:
 
 
 _RNN_OPS = frozenset({"aten.lstm", "aten.gru", "aten.rnn_tanh", "aten.rnn_relu", "aten.mkldnn_rnn_layer",
-                      "aten._cudnn_rnn", "fxdream.rnn_inference", "fxdream.lstm_inference"})
+                      "aten._cudnn_rnn", "fxdream.rnn_inference", "fxdream.lstm_inference", "fxdream.lstm_train",
+                      "fxdream.lstm_train_backward"})
 
 
 def _rnn_flops(node: fx.Node) -> int:
@@ -140,12 +141,14 @@ def _rnn_flops(node: fx.Node) -> int:
     tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
     weights = [w for w in torch.utils._pytree.tree_leaves(torch.utils._pytree.tree_map(value_of, node.args[1:]))
                if isinstance(w, torch.Tensor) and w.dim() == 2 and w is not x]
-    return int(sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights))
+    backward = 2 if op_name(node) == "fxdream.lstm_train_backward" else 1  # the input's and the weights' gradients
+    return int(backward * sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights))
 
 
 # (index of num_layers, index of batch_first) in each RNN op's arguments
 _RNN_LAYOUT_ARGS = {**{f"aten.{name}": (4, 8) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
-                    "fxdream.rnn_inference": (5, 7), "fxdream.lstm_inference": (4, 6), "aten._cudnn_rnn": (9, 10)}
+                    "fxdream.rnn_inference": (5, 7), "fxdream.lstm_inference": (4, 6), "fxdream.lstm_train": (4, 6),
+                    "fxdream.lstm_train_backward": (9, 11), "aten._cudnn_rnn": (9, 10)}
 
 
 def rnn_sequential_steps(node: fx.Node) -> int:

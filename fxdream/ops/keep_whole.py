@@ -30,7 +30,8 @@ _REDIRECTS = {**{f: functools.partial(redirect_rnn, mode) for mode, f in RNN_FUN
               F.scaled_dot_product_attention: redirect_attention}
 
 
-_DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS})  # whole ops with a gradient formula
+# whole ops with a gradient formula (an LSTM's on the meta device only: ``rnn.lstm_train``)
+_DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS, torch._VF.lstm})
 
 
 class _KeepOpsWhole(TorchFunctionMode):
@@ -38,7 +39,7 @@ class _KeepOpsWhole(TorchFunctionMode):
     device or with projections on a CPU to ``lstm_inference``, RNN cells, upsampling, circular padding and 1-d max
     pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op), and on a GPU SDPA
     to ``fxdream::attention_inference`` (sdpa_op). While a training graph is traced, only what
-    has a gradient formula: upsampling."""
+    has a gradient formula: upsampling, and an LSTM on the meta device (``lstm_train``)."""
 
     def __init__(self, training: bool = False):
         super().__init__()
@@ -84,7 +85,8 @@ _WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.RNNCellBase, torch.nn.Upsample, tor
 def may_call_whole_ops(gm: torch.fx.GraphModule, training: bool = False) -> bool:
     """Whether ``gm`` calls a function kept whole (in ``training``, one with a gradient formula),
     directly or in a leaf module; True when unsure (a call into Python code that is not a torch op)."""
-    functions, modules = (_DIFFERENTIABLE, torch.nn.Upsample) if training else (_WHOLE_FUNCTIONS, _WHOLE_MODULES)
+    functions, modules = ((_DIFFERENTIABLE, (torch.nn.Upsample, torch.nn.LSTM)) if training
+                          else (_WHOLE_FUNCTIONS, _WHOLE_MODULES))
     for node in gm.graph.nodes:
         if node.op == "call_function" and (node.target in functions or not _is_torch_callable(node.target)):
             return True

@@ -78,15 +78,68 @@ def _(input, hx, params, has_biases, num_layers, bidirectional, batch_first):
 
 lstm_inference = torch.ops.fxdream.lstm_inference.default
 
+# A training LSTM on the meta device (a prediction's capture: nothing is computed) as one op and
+# its backward as another, the way oneDNN and cuDNN run them, instead of the step-by-step graph
+# and gradients ATen would trace there. Meta only: no kernel runs real data through these.
+# ``reserve`` stands for what the fused kernels keep for the backward (cuDNN's reserve space,
+# oneDNN's workspace): each layer's and direction's gates and cell state, 5 x hidden per step.
+_LIB.define("lstm_train(Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
+            "bool bidirectional, bool batch_first) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("lstm_train_backward(Tensor grad_output, Tensor grad_hy, Tensor grad_cy, Tensor input, Tensor[] hx, "
+            "Tensor[] params, Tensor output, Tensor reserve, bool has_biases, int num_layers, bool bidirectional, "
+            "bool batch_first) -> (Tensor, Tensor[], Tensor[])")
+
+
+@torch.library.register_fake("fxdream::lstm_train", lib=_LIB)
+def _(input, hx, params, has_biases, num_layers, bidirectional, batch_first):
+    output, hy, cy = torch.ops.fxdream.lstm_inference(input, hx, params, has_biases, num_layers, bidirectional,
+                                                       batch_first)
+    steps, batch = (input.shape[1], input.shape[0]) if batch_first else (input.shape[0], input.shape[1])
+    directions = 2 if bidirectional else 1
+    return output, hy, cy, input.new_empty((num_layers * directions, steps, batch, 5 * hx[1].shape[-1]))
+
+
+@torch.library.register_fake("fxdream::lstm_train_backward", lib=_LIB)
+def _(grad_output, grad_hy, grad_cy, input, hx, params, output, reserve, has_biases, num_layers, bidirectional,
+      batch_first):
+    return torch.empty_like(input), [torch.empty_like(h) for h in hx], [torch.empty_like(p) for p in params]
+
+
+def _save_for_lstm_backward(ctx, inputs, output):
+    input, hx, params, *flags = inputs
+    ctx.save_for_backward(input, *hx, *params, output[0], output[3])
+    ctx.counts, ctx.flags = (len(hx), len(params)), flags
+
+
+def _lstm_backward(ctx, grad_output, grad_hy, grad_cy, _grad_reserve):
+    saved, (n_hx, n_params) = ctx.saved_tensors, ctx.counts
+    input, hx, params = saved[0], list(saved[1:1 + n_hx]), list(saved[1 + n_hx:1 + n_hx + n_params])
+    grads = torch.ops.fxdream.lstm_train_backward(grad_output, grad_hy, grad_cy, input, hx, params, saved[-2],
+                                                  saved[-1], *ctx.flags)
+    return (*grads, None, None, None, None)
+
+
+torch.library.register_autograd("fxdream::lstm_train", _lstm_backward, setup_context=_save_for_lstm_backward,
+                                lib=_LIB)
+lstm_train = torch.ops.fxdream.lstm_train.default
+lstm_train_backward = torch.ops.fxdream.lstm_train_backward.default
+
 
 def redirect_lstm(args, kwargs):
-    """``lstm_inference(...)`` for an inference LSTM (as nn.LSTM calls ``_VF.lstm``: 9
-    arguments, train=False) on the meta device, or on a CPU with projections; else None."""
-    if kwargs or len(args) != 9 or args[6] is not False or not isinstance(args[1], (tuple, list)):
+    """For an LSTM as nn.LSTM calls ``_VF.lstm`` (9 arguments): in inference (train=False)
+    ``lstm_inference(...)`` on the meta device or on a CPU with projections; in training
+    ``lstm_train(...)`` on the meta device; else None."""
+    if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)):
         return None
-    input, (h, c), params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
+    input, (h, c), params, has_biases, num_layers, _dropout, train, bidirectional, batch_first = args
     if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or torch.is_autocast_enabled("cpu"):
         return None
+    if train is not False:  # dropout between layers, if any, is left out of the prediction
+        if input.device.type != "meta":
+            return None
+        output, hy, cy, _reserve = lstm_train(input, [h, c], list(params), has_biases, num_layers, bidirectional,
+                                              batch_first)
+        return output, hy, cy
     projected_on_cpu = input.device.type == "cpu" and h.shape[-1] != c.shape[-1]
     if not (projected_on_cpu or input.device.type == "meta"):
         return None
