@@ -36,9 +36,9 @@ _DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS, torch._VF.lstm}
 
 class _KeepOpsWhole(TorchFunctionMode):
     """Redirects (``_REDIRECTS``) GRU/RNN layers to ``rnn_inference``, an LSTM on the meta
-    device or with projections on a CPU to ``lstm_inference``, RNN cells, upsampling, circular padding and 1-d max
-    pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op), and on a GPU SDPA
-    to ``fxdream::attention_inference`` (sdpa_op). While a training graph is traced, only what
+    device or with projections on a CPU to ``lstm_inference``, RNN cells, upsampling, circular
+    padding and 1-d max pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op),
+    and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op). While a training graph is traced, only what
     has a gradient formula: upsampling, and an LSTM on the meta device (``lstm_train``)."""
 
     def __init__(self, training: bool = False):
@@ -61,9 +61,9 @@ class _KeepOpsWhole(TorchFunctionMode):
 
 def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     """While tracing a graph: in inference GRU/RNN layers (and an LSTM on the meta device or with
-    projections on a CPU),
-    RNN cells, upsampling, circular padding and 1-d max pooling become one node each (and SDPA
-    on a GPU one ``attention_inference``); in training upsampling only. Given the graph about to
+    projections on a CPU), RNN cells, upsampling, circular padding and 1-d max pooling become one
+    node each (and SDPA on a GPU one ``attention_inference``); in training upsampling (and an LSTM
+    on the meta device) only. Given the graph about to
     be traced, only if it may call one: the mode's Python hook on every torch call would slow
     the capture of a graph that calls none."""
     training = torch.is_grad_enabled()
