@@ -195,3 +195,24 @@ def test_autograd_engine_tasks_surround_a_backward_unless_measured_gaps_hold_the
     assert simulate(lowered.graph).makespan_us == pytest.approx(23.0)
     measured = lower([("g.bw", bw)], FixedCost(device), host_gaps={"g.bw": 5.0})
     assert not [t for t in measured.graph.tasks if t.op.startswith("autograd.")]
+
+
+def test_an_op_returning_a_list_beside_tensors_allocates_every_tensor_in_it():
+    """A backward op returning (Tensor, Tensor[]) (``fxdream::lstm_train_backward``): each tensor
+    of the list is a buffer, and reading one through two getitems reaches it."""
+    import operator
+
+    def build(graph, x):
+        split = _call(graph, aten.split.Tensor, (x, 2), "split")  # a list of two (2,) tensors
+        pair = graph.call_function(lambda t, parts: (t, parts), (x, split))  # noqa: E731
+        pair.meta["val"] = (torch.zeros(4), [torch.zeros(2), torch.zeros(2)])
+        inner = graph.call_function(operator.getitem, (pair, 1))
+        second = graph.call_function(operator.getitem, (inner, 1))
+        return _call(graph, aten.relu.default, (second,), "relu")
+    gm = graph_with_values(build, (4,))
+    for node in gm.graph.nodes:  # the lambda's value as an op returning (Tensor, Tensor[]) gives it
+        if node.op == "call_function" and node.name.startswith("lambda"):
+            node.meta["val"] = (torch.zeros(4), [torch.zeros(2), torch.zeros(2)])
+    lowered = lower([("g.fw", gm)], FixedCost(CPU))
+    pair = next(t for t in lowered.graph.tasks if "lambda" in t.name)
+    assert pair.mem_alloc == 16 + 8 + 8  # the tensor and both tensors of its list

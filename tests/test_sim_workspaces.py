@@ -95,3 +95,23 @@ def test_an_lstm_captured_on_the_meta_device_is_one_op_holding_its_largest_layer
     outputs = (2 * 5 * 8 + 2 * (4 * 2 * 4)) * FLOAT  # (2, 5, 2x4) and h, c of (4, 2, 4)
     assert layer.mem_alloc == outputs + weights + 5 * 2 * 16 * FLOAT
     assert layer.mem_free >= weights + 5 * 2 * 16 * FLOAT
+
+
+def _conv_backward_node(x: torch.Tensor, out_channels: int, kernel: int = 3) -> fx.Node:
+    graph = fx.Graph()
+    grad, inp, weight = graph.placeholder("grad"), graph.placeholder("x"), graph.placeholder("w")
+    node = graph.call_function(aten.convolution_backward.default, (grad, inp, weight, [out_channels], [1, 1],
+                                                                   [kernel // 2] * 2, [1, 1], False, [0, 0], 1,
+                                                                   [True, True, True]))
+    graph.output(node)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    w = torch.randn(out_channels, x.shape[1], kernel, kernel)
+    RecordValues(gm).run(torch.randn(x.shape[0], out_channels, *x.shape[2:]), x, w)
+    return node
+
+
+def test_a_convolution_backward_holds_its_reordered_gradient_input_and_weight():
+    node = _conv_backward_node(torch.randn(2, 8, 6, 6), 16)
+    assert workspace_bytes(node, "cpu") == (2 * 16 * 36 + 2 * 8 * 36 + 16 * 8 * 9) * FLOAT
+    slow = _conv_backward_node(torch.randn(1, 8, 6, 6), 16)  # the slow path: its columns again
+    assert workspace_bytes(slow, "cpu") == 8 * 9 * 36 * FLOAT

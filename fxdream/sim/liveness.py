@@ -39,18 +39,21 @@ class Buffers:
             return []
         if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             base = self.root.get(self.key(node.args[0]))
-            multi = base is not None and base[0] == "multi"
-            self.root[key] = ("buf", base[1], node.args[1]) if multi else base
+            if base is not None and base[0] == "multi":  # one output, or a list of them (nested)
+                leaf = ("buf", *base[1:], node.args[1])
+                base = leaf if leaf in self.size else ("multi", *base[1:], node.args[1])
+            self.root[key] = base
             return []
         if is_view(node) or aliases_input(node):
             first = next((a for a in node.all_input_nodes), None)
             self.root[key] = self.root.get(self.key(first)) if first is not None else ("input", key)
             return []
         value = node.meta.get("val")
-        if isinstance(value, (tuple, list)):
-            created = [("buf", key, i) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
-            for buffer, v in zip(created, [v for v in value if isinstance(v, torch.Tensor)]):
-                self.size[buffer] = tensor_bytes(v)
+        if isinstance(value, (tuple, list)):  # one buffer per tensor, by its index path
+            created = []
+            for path, tensor in _tensor_leaves(value):
+                created.append(("buf", key, *path))
+                self.size[created[-1]] = tensor_bytes(tensor)
             self.root[key] = ("multi", key)
         else:
             created = [("buf", key)]
@@ -77,8 +80,9 @@ class Buffers:
         root = self.root.get(self.key(arg))
         if root is None or root[0] == "input":
             return []
-        if root[0] == "multi":
-            return [b for b in self.size if b[:2] == ("buf", root[1])]
+        if root[0] == "multi":  # every tensor under that index path
+            prefix = ("buf", *root[1:])
+            return [b for b in self.size if b[:len(prefix)] == prefix]
         return [root]
 
     def frees(self) -> dict[str, int]:
@@ -93,3 +97,13 @@ class Buffers:
                 continue  # never read, or leaves as an output / saved tensor not read later
             freed[used[1]] = freed.get(used[1], 0) + size
         return freed
+
+
+def _tensor_leaves(value, path: tuple = ()):
+    """(index path, tensor) of each tensor in a nested tuple/list of outputs (an op returning
+    ``Tensor[]`` beside tensors: a list inside the tuple)."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            yield from _tensor_leaves(item, (*path, index))

@@ -19,6 +19,8 @@ one call (torch.profiler, ``profile_memory=True``):
 * ATen's slow path (``_slow_conv2d``, where its heuristic finds oneDNN slower: batch 1, one
   group, a kernel of at most 3 on a side, an input of at most ``SLOW_PATH_MAX_NUMEL`` values)
   unfolds the input into columns: channels × kernel area × output positions values.
+* A convolution's backward on a CPU reorders the incoming gradient, the input and the weight
+  (NCHW), the weight alone (channels_last), or unfolds columns again (the slow path).
 
 On a GPU cuDNN's and cuBLAS's workspaces depend on the algorithm chosen at run time: none is
 held here (a cost model may add what it knows: ``OccupancyAware.workspace_bytes``).
@@ -46,6 +48,8 @@ def workspace_bytes(node: fx.Node, device_kind: str) -> int:
         return _whole_lstm_bytes(node)
     if name == "aten.convolution" and device_kind == "cpu":
         return _cpu_convolution_bytes(node)
+    if name == "aten.convolution_backward" and device_kind == "cpu":
+        return _cpu_convolution_backward_bytes(node)
     return 0
 
 
@@ -81,11 +85,26 @@ def _cpu_convolution_bytes(node: fx.Node) -> int:
     if not all(isinstance(t, torch.Tensor) for t in (x, w, out)) or transposed or not x.is_floating_point():
         return 0
     if x.dim() == 4 and _slow_path(x, w, groups):
-        return _columns_bytes(node, x, w, out, groups)
+        return _columns_bytes(x, w, out, groups, node.args[3], node.args[4])
     if _channels_last(x) or _channels_last(w):  # ATen's rule for channels_last: the weight alone is reordered
         return tensor_bytes(w)
     source = tensor_bytes(x) if x.shape[1] > PLAIN_SOURCE_CHANNELS else 0
     return max(source + tensor_bytes(w), tensor_bytes(out))
+
+
+def _cpu_convolution_backward_bytes(node: fx.Node) -> int:
+    """The backward of an NCHW convolution reorders the incoming gradient, the input and the
+    weight into oneDNN's layout (their sizes, within 0.1 % of the allocator's peak at the shapes
+    measured); channels_last, the weight alone; ATen's slow path, its columns again."""
+    grad_output, x, w = (value_of(a) for a in node.args[:3])
+    transposed, groups = node.args[7], node.args[9]
+    if not all(isinstance(t, torch.Tensor) for t in (grad_output, x, w)) or transposed or not x.is_floating_point():
+        return 0
+    if x.dim() == 4 and _slow_path(x, w, groups):
+        return _columns_bytes(x, w, grad_output, groups, node.args[4], node.args[5])
+    if _channels_last(x) or _channels_last(w):
+        return tensor_bytes(w)
+    return tensor_bytes(grad_output) + tensor_bytes(x) + tensor_bytes(w)
 
 
 def _channels_last(x: torch.Tensor) -> bool:
@@ -99,9 +118,8 @@ def _slow_path(x: torch.Tensor, w: torch.Tensor, groups: int) -> bool:
             and int(x.numel()) <= SLOW_PATH_MAX_NUMEL)
 
 
-def _columns_bytes(node: fx.Node, x, w, out, groups: int) -> int:
+def _columns_bytes(x, w, out, groups: int, stride, padding) -> int:
     """The unfolded input of ATen's slow convolution; none for a 1x1 kernel at stride 1 without padding."""
-    stride, padding = node.args[3], node.args[4]
     if tuple(w.shape[-2:]) == (1, 1) and all(s == 1 for s in stride) and not any(padding):
         return 0
     columns = (int(x.shape[1]) // groups) * math.prod(int(k) for k in w.shape[-2:]) * math.prod(
