@@ -3,9 +3,9 @@
 A symbolic trace cannot bake in a batch size (a shape is a Proxy, and a branch on one raises
 while tracing), so where every input has the same batch dimension the two run on its first
 sample alone: the check then costs a fraction of two full calls, which on a large batch are a
-large share of a build. The whole example is run instead where the sample is not a valid input (eager or the
-trace raises on it) and where the trace returns something other than tensors (a leaf module's
-tuple, whose length can follow the batch).
+large share of a build. The whole example is run instead where the sample is not a valid input
+(eager or the trace raises on it) and where the trace returns something other than tensors (a
+leaf module's tuple, whose length can follow the batch).
 """
 from __future__ import annotations
 

@@ -66,14 +66,16 @@ class Buffers:
             for buffer in self._buffers_of(arg):
                 self.last_use[buffer] = (graph_index, task)
 
-    def output(self, node: fx.Node, graph_index: int, returned: int | None = None) -> None:
-        """``node``'s graph outputs leave it; the first ``returned`` of them (all where None) go
-        to its caller, which holds them until the step ends (the rest a backward reads)."""
+    def output(self, node: fx.Node, graph_index: int, saved: int | None = None) -> None:
+        """``node``'s graph outputs leave it. ``saved``: of a forward's outputs, how many a
+        backward reads (the last ones, as aot_autograd orders them); those before go to the
+        caller, which holds them until the step ends. None (no backward): none is held here."""
         values = [a for a in tree_flatten(node.args)[0] if isinstance(a, fx.Node)]
+        returned = 0 if saved is None else len(values) - saved
         for position, arg in enumerate(values):
             for buffer in self._buffers_of(arg):
                 self.output_graph[buffer] = graph_index
-                if returned is not None and position < returned:
+                if position < returned:
                     self.held.add(buffer)
 
     def _buffers_of(self, arg: fx.Node) -> list[tuple]:

@@ -142,7 +142,7 @@ class _Lowering:
                 self.buffers.define(node)
                 continue
             if node.op == "output":
-                self.buffers.output(node, graph_index, _returned(node, saved) if phase == "fw" else None)
+                self.buffers.output(node, graph_index, saved if phase == "fw" else None)
                 continue
             if node.op == "get_attr":  # a constant (packed or folded weights, values made from no input):
                 self.static += tensor_bytes(node.meta.get("val"))  # alive beside the model's own
@@ -288,13 +288,6 @@ def saved_inputs(bw: fx.GraphModule) -> int:
     """How many of a backward graph's inputs its forward saved: all but the incoming gradients
     (aot_autograd's ``tangents_*``)."""
     return sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
-
-
-def _returned(output: fx.Node, saved: int | None) -> int | None:
-    """How many of a forward's outputs its caller gets (None: all, a forward with no backward)."""
-    if saved is None:
-        return None
-    return max(0, len([a for a in tree_flatten(output.args)[0] if isinstance(a, fx.Node)]) - saved)
 
 
 def gradient_values(bw: fx.GraphModule) -> list[torch.Tensor]:

@@ -58,9 +58,7 @@ def _rnn_layer_bytes(node: fx.Node) -> int:
     hidden, batch_first = node.args[10], node.args[14]
     if not all(isinstance(t, torch.Tensor) for t in (x, w_ih, w_hh)):
         return 0
-    time_steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
-    gates = int(time_steps) * int(batch) * 4 * int(hidden) * x.element_size()
-    return tensor_bytes(w_ih) + tensor_bytes(w_hh) + tensor_bytes(b_ih) + gates
+    return tensor_bytes(w_ih) + tensor_bytes(w_hh) + tensor_bytes(b_ih) + _gates_bytes(x, int(hidden), batch_first)
 
 
 def _whole_lstm_bytes(node: fx.Node) -> int:
@@ -72,11 +70,15 @@ def _whole_lstm_bytes(node: fx.Node) -> int:
     per_layer = 4 if has_biases else 2
     if not isinstance(x, torch.Tensor) or len(hx) != 2 or hx[0].shape[-1] != hx[1].shape[-1] or len(params) % per_layer:
         return 0
-    hidden = int(hx[1].shape[-1])
-    time_steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
-    gates = int(time_steps) * int(batch) * 4 * hidden * x.element_size()
     layers = [params[i:i + per_layer] for i in range(0, len(params), per_layer)]
-    return max(sum(tensor_bytes(t) for t in layer[:3]) for layer in layers) + gates
+    return max(sum(tensor_bytes(t) for t in layer[:3]) for layer in layers) + _gates_bytes(
+        x, int(hx[1].shape[-1]), batch_first)
+
+
+def _gates_bytes(x: torch.Tensor, hidden: int, batch_first: bool) -> int:
+    """An LSTM layer's gates over the sequence: time steps × batch × 4 × hidden values."""
+    time_steps, batch = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+    return int(time_steps) * int(batch) * 4 * hidden * x.element_size()
 
 
 def _cpu_convolution_bytes(node: fx.Node) -> int:
