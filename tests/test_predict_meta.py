@@ -161,3 +161,51 @@ def test_a_training_lstm_on_the_meta_device_is_one_op_with_its_backward_and_twic
               for gm, op in ((captured.forward, "fxdream.lstm_train"), (captured.backward, "fxdream.lstm_train_back")))
     # every weight matrix times every one of the 40 tokens: (64x8 + 64x16) + (64x16 + 64x16), 2 FLOPs each
     assert node_flops(fw) == 2 * 40 * (64 * 8 + 3 * 64 * 16) and node_flops(bw) == 2 * node_flops(fw)
+
+
+class _Circular(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular")
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class _Upsample(nn.Module):
+    def forward(self, x):
+        return nn.functional.interpolate(x, scale_factor=2, mode="bilinear")
+
+
+class _MaxPool1d(nn.Module):
+    def forward(self, x):
+        return nn.functional.max_pool1d(x.flatten(2), 2)
+
+
+class _Cell(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(8, 8)
+
+    def forward(self, x):
+        return self.cell(x[:, 0, 0, :8])
+
+
+class _Gru(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(8, 8, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(x[:, 0, :, :8])[0]
+
+
+@pytest.mark.parametrize("make", [_Circular, _Upsample, _MaxPool1d, _Cell, _Gru], ids=lambda m: m.__name__)
+def test_a_meta_model_in_inference_keeps_its_whole_ops_whole(make):
+    """autocast has no mode for the meta device (asking raises there): the ops fxdream keeps whole
+    are kept whole on it, as on a CPU."""
+    with torch.device("meta"):
+        model, x = make().eval(), torch.randn(2, 3, 8, 8)
+    prediction = fxdream.simulate(model, (x,), device="h100")
+    ops = {task.op for task in prediction.task_graph.tasks}
+    assert prediction.time_ms > 0 and any(op.startswith("fxdream") for op in ops), ops

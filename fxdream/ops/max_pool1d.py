@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fxdream.ir.call_args import bind
+from fxdream.ops.autocast import autocast_on
 
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("max_pool1d_inference(Tensor input, int kernel_size, int stride, int padding, int dilation, "
@@ -62,6 +63,6 @@ def redirect_max_pool1d(args, kwargs):
         if not isinstance(value, int) or isinstance(value, bool):
             return None
         ints.append(value)
-    if not isinstance(values["ceil_mode"], bool) or torch.is_autocast_enabled(input.device.type):
+    if not isinstance(values["ceil_mode"], bool) or autocast_on(input.device):
         return None
     return max_pool1d_inference(input, *ints, values["ceil_mode"])

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fxdream.ir.call_args import bind
+from fxdream.ops.autocast import autocast_on
 
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("pad_inference(Tensor input, int[] pad, str mode) -> Tensor")
@@ -52,6 +53,6 @@ def redirect_pad(args, kwargs):
         return None
     if not all(isinstance(s, int) for s in (*input.shape, *pad)):  # symbolic sizes: leave to torch
         return None
-    if torch.is_autocast_enabled(input.device.type):
+    if autocast_on(input.device):
         return None
     return pad_inference(input, list(pad), "circular")

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from fxdream.ops.autocast import autocast_on
+
 FUNCTIONS = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh, "rnn_relu": torch._VF.rnn_relu}
 
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
@@ -132,7 +134,7 @@ def redirect_lstm(args, kwargs):
     if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)):
         return None
     input, (h, c), params, has_biases, num_layers, _dropout, train, bidirectional, batch_first = args
-    if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or torch.is_autocast_enabled("cpu"):
+    if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or autocast_on("cpu"):
         return None
     if train is not False:  # dropout between layers, if any, is left out of the prediction
         if input.device.type != "meta":
@@ -151,7 +153,7 @@ def redirect_rnn(mode, args, kwargs):
     it (9 arguments, train=False), outside autocast (it casts the RNN's inputs); else None."""
     if kwargs or len(args) != 9 or args[6] is not False \
             or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor) \
-            or torch.is_autocast_enabled(args[0].device.type):
+            or autocast_on(args[0].device):
         return None
     input, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
     return tuple(rnn_inference(input, hx, list(params), mode, has_biases, num_layers, bidirectional, batch_first))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from fxdream.ops.autocast import autocast_on
+
 _CELLS = ("gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell")
 FUNCTIONS = {getattr(torch._VF, name): name for name in _CELLS}
 
@@ -49,7 +51,7 @@ def redirect_rnn_cell(function, args, kwargs):
     states = tuple(hx) if cell == "lstm_cell" and isinstance(hx, (tuple, list)) else (hx,)
     if len(states) != (2 if cell == "lstm_cell" else 1) \
             or not all(isinstance(t, torch.Tensor) for t in (input, *states, w_ih, w_hh)) \
-            or torch.is_autocast_enabled(input.device.type):  # autocast casts the cell's inputs
+            or autocast_on(input.device):  # autocast casts the cell's inputs
         return None
     out = rnn_cell_inference(input, list(states), w_ih, w_hh, b_ih, b_hh, cell)
     return tuple(out) if cell == "lstm_cell" else out[0]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fxdream.ir.call_args import bind
+from fxdream.ops.autocast import autocast_on
 
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("attention_inference(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
@@ -61,6 +62,6 @@ def redirect_attention(args, kwargs, devices=("cuda",)):
     query = values["query"]
     if not isinstance(query, torch.Tensor) or query.device.type not in devices:
         return None
-    if torch.is_autocast_enabled(query.device.type):  # autocast would cast SDPA's inputs; the op sits below it
+    if autocast_on(query.device):  # autocast would cast SDPA's inputs; the op sits below it
         return None
     return attention_inference(*(values[n] for n in _NAMES))

@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 
+from fxdream.ops.autocast import autocast_on
+
 _LIB = torch.library.Library("fxdream", "FRAGMENT")
 _LIB.define("upsample(Tensor input, str name, int[]? output_size, bool? align_corners, "
             "float[]? scale_factors) -> Tensor")
@@ -107,7 +109,7 @@ def redirect_upsample(function, args, kwargs):
         return None
     if name not in _NEAREST and not isinstance(align_corners, bool):
         return None
-    if torch.is_autocast_enabled(input.device.type):  # autocast casts the op's input above us
+    if autocast_on(input.device):  # autocast casts the op's input above us
         return None
     return upsample(input, name, None if output_size is None else list(output_size), align_corners,
                     None if scale_factors is None else [float(s) for s in scale_factors])
