@@ -256,7 +256,8 @@ def interleaved_profiler(captured, every: int, graphs: dict | None, device) -> t
 def measured_step(module, model, inputs, loss_fn, training, cost) -> StepCalls | None:
     """The graph calls and host time outside the graphs of this very step (training, graph
     breaks), as optimize() adds them to its predictions; None where costs are not measured here."""
-    if not isinstance(cost, Profiled) or not worth_measuring(training, len(module.captured)):
+    breaks = len(module._graph_breaks)
+    if not isinstance(cost, Profiled) or not worth_measuring(training, len(module.captured), breaks):
         return None
     with preserved_state(model):
         return measure_host_gaps(step_fn(module, inputs, loss_fn, training), module._session.clock)

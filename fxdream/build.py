@@ -293,9 +293,10 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     time outside its graphs (eager code between subgraphs, autograd), measured on a few steps."""
     cost = module._cost_model
     step, notes = None, ()
-    if isinstance(cost, Profiled) and worth_measuring(training, len(module.captured)):
+    breaks = len(module._graph_breaks)
+    if isinstance(cost, Profiled) and worth_measuring(training, len(module.captured), breaks):
         step = measure_model_gaps(module, model, inputs, training, module._session.clock)
-        notes = describe_gaps(step, len(module.captured), training) if step is not None else ()
+        notes = describe_gaps(step, len(module.captured), training, breaks) if step is not None else ()
     before = predict(module.captured, cost, training, step=step)
     after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)
     return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,

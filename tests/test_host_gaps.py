@@ -103,6 +103,36 @@ def test_a_graph_break_costs_its_measured_eager_time_in_the_prediction():
     assert "note: measured host time" in prediction.summary()
 
 
+class SlowEagerFirst(nn.Module):
+    """20 ms of eager host work (a graph break) before the one graph captured (by dynamo: a
+    forward taking ``*args`` is not traced by torch.fx, which would run the sleep once, at trace time)."""
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+
+    def forward(self, *inputs):
+        time.sleep(0.02)
+        return self.linear(inputs[0])
+
+
+def test_an_inference_call_with_one_graph_after_eager_code_is_predicted_with_that_code():
+    model, x = SlowEagerFirst().eval(), torch.randn(3, 4)
+    prediction = fxdream.simulate(model, (x,))
+    assert prediction.time_ms >= 20  # the eager 20 ms, measured as host time before the graph
+    assert any("eager code around the captured graph)" in n for n in prediction.notes), prediction.notes
+    assert any(t.op == "host_gap" for t in prediction.task_graph.tasks)
+
+
+def test_a_model_with_nothing_captured_is_predicted_here_as_its_measured_eager_step():
+    model, x = nn.GRU(6, 8, batch_first=True).train(), torch.randn(2, 5, 6)  # dynamo runs a GRU eagerly
+    prediction = fxdream.simulate(model, (x,), training=True)
+    assert prediction.time_ms > 0 and not any(t.op == "graph_call" for t in prediction.task_graph.tasks)
+    (note,) = prediction.notes
+    assert note.startswith("nothing was captured from GRU") and "the whole step ran as eager code" in note
+    with pytest.raises(fxdream.CaptureError, match=r"nothing was captured from GRU.*measures the step as eager code"):
+        fxdream.simulate(model, (x,), device="h100", training=True)
+
+
 def test_predictions_for_another_device_measure_no_gaps():
     model, x = SlowEagerBetween(), torch.randn(3, 4)
     prediction = fxdream.simulate(model, (x,), device="h100", training=True)
@@ -128,6 +158,8 @@ def test_the_note_names_the_causes_and_graphs_run_twice():
     assert twice == "graphs called more than once per step, simulated once per call: {'g0.fw': 2}"
     (only,) = describe_gaps(StepCalls(("g0.fw", "g1.fw"), (0.0, 0.0), 0.0), 2, False)
     assert "(eager code around the 2 captured graphs)" in only
+    (broke,) = describe_gaps(StepCalls(("g0.fw",), (0.0,), 0.0), 1, True, graph_breaks=1)
+    assert "(eager code around the captured graph, autograd)" in broke
 
 
 class BreakingBlock(nn.Module):

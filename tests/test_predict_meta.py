@@ -209,3 +209,29 @@ def test_a_meta_model_in_inference_keeps_its_whole_ops_whole(make):
     prediction = fxdream.simulate(model, (x,), device="h100")
     ops = {task.op for task in prediction.task_graph.tasks}
     assert prediction.time_ms > 0 and any(op.startswith("fxdream") for op in ops), ops
+
+
+def test_a_packed_sequence_keeps_its_batch_sizes_on_the_cpu_in_a_meta_copy():
+    """torch requires a PackedSequence's ``batch_sizes`` on the CPU; its data and indices go to meta."""
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 5, 6), torch.tensor([5, 3]), batch_first=True,
+                                               enforce_sorted=False)
+    _, (copy,), _ = meta_copy(nn.Linear(1, 1), (packed,))
+    assert isinstance(copy, nn.utils.rnn.PackedSequence) and copy.data.device.type == "meta"
+    assert copy.batch_sizes.device.type == "cpu" and torch.equal(copy.batch_sizes, packed.batch_sizes)
+    assert copy.sorted_indices.device.type == "meta" and copy.data.shape == packed.data.shape
+
+
+class _PackedLstm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, packed):
+        _, (h, _) = self.lstm(packed)
+        return self.fc(h[-1])
+
+
+def test_a_model_given_a_packed_sequence_is_predicted_for_another_device():
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 5, 6), torch.tensor([5, 3]), batch_first=True)
+    prediction = fxdream.simulate(_PackedLstm(), (packed,), device="h100")
+    assert prediction.time_ms > 0

@@ -49,17 +49,22 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
     except Exception as error:
         run_once(model, model, inputs, training)  # the model's own error, if eager fails too
         raise CaptureError(f"the capture of {type(model).__name__} ({how}) failed: {describe_error(error)}") from error
-    captured = session.captured()
-    step, notes = None, ()
-    if not captured:
-        reasons = "; ".join(new_graph_breaks(breaks_before)) or "dynamo produced no graph"
-        raise CaptureError(f"nothing was captured from {type(model).__name__}: {reasons}")
-    if measure and worth_measuring(training, len(captured)):
+    captured, breaks = session.captured(), new_graph_breaks(breaks_before)
+    nothing = f"nothing was captured from {type(model).__name__}: {'; '.join(breaks) or 'dynamo produced no graph'}"
+    step, notes = None, _unmeasured_breaks(breaks)
+    if measure and worth_measuring(training, len(captured), len(breaks)):
         step = measure_model_gaps(runner, model, inputs, training, session.clock)
-        notes = describe_gaps(step, len(captured), training) if step is not None else ()
-    elif not measure:
-        notes = _unmeasured_breaks(new_graph_breaks(breaks_before))
-    return (captured[0] if len(captured) == 1 else captured), step, notes
+        if step is None:
+            notes = ()
+        elif captured:
+            notes = describe_gaps(step, len(captured), training, len(breaks))
+        else:  # the whole step is one measured host task
+            notes = (f"{nothing}; the whole step ran as eager code, predicted from its time measured here "
+                     f"({step.total_us / 1e3:.3f} ms per step)",)
+    if not captured and step is None:  # no graph to cost, and no time measured
+        raise CaptureError(nothing if measure else f"{nothing}; fxdream.simulate for this machine with real inputs "
+                                                   f"(cost='auto') measures the step as eager code instead")
+    return (captured[0] if len(captured) == 1 else tuple(captured)), step, notes
 
 
 def _unmeasured_breaks(breaks: list[str]) -> tuple[str, ...]:

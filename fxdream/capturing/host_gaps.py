@@ -53,10 +53,12 @@ class StepCalls:
         return cls(calls, gaps, statistics.median(s.end_us for s in same))
 
 
-def worth_measuring(training: bool, subgraphs: int) -> bool:
+def worth_measuring(training: bool, subgraphs: int, graph_breaks: int = 0) -> bool:
     """Only training steps (autograd) and graph breaks have host time outside the graphs that
-    matters; one inference graph is one call with next to nothing around it."""
-    return training or subgraphs > 1
+    matters; one inference graph is one call with next to nothing around it, unless the graph
+    broke (eager code before or after the one graph captured: an RNN dynamo does not trace, a
+    ``.item()``), or nothing was captured at all (the whole step is eager code)."""
+    return training or subgraphs != 1 or graph_breaks > 0
 
 
 class SubgraphClock:
@@ -156,10 +158,11 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
         return measure_host_gaps(step, clock, rounds, warmup)
 
 
-def describe_gaps(step: StepCalls, subgraphs: int, training: bool) -> tuple[str, ...]:
+def describe_gaps(step: StepCalls, subgraphs: int, training: bool, graph_breaks: int = 0) -> tuple[str, ...]:
     """Report lines: how much host time was measured outside the graphs, and repeated graphs."""
-    causes = ([f"eager code around the {subgraphs} captured graphs"] if subgraphs > 1 else []) \
-        + (["autograd"] if training else [])
+    eager = subgraphs > 1 or graph_breaks > 0
+    graphs = f"the {subgraphs} captured graphs" if subgraphs > 1 else "the captured graph"
+    causes = ([f"eager code around {graphs}"] if eager else []) + (["autograd"] if training else [])
     lines = (f"measured host time outside the graphs ({', '.join(causes)}): "
              f"{step.total_us / 1e3:.3f} ms per step, simulated as host tasks",)
     repeated = {label: n for label, n in step.counts().items() if n > 1}

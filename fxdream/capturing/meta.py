@@ -7,6 +7,7 @@ import copy
 import itertools
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
 
 
@@ -27,5 +28,17 @@ def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None)
             memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
                 if isinstance(tensor, torch.nn.Parameter) else meta
     copied = copy.deepcopy(model, memo)
-    to_meta = lambda v: v.detach().to("meta").requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    return copied, tree_map(to_meta, tuple(inputs)), tree_map(to_meta, dict(kwargs or {}))
+    packed = lambda v: isinstance(v, PackedSequence)  # noqa: E731
+    return (copied, tree_map(_to_meta, tuple(inputs), is_leaf=packed),
+            tree_map(_to_meta, dict(kwargs or {}), is_leaf=packed))
+
+
+def _to_meta(value):
+    """A tensor's meta twin (same ``requires_grad``); a PackedSequence with its data and indices
+    on the meta device and its ``batch_sizes`` left on the CPU, where torch requires them."""
+    if isinstance(value, PackedSequence):
+        indices = (None if t is None else t.to("meta") for t in (value.sorted_indices, value.unsorted_indices))
+        return PackedSequence(_to_meta(value.data), value.batch_sizes, *indices)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("meta").requires_grad_(value.requires_grad)
+    return value
