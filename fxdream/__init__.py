@@ -1,4 +1,5 @@
 """fxdream: capture a model as FX graphs, rewrite them with passes, predict and measure each pass."""
+from fxdream import explain, models, whatif  # fxdream.explain.crossover, fxdream.whatif.amp after `import fxdream`
 from fxdream.ab import ABResult, ABRow, ab
 from fxdream.build import optimize
 from fxdream.capturing.capture_model import capture
@@ -16,7 +17,7 @@ __all__ = [
     "capture", "Captured", "CaptureError", "optimize", "OptimizedModule",
     "Pass", "PassContext", "PassResult", "register_pass", "available_passes",
     "Report", "GraphReport", "PassReport", "simulate", "Prediction", "ab", "ABResult", "ABRow",
-    "forget_profiles", "cuda_graph_incompatible", "cuda_graph_compatible",
+    "forget_profiles", "cuda_graph_incompatible", "cuda_graph_compatible", "explain", "models", "whatif",
 ]
 __version__ = "0.1.0"
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import networkx as nx
 import pytest
@@ -134,3 +136,10 @@ def test_the_layer_rule_catches_an_upward_import():
     assert layer_of("fxdream") == len(LAYERS) - 1
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("fxdream_other.module")
+
+
+def test_the_documented_dotted_names_work_after_import_fxdream_alone():
+    """README names ``fxdream.explain.crossover`` and ``fxdream.whatif.*``: a fresh interpreter
+    (this process imported the submodules already) reaches them after ``import fxdream``."""
+    code = "import fxdream; fxdream.explain.crossover; fxdream.whatif.amp; fxdream.models.build"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -266,6 +266,7 @@ def test_many_optimized_copies_of_one_class_are_each_captured():
     (dict(training="yes"), TypeError, "training must be True or False"),
     (dict(memory_budget="1GB"), ValueError, "memory_budget must be None or a number of bytes ≥ 0"),
     (dict(memory_budget=-5), ValueError, "memory_budget must be None or a number of bytes ≥ 0"),
+    (dict(cost="bogus"), ValueError, "cost='bogus' is not a cost model; valid: 'auto', 'profiled', 'analytic', None"),
 ])
 def test_bad_arguments_get_one_clear_line(kwargs, error, message):
     if kwargs.get("device") == "cuda" and torch.cuda.is_available():
