@@ -16,6 +16,7 @@ from fxdream.plan import plan
 from fxdream.sim.cost import DeviceSpec, Profiled
 from fxdream.sim.lower import OPTIMIZERS, OptimizerModel
 from fxdream.sim.prediction import Prediction, predict
+from fxdream.sim.profile.machine_load import watch_machine_load
 
 
 def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec = "cpu",
@@ -32,8 +33,20 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
     model, example_inputs = bind_keywords(model, example_inputs, example_kwargs)  # all positional from here
-    original = (model, example_inputs)
-    model, example_inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
+    model, inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
+    with watch_machine_load() as load:  # where costs are measured here: did other processes run beside them?
+        prediction = _simulate((model, example_inputs), model, inputs, model_cost, device, training, optimizer,
+                               contention, passes, memory_budget)
+    if not (isinstance(model_cost, Profiled) and load.disturbed):
+        return prediction
+    return dataclasses.replace(prediction, notes=prediction.notes + (
+        f"measurements disturbed: {load.describe('prediction')}; its measured costs describe a busy machine",))
+
+
+def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, model_cost, device, training: bool,
+              optimizer: str | None, contention: bool, passes, memory_budget: int | None) -> Prediction:
+    """``simulate`` of ``model`` on ``example_inputs`` (``original``'s, or their meta copy) with
+    ``model_cost``; a meta copy that reads tensor values is captured on ``original``'s data."""
     measure, fallback = isinstance(model_cost, Profiled), ()
     try:  # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
         with _autocast_watch() as autocast_notes:

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 import fxdream
 import fxdream.build as build
+import fxdream.simulation as simulation
 from fxdream.sim.profile.machine_load import LoadWatch, foreign_cpu_seconds, watch_machine_load
 
 
@@ -60,3 +61,16 @@ def test_other_processes_cpu_time_counts_and_this_process_tree_does_not():
         pass
     assert watch.window_s >= 0.0 and (watch.foreign_cpu_s is None or watch.foreign_cpu_s >= 0.0)
     assert not LoadWatch().disturbed and LoadWatch(None, 1.0).cores is None
+
+
+@pytest.mark.parametrize("cores", [1.0, 0.1])
+def test_a_prediction_measured_on_a_busy_machine_says_so(monkeypatch, cores):
+    monkeypatch.setattr(simulation, "watch_machine_load", _busy_machine(cores))
+    model, x = _net()
+    measured = fxdream.simulate(model, (x,))
+    disturbed = [n for n in measured.notes if n.startswith("measurements disturbed")]
+    assert len(disturbed) == (cores > 0.25)
+    if disturbed:
+        assert "other processes kept 1.00 core(s) busy while this prediction measured" in disturbed[0]
+    analytic = fxdream.simulate(model, (x,), device="h100")  # nothing measured: nothing to disturb
+    assert not any(n.startswith("measurements disturbed") for n in analytic.notes)

@@ -58,8 +58,8 @@ class LoadWatch:
     def disturbed(self) -> bool:
         return self.cores is not None and self.cores > DISTURBED_CORES
 
-    def describe(self) -> str:
-        return (f"other processes kept {self.cores:.2f} core(s) busy while this build measured "
+    def describe(self, what: str = "build") -> str:
+        return (f"other processes kept {self.cores:.2f} core(s) busy while this {what} measured "
                 f"({self.foreign_cpu_s:.2f} CPU-s over {self.window_s:.2f} s)")
 
 
