@@ -191,6 +191,17 @@ def test_flags_without_a_position_are_bound_and_a_call_without_them_runs_eagerly
     assert list(optimized.model.state_dict()) == list(model.state_dict())  # saved as the model saves
 
 
+def test_flags_bound_for_an_eval_model_keep_its_submodules_modes():
+    """The wrapper binding the flags has the model's mode: an eval model with a submodule left in
+    train mode on purpose (MC dropout) is not switched, nor said to have been in train mode."""
+    x, mask, _ = _inputs()
+    model = Flagged().eval()
+    model.proj.train()
+    report = fxdream.optimize(model, (x,), example_kwargs={"double": True}, cost=None).report
+    assert not any("mode" in note for note in report.notes), report.notes
+    assert not model.training and model.proj.training
+
+
 def test_simulate_and_capture_take_flags_without_a_position():
     x, mask, _ = _inputs()
     model = Flagged().eval()

@@ -24,6 +24,7 @@ class WithKeywords(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, constants: Mapping):
         super().__init__()
         self.model = model
+        self.training = model.training  # the model's mode: a build compares its own flag with it
         self.constants = dict(constants)
         self.__dict__["_signature"] = inspect.signature(model.forward)
 
