@@ -120,7 +120,8 @@ META_VALUE_ERRORS = ("cannot be called on meta tensors", "meta tensor; no data",
 META_VALUE_HINT = ("hint: the model reads a tensor's value (.item(), a branch on a tensor, nonzero, .tolist()), "
                    "which a model on the meta device does not have: build the model on the CPU with real "
                    "example inputs (simulate then captures on their data, nothing runs on the predicted device), "
-                   "or make the forward not depend on values")
+                   "or make the forward not depend on values; a Hugging Face model given an attention_mask reads "
+                   "it where the capture of its cache failed first: pass use_cache=False in example_kwargs")
 
 
 def meta_hint(error: Exception) -> str | None:
