@@ -32,11 +32,18 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     """
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
+    return _simulate_bound(model, example_inputs, device, training, cost, optimizer, contention, passes,
+                           memory_budget, example_kwargs)
+
+
+def _simulate_bound(model: torch.nn.Module, example_inputs, device, training: bool, cost: str, optimizer: str | None,
+                    contention: bool, passes, memory_budget: int | None, example_kwargs: dict | None) -> Prediction:
+    """``simulate`` once its arguments are checked: the keywords bound, the inputs chosen."""
     model, example_inputs = bind_keywords(model, example_inputs, example_kwargs)  # all positional from here
-    model, inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
+    captured_model, inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
     with watch_machine_load() as load:  # where costs are measured here: did other processes run beside them?
-        prediction = _simulate((model, example_inputs), model, inputs, model_cost, device, training, optimizer,
-                               contention, passes, memory_budget)
+        prediction = _simulate((model, example_inputs), captured_model, inputs, model_cost, device, training,
+                               optimizer, contention, passes, memory_budget)
     if not (isinstance(model_cost, Profiled) and load.disturbed):
         return prediction
     return dataclasses.replace(prediction, notes=prediction.notes + (
@@ -120,8 +127,7 @@ META_VALUE_ERRORS = ("cannot be called on meta tensors", "meta tensor; no data",
 META_VALUE_HINT = ("hint: the model reads a tensor's value (.item(), a branch on a tensor, nonzero, .tolist()), "
                    "which a model on the meta device does not have: build the model on the CPU with real "
                    "example inputs (simulate then captures on their data, nothing runs on the predicted device), "
-                   "or make the forward not depend on values; a Hugging Face model given an attention_mask reads "
-                   "it where the capture of its cache failed first: pass use_cache=False in example_kwargs")
+                   "or make the forward not depend on values")
 
 
 def meta_hint(error: Exception) -> str | None:

@@ -99,19 +99,38 @@ def test_a_disabled_autocast_region_is_named_in_the_prediction():
     assert not any("autocast" in n for n in plain.notes)
 
 
-def test_a_meta_model_making_meta_constants_gets_a_hint_and_use_cache_false_works():
+def test_a_meta_hugging_face_model_with_its_cache_on_is_predicted_with_it():
+    """transformers makes its KV cache with torch.tensor([]) on the model's device, a real meta
+    tensor in dynamo's trace (``meta_constants_traced``): predicted with the cache as without it
+    (its first step concatenates keys and values to empty tensors, at most a copy each)."""
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
         config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=2, vocab_size=50)
         model = transformers.LlamaForCausalLM(config)
     ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    with pytest.raises(fxdream.CaptureError, match="pass use_cache=False in example_kwargs"):
-        fxdream.simulate(model, device="h100", training=True, example_kwargs=dict(input_ids=ids, labels=ids))
-    prediction = fxdream.simulate(model, device="h100", training=True,
-                                  example_kwargs=dict(input_ids=ids, labels=ids, use_cache=False))
-    assert prediction.time_ms > 0
+    for training in (False, True):
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+        cached = fxdream.simulate(model, device="h100", training=training, example_kwargs=kwargs)
+        uncached = fxdream.simulate(model, device="h100", training=training, example_kwargs={**kwargs, "use_cache": False})
+        assert 0 < uncached.time_ms <= cached.time_ms and len(uncached.task_graph) <= len(cached.task_graph)
 
+
+class MakesMetaConstants(nn.Module):
+    """Tensors made inside forward from Python values: an empty one, an index list, a scalar."""
+    def forward(self, x):
+        flat = torch.cat([torch.tensor([], device=x.device), x.flatten()])
+        return flat, x[..., [-2]], torch.where(x > 0, x, torch.tensor(-1.0, device=x.device))
+
+
+def test_tensors_a_meta_model_makes_from_python_values_are_traced():
+    with torch.device("meta"):
+        model, x = MakesMetaConstants(), torch.randn(2, 4)
+    captured = fxdream.capture(model, (x,))
+    out = next(n for n in captured.forward.graph.nodes if n.op == "output")
+    shapes = [tuple(a.meta["val"].shape) for a in out.args[0]]
+    assert shapes == [(8,), (2, 1), (2, 4)]
+    assert fxdream.simulate(model, (x,), device="h100").time_ms > 0
 
 
 def test_a_meta_model_reading_a_value_gets_a_capture_error_saying_what_to_do():

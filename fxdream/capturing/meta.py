@@ -3,10 +3,12 @@ prediction for a device that is not here captures such a copy, so the model neve
 data on this machine (no activations allocated: any batch size, any model size)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 
 import torch
+from torch._subclasses.fake_tensor import fake_tensor_tls
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -42,3 +44,22 @@ def _to_meta(value):
     if isinstance(value, torch.Tensor):
         return value.detach().to("meta").requires_grad_(value.requires_grad)
     return value
+
+
+@contextlib.contextmanager
+def meta_constants_traced(active: bool = True):
+    """While a model on the meta device is captured (``active``): a tensor its forward makes on
+    the meta device inside the traced code (``torch.tensor([], device=x.device)`` in transformers'
+    KV cache, an index list ``x[..., [-2]]``, a scalar for ``torch.where``) is a real meta tensor
+    in dynamo's trace, and its fake tensors refuse to mix with one; with no data on either side,
+    converting it to a fake tensor (fake mode's ``allow_non_fake_inputs``, a private thread-local
+    switch, set here only) loses nothing."""
+    if not active:
+        yield
+        return
+    before = fake_tensor_tls.allow_non_fake_inputs_override
+    fake_tensor_tls.allow_non_fake_inputs_override = True
+    try:
+        yield
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = before
