@@ -112,7 +112,8 @@ def test_a_meta_hugging_face_model_with_its_cache_on_is_predicted_with_it():
     for training in (False, True):
         kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
         cached = fxdream.simulate(model, device="h100", training=training, example_kwargs=kwargs)
-        uncached = fxdream.simulate(model, device="h100", training=training, example_kwargs={**kwargs, "use_cache": False})
+        uncached = fxdream.simulate(model, device="h100", training=training,
+                                    example_kwargs={**kwargs, "use_cache": False})
         assert 0 < uncached.time_ms <= cached.time_ms and len(uncached.task_graph) <= len(cached.task_graph)
 
 
