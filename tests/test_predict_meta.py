@@ -101,7 +101,7 @@ def test_a_disabled_autocast_region_is_named_in_the_prediction():
 
 def test_a_meta_hugging_face_model_with_its_cache_on_is_predicted_with_it():
     """transformers makes its KV cache with torch.tensor([]) on the model's device, a real meta
-    tensor in dynamo's trace (``meta_constants_traced``): predicted with the cache as without it
+    tensor in dynamo's trace (``traceable_on_meta``): predicted with the cache as without it
     (its first step concatenates keys and values to empty tensors, at most a copy each)."""
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
@@ -255,3 +255,28 @@ def test_a_model_given_a_packed_sequence_is_predicted_for_another_device():
     packed = nn.utils.rnn.pack_padded_sequence(torch.randn(2, 5, 6), torch.tensor([5, 3]), batch_first=True)
     prediction = fxdream.simulate(_PackedLstm(), (packed,), device="h100")
     assert prediction.time_ms > 0
+
+
+class ClassifierWithLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x, target):
+        return nn.functional.cross_entropy(nn.functional.relu6(self.fc(x)), target)
+
+
+def test_a_meta_training_capture_has_the_backward_of_ops_torch_gives_python_meta_kernels(recwarn):
+    """nll_loss and relu6 decompose for autograd and have Python meta kernels, which a meta trace
+    prefers: their backward (and the linear layer's before them) was missing, with torch's
+    "autograd kernel was not registered" warning. Captured on meta, the backward is the CPU one."""
+    graphs = {}
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model, x, target = ClassifierWithLoss(), torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
+        captured = fxdream.capture(model, (x, target), training=True)
+        graphs[device] = [str(n.target) for n in captured.backward.graph.nodes if n.op == "call_function"]
+    assert "aten.nll_loss_backward.default" in graphs["meta"] and "aten.hardtanh_backward.default" in graphs["meta"]
+    assert sorted(graphs["meta"]) == sorted(graphs["cpu"])
+    assert not [w for w in recwarn if "autograd kernel was not registered" in str(w.message)]
+    assert torch.ops.aten.nll_loss.default.py_kernels  # the kernels set aside are back

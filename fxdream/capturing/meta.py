@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 
 import torch
+from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import fake_tensor_tls
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
@@ -47,19 +49,44 @@ def _to_meta(value):
 
 
 @contextlib.contextmanager
-def meta_constants_traced(active: bool = True):
-    """While a model on the meta device is captured (``active``): a tensor its forward makes on
-    the meta device inside the traced code (``torch.tensor([], device=x.device)`` in transformers'
-    KV cache, an index list ``x[..., [-2]]``, a scalar for ``torch.where``) is a real meta tensor
-    in dynamo's trace, and its fake tensors refuse to mix with one; with no data on either side,
-    converting it to a fake tensor (fake mode's ``allow_non_fake_inputs``, a private thread-local
-    switch, set here only) loses nothing."""
+def traceable_on_meta(active: bool = True):
+    """While a model on the meta device is captured (``active``), two things torch's tracing does
+    only on the meta device are undone, so the graphs are those a capture on real tensors makes:
+
+    - a tensor forward makes on the meta device inside the traced code (``torch.tensor([],
+      device=x.device)`` in transformers' KV cache, an index list ``x[..., [-2]]``, a scalar for
+      ``torch.where``) is a real meta tensor in dynamo's trace, which its fake tensors refuse to
+      mix with: the fake mode converts it (``allow_non_fake_inputs``, a private thread-local
+      switch; no data on either side, nothing lost);
+    - ops that decompose for autograd (CompositeImplicitAutograd: ``nll_loss``, ``relu6``,
+      ``dropout``, ``prelu``) also have Python meta kernels, which the tracer's Python dispatcher
+      prefers, so autograd records them without a gradient formula (torch warns "an autograd
+      kernel was not registered") and the backward graph misses them and all before them: a
+      cross-entropy loss's backward came out empty. Those kernels are set aside meanwhile
+      (``aten.item``'s kept: it says why a meta tensor has no value)."""
     if not active:
         yield
         return
     before = fake_tensor_tls.allow_non_fake_inputs_override
     fake_tensor_tls.allow_non_fake_inputs_override = True
+    set_aside = {op: op.py_kernels.pop(DispatchKey.Meta) for op in _composite_ops_with_python_meta()}
+    for op in set_aside:
+        op._dispatch_cache.clear()
     try:
         yield
     finally:
         fake_tensor_tls.allow_non_fake_inputs_override = before
+        for op, kernel in set_aside.items():
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
+@functools.cache
+def _composite_ops_with_python_meta() -> tuple:
+    """The ATen ops that decompose for autograd and have a Python meta kernel (torch registers one
+    for the ops of its decomposition tables, and some more). A Python kernel is registered on an
+    op object, so the ops are among those created already (``vars`` of ``torch.ops.aten``)."""
+    return tuple(op for packet in list(vars(torch.ops.aten).values()) if isinstance(packet, torch._ops.OpOverloadPacket)
+                 for op in list(vars(packet).values()) if isinstance(op, torch._ops.OpOverload)
+                 and DispatchKey.Meta in op.py_kernels and op is not torch.ops.aten.item.default
+                 and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"))

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from fxdream.capturing.dynamo import graph_break_counts, new_graph_breaks
-from fxdream.capturing.meta import meta_constants_traced, on_meta
+from fxdream.capturing.meta import on_meta, traceable_on_meta
 from fxdream.capturing.model_state import preserved_inputs, preserved_state
 
 
@@ -55,7 +55,7 @@ def one_step(call: Callable, inputs: tuple, training: bool):
 def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
     meta = on_meta(model, inputs)
-    with preserved_state(model), preserved_inputs(inputs), meta_constants_traced(meta), tracing_config(
+    with preserved_state(model), preserved_inputs(inputs), traceable_on_meta(meta), tracing_config(
             training, meta and rnns_kept_whole_in_training(model)):
         return one_step(compiled, inputs, training)
 
