@@ -1,5 +1,7 @@
 """A prediction for a device that is not here (analytic costs) never runs the model on real data:
 it captures a copy on the meta device. Models and inputs already on the meta device are taken."""
+import collections
+
 import pytest
 import torch
 import torch.nn as nn
@@ -280,3 +282,51 @@ def test_a_meta_training_capture_has_the_backward_of_ops_torch_gives_python_meta
     assert sorted(graphs["meta"]) == sorted(graphs["cpu"])
     assert not [w for w in recwarn if "autograd kernel was not registered" in str(w.message)]
     assert torch.ops.aten.nll_loss.default.py_kernels  # the kernels set aside are back
+
+
+def test_an_input_given_twice_stays_one_tensor_in_a_meta_copy():
+    x = torch.randn(2, 3)
+    _, (a, b), _ = meta_copy(nn.Linear(1, 1), (x, x))
+    assert a is b and a.device.type == "meta"
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _attention_ops(captured, phase):
+    return collections.Counter(str(n.target) for n in getattr(captured, phase).graph.nodes
+                               if n.op == "call_function" and any(w in str(n.target) for w in ("attention", "bmm",
+                                                                                               "softmax")))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (MaskedAttention(), (torch.randn(2, 5, 16), torch.rand(2, 1, 5, 5) > 0.3)),
+    lambda: (nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), (torch.randn(2, 5, 16),)),
+], ids=["sdpa_with_a_bool_mask", "transformer_encoder_layer"])
+@pytest.mark.parametrize("training", [False, True])
+def test_attention_on_the_meta_device_is_the_fused_kernel_with_its_backward(make, training):
+    """torch registers no fused SDPA kernel choice for meta tensors, so it traces the math path
+    there (the whole attention matrix, saved for the backward); a GPU runs a fused kernel."""
+    with torch.device("meta"):
+        model, inputs = make()
+    captured = fxdream.capture(model.train(training), inputs, training=training)
+    assert _attention_ops(captured, "forward") == {"aten._scaled_dot_product_efficient_attention.default": 1}
+    if training:
+        assert _attention_ops(captured, "backward") == {
+            "aten._scaled_dot_product_efficient_attention_backward.default": 1}
+    assert fxdream.simulate(model, inputs, device="h100", training=training).time_ms > 0
+
+
+def test_the_cpu_attention_backward_has_its_flops():
+    from fxdream.ir.flops import node_flops
+    model, x = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), torch.randn(2, 5, 16)
+    captured = fxdream.capture(model, (x,), training=True)
+    (backward,) = [n for n in captured.backward.graph.nodes if "flash_attention_for_cpu_backward" in str(n.target)]
+    assert node_flops(backward) == 5 * 2 * (2 * 2) * 5 * 5 * 8  # q·kᵀ again and four products, 2·b·h·s·t·d each

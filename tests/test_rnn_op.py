@@ -183,9 +183,10 @@ def test_the_tracing_mode_is_entered_only_for_graphs_that_may_need_it():
     leaves = lambda model: fx.symbolic_trace(torch.nn.Sequential(model))  # noqa: E731  (torch.nn modules as leaves)
     for model in (up, circular, torch.nn.MaxPool1d(2), torch.nn.CircularPad2d(1)):
         assert may_call_whole_ops(leaves(model))
-    # in training only upsampling has a whole op (with its gradient formula)
+    # in training only upsampling and SDPA have whole ops with gradient formulas (SDPA's on meta)
     assert may_call_whole_ops(leaves(up), training=True)
-    for model in (Attend(), torch.nn.GRU(4, 4), circular, torch.nn.MaxPool1d(2), conv):
+    assert may_call_whole_ops(fx.symbolic_trace(Attend()), training=True)
+    for model in (torch.nn.GRU(4, 4), circular, torch.nn.MaxPool1d(2), conv):
         assert not may_call_whole_ops(leaves(model), training=True)
     assert may_call_whole_ops(fx.symbolic_trace(Custom()), training=True)
 

@@ -31,21 +31,25 @@ def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None)
             meta = tensor.detach().to("meta")
             memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
                 if isinstance(tensor, torch.nn.Parameter) else meta
-    copied = copy.deepcopy(model, memo)
-    packed = lambda v: isinstance(v, PackedSequence)  # noqa: E731
-    return (copied, tree_map(_to_meta, tuple(inputs), is_leaf=packed),
-            tree_map(_to_meta, dict(kwargs or {}), is_leaf=packed))
+    copied = copy.deepcopy(model, dict(memo))
+    packed, to_meta = (lambda v: isinstance(v, PackedSequence)), functools.partial(_to_meta, memo)
+    return (copied, tree_map(to_meta, tuple(inputs), is_leaf=packed),
+            tree_map(to_meta, dict(kwargs or {}), is_leaf=packed))
 
 
-def _to_meta(value):
-    """A tensor's meta twin (same ``requires_grad``); a PackedSequence with its data and indices
-    on the meta device and its ``batch_sizes`` left on the CPU, where torch requires them."""
+def _to_meta(memo: dict, value):
+    """A tensor's meta twin (same ``requires_grad``), one per tensor (``memo``: an input given
+    twice, or a parameter given as an input, stays one tensor, whose gradients add up); a
+    PackedSequence with its data and indices on the meta device and its ``batch_sizes`` left on
+    the CPU, where torch requires them."""
     if isinstance(value, PackedSequence):
         indices = (None if t is None else t.to("meta") for t in (value.sorted_indices, value.unsorted_indices))
-        return PackedSequence(_to_meta(value.data), value.batch_sizes, *indices)
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("meta").requires_grad_(value.requires_grad)
-    return value
+        return PackedSequence(_to_meta(memo, value.data), value.batch_sizes, *indices)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if id(value) not in memo:
+        memo[id(value)] = value.detach().to("meta").requires_grad_(value.requires_grad)
+    return memo[id(value)]
 
 
 @contextlib.contextmanager

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count
 
 from fxdream.ir.nodes import node_bytes, node_dtype, op_name, value_of
 from fxdream.ir.tensors import tensor_bytes
-
 
 GEMM_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.linear", "aten._scaled_mm"})
 CONV_OPS = frozenset({"aten.convolution", "aten.convolution_backward", "aten.cudnn_convolution",
@@ -102,6 +101,8 @@ def node_flops(node: fx.Node) -> int:
         return _rnn_flops(node)
     if op_name(node) in _SDPA_OPS:
         return _sdpa_flops(node)
+    if op_name(node) == _CPU_SDPA_BACKWARD:
+        return _cpu_sdpa_backward_flops(node)
     formula = flop_registry.get(packet) if packet is not None else None
     if formula is None:
         return 0
@@ -125,6 +126,19 @@ def _sdpa_flops(node: fx.Node) -> int:
         return 0
     batch = q.numel() // (q.shape[-2] * q.shape[-1])
     return int(2 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1]))
+
+
+_CPU_SDPA_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward"
+
+
+def _cpu_sdpa_backward_flops(node: fx.Node) -> int:
+    """The CPU flash attention's backward (no formula in flop_counter, which has the GPU
+    kernels'): that of the GPU kernels' backward, q·kᵀ recomputed and four products for the
+    gradients (``sdpa_backward_flop_count``)."""
+    grad_out, q, k, v = (value_of(a) for a in node.args[:4])
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (grad_out, q, k, v)):
+        return 0
+    return int(sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape))
 
 
 _RNN_OPS = frozenset({"aten.lstm", "aten.gru", "aten.rnn_tanh", "aten.rnn_relu", "aten.mkldnn_rnn_layer",

@@ -16,7 +16,7 @@ from fxdream.ops.rnn import FUNCTIONS as RNN_FUNCTIONS
 from fxdream.ops.rnn import redirect_lstm, redirect_rnn
 from fxdream.ops.rnn_cell import FUNCTIONS as CELL_FUNCTIONS
 from fxdream.ops.rnn_cell import redirect_rnn_cell
-from fxdream.ops.sdpa import redirect_attention
+from fxdream.ops.sdpa import meta_attention_redirected, redirect_attention
 from fxdream.ops.upsample import FUNCTIONS as UPSAMPLE_FUNCTIONS
 from fxdream.ops.upsample import redirect_upsample, upsample_calls_redirected
 
@@ -30,16 +30,19 @@ _REDIRECTS = {**{f: functools.partial(redirect_rnn, mode) for mode, f in RNN_FUN
               F.scaled_dot_product_attention: redirect_attention}
 
 
-# whole ops with a gradient formula (an LSTM's on the meta device only: ``rnn.lstm_train``)
-_DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS, torch._VF.lstm})
+# whole ops with a gradient formula (an LSTM's and SDPA's on the meta device only: ``rnn.lstm_train``,
+# ``sdpa.fused_on_meta``)
+_DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS, torch._VF.lstm, F.scaled_dot_product_attention,
+                             F.multi_head_attention_forward})
 
 
 class _KeepOpsWhole(TorchFunctionMode):
     """Redirects (``_REDIRECTS``) GRU/RNN layers to ``rnn_inference``, an LSTM on the meta
     device or with projections on a CPU to ``lstm_inference``, RNN cells, upsampling, circular
     padding and 1-d max pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op),
-    and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op). While a training graph is traced, only what
-    has a gradient formula: upsampling, and an LSTM on the meta device (``lstm_train``)."""
+    and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op); on the meta device SDPA to
+    the fused kernel a GPU runs (``sdpa.fused_on_meta``). While a training graph is traced, only
+    what has a gradient formula: upsampling, and on the meta device an LSTM (``lstm_train``) and SDPA."""
 
     def __init__(self, training: bool = False):
         super().__init__()
@@ -50,6 +53,9 @@ class _KeepOpsWhole(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         if func is F.interpolate:  # what it calls is redirected below
             with upsample_calls_redirected():
+                return func(*args, **(kwargs or {}))
+        if func is F.multi_head_attention_forward:  # the SDPA it calls, on the meta device
+            with meta_attention_redirected():
                 return func(*args, **(kwargs or {}))
         redirect = _REDIRECTS.get(func)
         if redirect is not None:
@@ -62,8 +68,8 @@ class _KeepOpsWhole(TorchFunctionMode):
 def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     """While tracing a graph: in inference GRU/RNN layers (and an LSTM on the meta device or with
     projections on a CPU), RNN cells, upsampling, circular padding and 1-d max pooling become one
-    node each (and SDPA on a GPU one ``attention_inference``); in training upsampling (and an LSTM
-    on the meta device) only. Given the graph about to
+    node each (and SDPA on a GPU one ``attention_inference``); in training upsampling (and on the
+    meta device an LSTM and SDPA) only. On the meta device SDPA is the fused kernel. Given the graph about to
     be traced, only if it may call one: the mode's Python hook on every torch call would slow
     the capture of a graph that calls none."""
     training = torch.is_grad_enabled()
@@ -72,7 +78,7 @@ def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     return _KeepOpsWhole(training)
 
 
-_WHOLE_FUNCTIONS = (F.interpolate, *_REDIRECTS)
+_WHOLE_FUNCTIONS = (F.interpolate, F.multi_head_attention_forward, *_REDIRECTS)
 
 
 # torch.nn modules a graph may call as leaves (torch.fx's default) that call one of those inside
