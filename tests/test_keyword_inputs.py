@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 import fxdream
 from fxdream.ab import user_build
 from fxdream.capturing.arguments import check_inputs, keyword_split, positional_call
+from fxdream.ir.nodes import LAYER
 
 
 class Masked(nn.Module):
@@ -200,6 +201,31 @@ def test_flags_bound_for_an_eval_model_keep_its_submodules_modes():
     report = fxdream.optimize(model, (x,), example_kwargs={"double": True}, cost=None).report
     assert not any("mode" in note for note in report.notes), report.notes
     assert not model.training and model.proj.training
+
+
+class HoldsAModel(nn.Module):
+    """A submodule named ``model``, as Hugging Face's LlamaForCausalLM has: its layers keep that name."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Flagged()
+
+    def forward(self, x, *, double: bool = False):
+        return self.model(x, double=double)
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("make, layer", [(Flagged, "proj"), (HoldsAModel, "model.proj")])
+def test_layers_built_with_flags_are_named_as_in_the_users_model(make, layer, training):
+    """Flags without a position wrap the model as the submodule ``model`` of the module captured:
+    the layer names are the user's model's, not the wrapper's."""
+    x, _, _ = _inputs()
+    captured = fxdream.capture(make().train(training), (x,), training=training, example_kwargs={"double": True})
+    graphs = [captured.forward] + ([captured.backward] if training else [])
+    layers = {n.meta[LAYER] for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert layer in layers and not any(name.startswith("model.model") for name in layers), layers
+    if make is Flagged:
+        assert not any(name.startswith("model") for name in layers), layers
 
 
 def test_simulate_and_capture_take_flags_without_a_position():

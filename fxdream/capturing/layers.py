@@ -41,6 +41,16 @@ def join_names(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
+def without_root(name: str, root: str) -> str:
+    """``name`` as the user's model names it, where the captured module wraps that model as its
+    submodule ``root`` (keyword flags bound by ``WithKeywords``: "model"); as it is otherwise."""
+    if not root:
+        return name
+    if name == root:
+        return ""
+    return name[len(root) + 1:] if name.startswith(root + ".") else name
+
+
 def frame_prefix(dynamo_graph: fx.GraphModule, example_inputs, state_names: Mapping[int, str]) -> str:
     """Where the compiled frame's ``self`` sits in the model.
 
@@ -64,41 +74,46 @@ def frame_prefix(dynamo_graph: fx.GraphModule, example_inputs, state_names: Mapp
     return ""
 
 
-def annotate_forward(gm: fx.GraphModule, prefix: str = "") -> dict[int, str]:
+def annotate_forward(gm: fx.GraphModule, prefix: str = "", root: str = "") -> dict[int, str]:
     """Set meta["layer"] and phase on a forward graph; return seq_nr → layer for the backward.
 
-    ``prefix`` is the qualified name of the module whose frame dynamo compiled.
+    ``prefix`` is the qualified name of the module whose frame dynamo compiled; ``root``, where
+    the captured module holds the user's model (``without_root``).
     """
     by_seq_nr: dict[int, str] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         layer = _innermost(node.meta.get("nn_module_stack"), prefix)
-        if layer is None and node.target is operator.getitem:
+        layer = without_root(layer, root) if layer is not None else None
+        if layer is None and node.target is operator.getitem:  # its tuple's layer: named already
             layer = node.args[0].meta.get(LAYER) if isinstance(node.args[0], fx.Node) else None
-        node.meta[LAYER] = layer if layer is not None else prefix
+        node.meta[LAYER] = layer if layer is not None else without_root(prefix, root)
         node.meta[PHASE] = "fw"
         seq_nr = node.meta.get("seq_nr")
         if seq_nr is not None and layer is not None:
-            by_seq_nr.setdefault(seq_nr, layer)
+            by_seq_nr.setdefault(seq_nr, node.meta[LAYER])
     return by_seq_nr
 
 
-def annotate_backward(gm: fx.GraphModule, forward_layers: Mapping[int, str], prefix: str = "") -> int:
-    """Set meta["layer"] on a backward graph; return how many compute nodes had no forward match."""
+def annotate_backward(gm: fx.GraphModule, forward_layers: Mapping[int, str], prefix: str = "",
+                      root: str = "") -> int:
+    """Set meta["layer"] on a backward graph; return how many compute nodes had no forward match
+    (``forward_layers`` as ``annotate_forward`` returned them: without ``root`` already)."""
     unmapped = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         layer = _innermost(node.meta.get("fwd_nn_module_stack"), prefix)
-        if layer is None:
+        layer = without_root(layer, root) if layer is not None else None
+        if layer is None:  # from its inputs' layers, named already
             layer = _accumulation_layer(node)
         if layer is None:
             layer = forward_layers.get(node.meta.get("seq_nr"))
         if layer is None and node.target is operator.getitem:
             layer = node.args[0].meta.get(LAYER)
         if layer is None:
-            layer = prefix
+            layer = without_root(prefix, root)
             unmapped += is_compute(node)
         node.meta[LAYER] = layer
         node.meta[PHASE] = "bw"

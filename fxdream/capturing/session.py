@@ -23,6 +23,7 @@ from fxdream.capturing.dead_copies import drop_dead_copies
 from fxdream.capturing.dynamo import compiling_code
 from fxdream.capturing.host_gaps import SubgraphClock
 from fxdream.capturing.inference_trace import boxed_caller, inference_graph
+from fxdream.capturing.keywords import WithKeywords
 from fxdream.capturing.layers import annotate_backward, annotate_forward, frame_prefix, qualified_name
 from fxdream.ir.nodes import PARAMETER_GRADIENTS
 from fxdream.ir.tensors import size_hint
@@ -87,6 +88,8 @@ class CaptureSession:
         self.clock = SubgraphClock()  # time-stamps graph calls while host gaps are measured
         self.notes: list[str] = []    # what the report should say about the capture itself
         self.state_names: dict[int, str] = {}  # a shared tensor keeps its first name
+        # layer names as the user's model has them: keyword flags wrap it as the submodule "model"
+        self.root = "model" if isinstance(model, WithKeywords) else ""
         # BatchNorm's kernel updates its running statistics without bumping their version; each
         # train-mode call bumps its count (which an eval graph does not take): watched with them
         self.batches_tracked: list[torch.Tensor] = []
@@ -122,7 +125,7 @@ class CaptureSession:
         def compile_forward(fw: fx.GraphModule, _inputs):
             started = time.perf_counter()
             call_ops_directly(fw, recompile=False)  # the passes' copies of it call ops directly
-            record.forward_layers = annotate_forward(fw, prefix)
+            record.forward_layers = annotate_forward(fw, prefix, self.root)
             if not record.training:
                 dropped = drop_dead_copies(fw)
                 if dropped:
@@ -150,7 +153,7 @@ class CaptureSession:
             started = time.perf_counter()
             self.clock.compilations += 1
             call_ops_directly(bw, recompile=False)
-            record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix)
+            record.unmapped_backward_nodes = annotate_backward(bw, record.forward_layers, prefix, self.root)
             bw.graph.output_node().meta[PARAMETER_GRADIENTS] = parameter_positions
             self._fold_input_free(bw, record.index, "backward")
             record.backward = bw
