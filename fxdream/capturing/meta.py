@@ -65,8 +65,8 @@ def traceable_on_meta(active: bool = True):
     - ops that decompose for autograd (CompositeImplicitAutograd: ``nll_loss``, ``relu6``,
       ``dropout``, ``prelu``) also have Python meta kernels, which the tracer's Python dispatcher
       prefers, so autograd records them without a gradient formula (torch warns "an autograd
-      kernel was not registered") and the backward graph misses them and all before them: a
-      cross-entropy loss's backward came out empty. Those kernels are set aside meanwhile
+      kernel was not registered") and the backward graph misses them and all before them (a
+      cross-entropy loss's backward is empty). Those kernels are set aside meanwhile
       (``aten.item``'s kept: it says why a meta tensor has no value)."""
     if not active:
         yield
