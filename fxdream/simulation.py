@@ -32,13 +32,6 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     """
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
-    return _simulate_bound(model, example_inputs, device, training, cost, optimizer, contention, passes,
-                           memory_budget, example_kwargs)
-
-
-def _simulate_bound(model: torch.nn.Module, example_inputs, device, training: bool, cost: str, optimizer: str | None,
-                    contention: bool, passes, memory_budget: int | None, example_kwargs: dict | None) -> Prediction:
-    """``simulate`` once its arguments are checked: the keywords bound, the inputs chosen."""
     model, example_inputs = bind_keywords(model, example_inputs, example_kwargs)  # all positional from here
     captured_model, inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
     with watch_machine_load() as load:  # where costs are measured here: did other processes run beside them?

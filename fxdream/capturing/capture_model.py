@@ -51,7 +51,7 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
         raise CaptureError(f"the capture of {type(model).__name__} ({how}) failed: {describe_error(error)}") from error
     captured, breaks = session.captured(), new_graph_breaks(breaks_before)
     nothing = f"nothing was captured from {type(model).__name__}: {'; '.join(breaks) or 'dynamo produced no graph'}"
-    step, notes = None, _unmeasured_breaks(breaks)
+    step, notes = None, () if measure else _unmeasured_breaks(breaks)
     if measure and worth_measuring(training, len(captured), len(breaks)):
         step = measure_model_gaps(runner, model, inputs, training, session.clock)
         if step is None:

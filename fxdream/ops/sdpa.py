@@ -100,10 +100,7 @@ def meta_attention_redirected():
     original = F.scaled_dot_product_attention
 
     def call(*args, **kwargs):
-        values = bind(args, kwargs, _NAMES, _DEFAULTS)
-        query = None if values is None else values["query"]
-        fused = fused_on_meta(values) if isinstance(query, torch.Tensor) and query.device.type == "meta" \
-            and not autocast_on(query.device) else None
+        fused = redirect_attention(args, kwargs, devices=())  # on the meta device only
         return fused if fused is not None else original(*args, **kwargs)
     F.scaled_dot_product_attention = call
     try:
