@@ -123,14 +123,24 @@ def test_an_inference_call_with_one_graph_after_eager_code_is_predicted_with_tha
     assert any(t.op == "host_gap" for t in prediction.task_graph.tasks)
 
 
+class PackedGru(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(6, 8)
+
+    def forward(self, x, lengths):
+        return self.rnn(nn.utils.rnn.pack_padded_sequence(x, lengths))[1]
+
+
 def test_a_model_with_nothing_captured_is_predicted_here_as_its_measured_eager_step():
-    model, x = nn.GRU(6, 8, batch_first=True).train(), torch.randn(2, 5, 6)  # dynamo runs a GRU eagerly
-    prediction = fxdream.simulate(model, (x,), training=True)
+    # dynamo runs an RNN over a packed sequence eagerly, in training on any device
+    model, inputs = PackedGru().train(), (torch.randn(5, 2, 6), torch.tensor([5, 3]))
+    prediction = fxdream.simulate(model, inputs, training=True)
     assert prediction.time_ms > 0 and not any(t.op == "graph_call" for t in prediction.task_graph.tasks)
     (note,) = prediction.notes
-    assert note.startswith("nothing was captured from GRU") and "the whole step ran as eager code" in note
-    with pytest.raises(fxdream.CaptureError, match=r"nothing was captured from GRU.*measures the step as eager code"):
-        fxdream.simulate(model, (x,), device="h100", training=True)
+    assert note.startswith("nothing was captured from PackedGru") and "the whole step ran as eager code" in note
+    with pytest.raises(fxdream.CaptureError, match=r"nothing was captured from Packed.*measures the step as eager code"):
+        fxdream.simulate(model, inputs, device="h100", training=True)
 
 
 def test_predictions_for_another_device_measure_no_gaps():

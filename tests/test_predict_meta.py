@@ -185,6 +185,49 @@ def test_a_training_lstm_on_the_meta_device_is_one_op_with_its_backward_and_twic
     assert node_flops(fw) == 2 * 40 * (64 * 8 + 3 * 64 * 16) and node_flops(bw) == 2 * node_flops(fw)
 
 
+class _Recurrent(nn.Module):
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn, self.out = rnn, nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), 3)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("kind", ["GRU", "RNN"])
+def test_a_training_gru_or_rnn_on_the_meta_device_is_one_op_with_its_backward(kind):
+    """As an LSTM: without it, dynamo broke the graph at the RNN and the prediction left the
+    RNN out, forward and backward (a note said so)."""
+    from fxdream.ir.flops import node_flops
+    with torch.device("meta"):
+        model = _Recurrent(getattr(nn, kind)(8, 16, num_layers=2, bidirectional=True))
+        x = torch.empty(10, 4, 8)
+    prediction = fxdream.simulate(model, (x,), device="h100", training=True)
+    ops = collections.Counter(t.op for t in prediction.task_graph.tasks if t.resource.startswith("stream"))
+    assert ops["fxdream.rnn_train"] == 1 and ops["fxdream.rnn_train_backward"] == 1
+    assert not any(n.startswith("not in this prediction") for n in prediction.notes)
+    captured = fxdream.capture(model, (x,), training=True)
+    fw, bw = (next(n for n in gm.graph.nodes if str(n.target).startswith(op))
+              for gm, op in ((captured.forward, "fxdream.rnn_train"), (captured.backward, "fxdream.rnn_train_back")))
+    gates = 3 if kind == "GRU" else 1
+    # layer 1: input 8 and hidden 16 per direction; layer 2: input 32 (both directions) and hidden 16
+    per_token = 2 * (gates * 16 * 8 + gates * 16 * 16) + 2 * (gates * 16 * 32 + gates * 16 * 16)
+    assert node_flops(fw) == 2 * 40 * per_token and node_flops(bw) == 2 * node_flops(fw)
+    reserve = fw.meta["val"][2]  # what the backward reads: per layer, direction and step, the gates
+    assert tuple(reserve.shape) == (4, 10, 4, (4 if kind == "GRU" else 1) * 16)
+
+
+def test_an_rnn_in_eval_inside_a_training_step_on_meta_passes_its_gradients():
+    """A frozen RNN (eval, its parameters still trained or its input's gradient needed) is kept
+    whole with its backward: the inference op has no gradient formula."""
+    with torch.device("meta"):
+        model = _Recurrent(nn.LSTM(8, 16))
+        x = torch.empty(10, 4, 8)
+    model.rnn.eval()
+    captured = fxdream.capture(model, (x,), training=True)
+    assert any(str(n.target).startswith("fxdream.lstm_train_backward") for n in captured.backward.graph.nodes)
+
+
 class _Circular(nn.Module):
     def __init__(self):
         super().__init__()

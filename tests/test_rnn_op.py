@@ -126,6 +126,24 @@ def test_the_analytic_cost_of_a_recurrence_is_at_least_its_steps_in_sequence():
     assert Analytic(h100).kernel_us(rnn) == pytest.approx(2 * 32 * h100.kernel_min_us)
 
 
+def test_a_gpu_host_pays_a_launch_for_every_kernel_of_a_recurrence():
+    """cuDNN runs an RNN step by step: per layer and direction one GEMM over all inputs, then a
+    GEMM and a pointwise kernel per step. The host launches each one, which at small sizes is
+    most of an RNN's time; one launch per op would predict a 2-layer bidirectional GRU as cheap
+    to queue as a single Linear."""
+    from fxdream.ir.flops import rnn_kernel_launches
+    from fxdream.sim.cost.analytic import Analytic
+    from fxdream.sim.cost.devices import get_device
+    model, x = Recurrent("gru").eval(), torch.randn(3, 16, 6)
+    captured = fxdream.capture(model, (x,))
+    (rnn,) = [n for n in captured.forward.graph.nodes if n.target is rnn_inference]
+    (linear,) = [n for n in captured.forward.graph.nodes if n.name == "addmm"][:1]
+    assert rnn_kernel_launches(rnn) == 2 * 2 * (1 + 2 * 16) and rnn_kernel_launches(linear) == 0
+    h100 = Analytic(get_device("h100"))
+    assert h100.dispatch_us(rnn) - h100.dispatch_us(linear) == pytest.approx(
+        h100.device.host_us("other") - h100.device.host_us("gemm") + (132 - 1) * h100.device.launch_overhead_us)
+
+
 def test_passes_and_profiling_run_outside_the_tracing_mode():
     # the mode's Python hook on every torch call would be counted as op time by the profile
     from fxdream.capturing.session import CaptureSession
@@ -183,10 +201,11 @@ def test_the_tracing_mode_is_entered_only_for_graphs_that_may_need_it():
     leaves = lambda model: fx.symbolic_trace(torch.nn.Sequential(model))  # noqa: E731  (torch.nn modules as leaves)
     for model in (up, circular, torch.nn.MaxPool1d(2), torch.nn.CircularPad2d(1)):
         assert may_call_whole_ops(leaves(model))
-    # in training only upsampling and SDPA have whole ops with gradient formulas (SDPA's on meta)
+    # in training only upsampling, SDPA and RNNs have whole ops with gradient formulas (SDPA's and RNNs' on meta)
     assert may_call_whole_ops(leaves(up), training=True)
     assert may_call_whole_ops(fx.symbolic_trace(Attend()), training=True)
-    for model in (torch.nn.GRU(4, 4), circular, torch.nn.MaxPool1d(2), conv):
+    assert may_call_whole_ops(leaves(torch.nn.GRU(4, 4)), training=True)
+    for model in (circular, torch.nn.MaxPool1d(2), conv):
         assert not may_call_whole_ops(leaves(model), training=True)
     assert may_call_whole_ops(fx.symbolic_trace(Custom()), training=True)
 

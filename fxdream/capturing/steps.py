@@ -25,18 +25,12 @@ def tracing_config(training: bool, meta: bool = False):
     ``aten.lstm`` stays one op, exact, and in the graph the simulator sees. Training keeps the
     break: autograd's decomposed LSTM gradients differ from the fused kernel's (~1e-3 on GNMT);
     except on the meta device (``meta``: a prediction's capture, which computes nothing), where
-    an LSTM is traced as one op with its backward (``fxdream.ops.rnn.lstm_train``).
+    an RNN is traced as one op with its backward (``fxdream.ops.rnn.lstm_train``, ``rnn_train``).
     Applied while fxdream builds; a later recompile (new shape) breaks at the RNN as dynamo does
     by default, still correct (patching every call would add host time to every call)."""
     if (training and not meta) or not hasattr(torch._dynamo.config, "allow_rnn"):
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(allow_rnn=True)
-
-
-def rnns_kept_whole_in_training(model: torch.nn.Module) -> bool:
-    """Whether every RNN module of ``model`` is an LSTM, the one a meta-device training capture
-    keeps whole: a GRU traced there would unroll step by step, so it keeps its graph break."""
-    return all(isinstance(m, torch.nn.LSTM) for m in model.modules() if isinstance(m, torch.nn.RNNBase))
 
 
 def one_step(call: Callable, inputs: tuple, training: bool):
@@ -55,8 +49,7 @@ def one_step(call: Callable, inputs: tuple, training: bool):
 def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
     meta = on_meta(model, inputs)
-    with preserved_state(model), preserved_inputs(inputs), traceable_on_meta(meta), tracing_config(
-            training, meta and rnns_kept_whole_in_training(model)):
+    with preserved_state(model), preserved_inputs(inputs), traceable_on_meta(meta), tracing_config(training, meta):
         return one_step(compiled, inputs, training)
 
 

@@ -143,7 +143,8 @@ def _cpu_sdpa_backward_flops(node: fx.Node) -> int:
 
 _RNN_OPS = frozenset({"aten.lstm", "aten.gru", "aten.rnn_tanh", "aten.rnn_relu", "aten.mkldnn_rnn_layer",
                       "aten._cudnn_rnn", "fxdream.rnn_inference", "fxdream.lstm_inference", "fxdream.lstm_train",
-                      "fxdream.lstm_train_backward"})
+                      "fxdream.lstm_train_backward", "fxdream.rnn_train", "fxdream.rnn_train_backward"})
+_RNN_BACKWARD_OPS = frozenset({"fxdream.lstm_train_backward", "fxdream.rnn_train_backward"})
 
 
 def _rnn_flops(node: fx.Node) -> int:
@@ -155,25 +156,45 @@ def _rnn_flops(node: fx.Node) -> int:
     tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
     weights = [w for w in torch.utils._pytree.tree_leaves(torch.utils._pytree.tree_map(value_of, node.args[1:]))
                if isinstance(w, torch.Tensor) and w.dim() == 2 and w is not x]
-    backward = 2 if op_name(node) == "fxdream.lstm_train_backward" else 1  # the input's and the weights' gradients
+    backward = 2 if op_name(node) in _RNN_BACKWARD_OPS else 1  # the input's and the weights' gradients
     return int(backward * sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights))
 
 
-# (index of num_layers, index of batch_first) in each RNN op's arguments
-_RNN_LAYOUT_ARGS = {**{f"aten.{name}": (4, 8) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
-                    "fxdream.rnn_inference": (5, 7), "fxdream.lstm_inference": (4, 6), "fxdream.lstm_train": (4, 6),
-                    "fxdream.lstm_train_backward": (9, 11), "aten._cudnn_rnn": (9, 10)}
+# (index of num_layers, of bidirectional, of batch_first) in each RNN op's arguments
+_RNN_LAYOUT_ARGS = {**{f"aten.{name}": (4, 7, 8) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
+                    **dict.fromkeys(("fxdream.rnn_inference", "fxdream.rnn_train"), (5, 6, 7)),
+                    **dict.fromkeys(("fxdream.lstm_inference", "fxdream.lstm_train"), (4, 5, 6)),
+                    **dict.fromkeys(_RNN_BACKWARD_OPS, (9, 10, 11)), "aten._cudnn_rnn": (9, 13, 10)}
+
+
+def _rnn_layout(node: fx.Node) -> tuple[int, int, int] | None:
+    """(time steps, layers, directions) of an RNN op; None for other ops and for oneDNN's
+    per-layer op (timed on the CPU anyway)."""
+    where = _RNN_LAYOUT_ARGS.get(op_name(node))
+    x = value_of(node.args[0]) if node.args else None
+    if where is None or not isinstance(x, torch.Tensor) or len(node.args) <= max(where):
+        return None
+    layers, bidirectional, batch_first = (node.args[i] for i in where)
+    if not isinstance(layers, int) or x.dim() not in (2, 3):
+        return None
+    steps = x.shape[1] if x.dim() == 3 and batch_first else x.shape[0]
+    return int(steps), layers, 2 if bidirectional else 1
 
 
 def rnn_sequential_steps(node: fx.Node) -> int:
     """Time steps × layers of an RNN op: the recurrence runs them one after another, whatever
-    the FLOPs (0 for other ops, and for oneDNN's per-layer op, timed on the CPU anyway)."""
-    where = _RNN_LAYOUT_ARGS.get(op_name(node))
-    x = value_of(node.args[0]) if node.args else None
-    if where is None or not isinstance(x, torch.Tensor) or len(node.args) <= max(where):
+    the FLOPs (0 for other ops)."""
+    layout = _rnn_layout(node)
+    return 0 if layout is None else layout[0] * layout[1]
+
+
+def rnn_kernel_launches(node: fx.Node) -> int:
+    """Kernels an RNN op launches on a GPU, each a launch the host pays for: per layer and
+    direction one GEMM over all steps' inputs, then per step a recurrent GEMM and a pointwise
+    kernel (cuDNN's standard algorithm); a backward twice that (the data gradients step by step,
+    then the weights'). 0 for other ops."""
+    layout = _rnn_layout(node)
+    if layout is None:
         return 0
-    layers, batch_first = node.args[where[0]], node.args[where[1]]
-    if not isinstance(layers, int) or x.dim() not in (2, 3):
-        return 0
-    steps = x.shape[1] if x.dim() == 3 and batch_first else x.shape[0]
-    return int(steps) * layers
+    steps, layers, directions = layout
+    return (2 if op_name(node) in _RNN_BACKWARD_OPS else 1) * layers * directions * (1 + 2 * steps)

@@ -10,7 +10,9 @@ with projections (``proj_size``) on a CPU, which oneDNN does not take: ``lstm_in
 ``keep_ops_whole()`` is active while a capture traces a graph; in inference it sends those
 calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
 (so values are bit-identical to eager) and that the cost model times as one node.
-Inference only: no autograd formula (training keeps dynamo's graph break at the RNN).
+Inference only: no autograd formula (training keeps dynamo's graph break at the RNN), except on
+the meta device, where a prediction's capture computes nothing: there a training RNN is one op
+with its backward (``lstm_train``, ``rnn_train``), as cuDNN and oneDNN run it.
 ``keep_ops_whole`` keeps RNN cells (``rnn_cell_op``), upsampling (``upsample_op``), circular
 padding (``pad_op``), 1-d max pooling (``max_pool1d_op``) and, on a GPU, SDPA (``sdpa_op``) whole
 the same way.
@@ -126,6 +128,57 @@ torch.library.register_autograd("fxdream::lstm_train", _lstm_backward, setup_con
 lstm_train = torch.ops.fxdream.lstm_train.default
 lstm_train_backward = torch.ops.fxdream.lstm_train_backward.default
 
+# A training GRU or vanilla RNN on the meta device, as ``lstm_train``: the fused kernels' reserve
+# holds each layer's and direction's gate activations per step for the backward (GRU: its three
+# gates and the reset-gated hidden term, 4 x hidden; RNN: the pre-activation, 1 x hidden).
+RESERVED_PER_HIDDEN = {"gru": 4, "rnn_tanh": 1, "rnn_relu": 1}
+_LIB.define("rnn_train(Tensor input, Tensor hx, Tensor[] params, str mode, bool has_biases, int num_layers, "
+            "bool bidirectional, bool batch_first) -> (Tensor, Tensor, Tensor)")
+_LIB.define("rnn_train_backward(Tensor grad_output, Tensor grad_hy, Tensor input, Tensor hx, Tensor[] params, "
+            "Tensor output, Tensor reserve, str mode, bool has_biases, int num_layers, bool bidirectional, "
+            "bool batch_first) -> (Tensor, Tensor, Tensor[])")
+
+
+@torch.library.register_fake("fxdream::rnn_train", lib=_LIB)
+def _(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first):
+    output, hy = torch.ops.fxdream.rnn_inference(input, hx, params, mode, has_biases, num_layers, bidirectional,
+                                                 batch_first)
+    steps, batch = (input.shape[1], input.shape[0]) if batch_first else (input.shape[0], input.shape[1])
+    directions = 2 if bidirectional else 1
+    reserve = input.new_empty((num_layers * directions, steps, batch, RESERVED_PER_HIDDEN[mode] * hx.shape[-1]))
+    return output, hy, reserve
+
+
+@torch.library.register_fake("fxdream::rnn_train_backward", lib=_LIB)
+def _(grad_output, grad_hy, input, hx, params, output, reserve, mode, has_biases, num_layers, bidirectional,
+      batch_first):
+    return torch.empty_like(input), torch.empty_like(hx), [torch.empty_like(p) for p in params]
+
+
+def _save_for_rnn_backward(ctx, inputs, output):
+    input, hx, params, *flags = inputs
+    ctx.save_for_backward(input, hx, *params, output[0], output[2])
+    ctx.flags = flags
+
+
+def _rnn_backward(ctx, grad_output, grad_hy, _grad_reserve):
+    input, hx, *rest = ctx.saved_tensors
+    params, output, reserve = rest[:-2], rest[-2], rest[-1]
+    grads = torch.ops.fxdream.rnn_train_backward(grad_output, grad_hy, input, hx, list(params), output, reserve,
+                                                 *ctx.flags)
+    return (*grads, None, None, None, None, None)
+
+
+torch.library.register_autograd("fxdream::rnn_train", _rnn_backward, setup_context=_save_for_rnn_backward, lib=_LIB)
+rnn_train = torch.ops.fxdream.rnn_train.default
+rnn_train_backward = torch.ops.fxdream.rnn_train_backward.default
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd records a call on these: the op kept whole must then have a gradient
+    formula (an RNN in eval mode inside a training step still passes gradients through)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
 
 def redirect_lstm(args, kwargs):
     """For an LSTM as nn.LSTM calls ``_VF.lstm`` (9 arguments): in inference (train=False)
@@ -136,7 +189,7 @@ def redirect_lstm(args, kwargs):
     input, (h, c), params, has_biases, num_layers, _dropout, train, bidirectional, batch_first = args
     if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or autocast_on("cpu"):
         return None
-    if train is not False:  # dropout between layers, if any, is left out of the prediction
+    if train is not False or _needs_grad(input, h, c, *params):  # dropout between layers is left out
         if input.device.type != "meta":
             return None
         output, hy, cy, _reserve = lstm_train(input, [h, c], list(params), has_biases, num_layers, bidirectional,
@@ -149,13 +202,17 @@ def redirect_lstm(args, kwargs):
 
 
 def redirect_rnn(mode, args, kwargs):
-    """``rnn_inference(...)`` for the input-tensor overload of GRU/RNN as nn.GRU / nn.RNN call
-    it (9 arguments, train=False), outside autocast (it casts the RNN's inputs); else None."""
-    if kwargs or len(args) != 9 or args[6] is not False \
-            or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor) \
-            or autocast_on(args[0].device):
-        return None
-    input, hx, params, has_biases, num_layers, _dropout, _train, bidirectional, batch_first = args
+    """For the input-tensor overload of GRU/RNN as nn.GRU / nn.RNN call it (9 arguments),
+    outside autocast (it casts the RNN's inputs): ``rnn_inference(...)`` in inference
+    (train=False, no gradient recorded), ``rnn_train(...)`` on the meta device otherwise; else None."""
+    if kwargs or len(args) != 9 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor) \
+            or not isinstance(args[2], (list, tuple)) or autocast_on(args[0].device):
+        return None  # (the packed-sequence overload has 9 arguments too: data, batch_sizes, hx, params, ...)
+    input, hx, params, has_biases, num_layers, _dropout, train, bidirectional, batch_first = args
+    if train is not False or _needs_grad(input, hx, *params):  # dropout between layers is left out
+        if input.device.type != "meta":
+            return None
+        output, hy, _reserve = rnn_train(input, hx, list(params), mode, has_biases, num_layers, bidirectional,
+                                         batch_first)
+        return output, hy
     return tuple(rnn_inference(input, hx, list(params), mode, has_biases, num_layers, bidirectional, batch_first))
-
-

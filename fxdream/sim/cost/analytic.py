@@ -13,7 +13,14 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxdream.ir.flops import kernel_bytes, kernel_class, kernel_count, node_flops, rnn_sequential_steps
+from fxdream.ir.flops import (
+    kernel_bytes,
+    kernel_class,
+    kernel_count,
+    node_flops,
+    rnn_kernel_launches,
+    rnn_sequential_steps,
+)
 from fxdream.ir.nodes import is_view, node_dtype
 from fxdream.sim.cost.devices import DeviceSpec
 
@@ -42,7 +49,9 @@ class Analytic:
             return 0.0
         if is_view(node) or self.device.kind == "cpu":
             return self.device.dispatch_overhead_us  # no kernel launched
-        return self.device.host_us(kernel_class(node))
+        # an RNN op launches kernels step by step (a launch each); any other op, one
+        extra_launches = max(rnn_kernel_launches(node) - 1, 0)
+        return self.device.host_us(kernel_class(node)) + extra_launches * self.device.launch_overhead_us
 
     def graph_call_us(self) -> float:
         # an estimate: guard checks and wrappers cost a few framework dispatches
