@@ -102,7 +102,12 @@ def test_build_fidelity_puts_the_reports_predictions_beside_the_measured_modules
     low, high = row["predicted_optimized_range_ms"]
     assert low <= predicted <= high and row["optimized_in_range"] == (low <= measured <= high)
     assert row["measured_gain"] == pytest.approx(row["measured_baseline_ms"] / measured)
-    assert "infer: gain prediction mean |error|" in pathlib.Path(out + ".md").read_text()
+    drift = row["measured_eager_ms"] / row["eager_around_build_ms"]
+    assert row["machine_drift"] == pytest.approx(drift)
+    assert row["optimized_error_at_build_speed_pct"] == pytest.approx(100 * (predicted * drift / measured - 1))
+    table = pathlib.Path(out + ".md").read_text()
+    assert "infer: gain prediction mean |error|" in table and f"| {drift:.2f}x |" in table
+    assert "infer: optimized prediction at the build's machine speed mean |error|" in table
 
 
 def test_memory_check_puts_the_predicted_peak_beside_the_measured_one(tmp_path):
