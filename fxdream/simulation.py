@@ -46,7 +46,8 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
 def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, model_cost, device, training: bool,
               optimizer: str | None, contention: bool, passes, memory_budget: int | None) -> Prediction:
     """``simulate`` of ``model`` on ``example_inputs`` (``original``'s, or their meta copy) with
-    ``model_cost``; a meta copy that reads tensor values is captured on ``original``'s data."""
+    ``model_cost``; a meta copy that cannot be captured (it reads tensor values, or makes tensors
+    on a fixed device) is captured on ``original``'s data."""
     measure, fallback = isinstance(model_cost, Profiled), ()
     try:  # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
         with _autocast_watch() as autocast_notes:
@@ -58,9 +59,9 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
             raise CaptureError(f"{error}\n{hint}") from error
         if measure or model is original[0] or on_meta(*original):
             raise
-        model, example_inputs = original  # it reads tensor values: capture on its data
+        model, example_inputs = original  # it reads tensor values, or mixes in tensors of its own device
         captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
-        fallback = (f"captured on the example's data here, not on the meta device: the model reads tensor values "
+        fallback = (f"captured on the example's data here, not on the meta device, where its capture failed "
                     f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",)
     notes = fallback + tuple(notes)
     optimizer_model = OPTIMIZERS.get(optimizer)

@@ -71,8 +71,8 @@ class ReadsAValue(nn.Module):
 def test_a_model_that_reads_tensor_values_is_captured_on_its_data_and_the_prediction_says_why():
     prediction = fxdream.simulate(ReadsAValue(), (torch.randn(2, 4),), device="h100")
     assert prediction.time_ms > 0
-    assert prediction.notes[0].startswith("captured on the example's data here, not on the meta device: the model "
-                                          "reads tensor values (RuntimeError: Tensor.item() cannot be called on meta")
+    assert prediction.notes[0].startswith("captured on the example's data here, not on the meta device, where its "
+                                          "capture failed (RuntimeError: Tensor.item() cannot be called on meta")
 
 
 def test_the_predicted_peak_is_said_to_fit_or_not_in_the_devices_memory():
@@ -373,3 +373,40 @@ def test_the_cpu_attention_backward_has_its_flops():
     captured = fxdream.capture(model, (x,), training=True)
     (backward,) = [n for n in captured.backward.graph.nodes if "flash_attention_for_cpu_backward" in str(n.target)]
     assert node_flops(backward) == 5 * 2 * (2 * 2) * 5 * 5 * 8  # q·kᵀ again and four products, 2·b·h·s·t·d each
+
+
+class _MaskedTransformer(nn.Module):
+    """nn.Transformer as its documentation shows it: a causal target mask, no ``tgt_is_causal``."""
+    def __init__(self):
+        super().__init__()
+        self.t = nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True)
+
+    def forward(self, src, tgt):
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
+        return self.t(src, tgt, tgt_mask=mask)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_a_transformer_given_a_mask_is_predicted_whole_and_the_note_says_how(training):
+    """torch reads the mask's values to tell whether it is causal; dynamo breaks the graph there,
+    inside torch's code, and ran the whole nn.Transformer eagerly: a prediction for another device
+    held no attention at all. The capture for a prediction takes the mask as given."""
+    from fxdream.capturing.causal_mask import causal_checks_unread
+    model, src, tgt = _MaskedTransformer(), torch.randn(2, 6, 32), torch.randn(2, 5, 32)
+    prediction = fxdream.simulate(model, (src, tgt), device="h100", training=training)
+    ops = collections.Counter(t.op for t in prediction.task_graph.tasks if t.resource.startswith("stream"))
+    assert ops["aten._scaled_dot_product_efficient_attention"] == 3  # encoder, decoder self and cross attention
+    assert not any(n.startswith("not in this prediction") for n in prediction.notes)
+    assert any(n.startswith("the masks given to nn.TransformerEncoder/Decoder were taken as not causal")
+               for n in prediction.notes)
+    original = torch.nn.modules.transformer._detect_is_causal_mask
+    with causal_checks_unread() as checks:
+        assert torch.nn.modules.transformer._detect_is_causal_mask(torch.zeros(2, 2), True) is True  # kept
+    assert checks.answered == 0 and torch.nn.modules.transformer._detect_is_causal_mask is original
+
+
+def test_a_module_built_from_a_masked_transformer_keeps_torchs_check_and_equals_eager():
+    model, src, tgt = _MaskedTransformer().eval(), torch.randn(2, 6, 32), torch.randn(2, 5, 32)
+    optimized = fxdream.optimize(model, (src, tgt), eager_check=False)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(src, tgt), model(src, tgt))

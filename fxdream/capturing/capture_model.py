@@ -6,6 +6,7 @@ import torch
 from fxdream.capturing.arguments import check_model
 from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
+from fxdream.capturing.causal_mask import causal_checks_unread
 from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.keywords import bind_keywords
@@ -41,17 +42,18 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
     session = CaptureSession(model)
     breaks_before, how = graph_break_counts(), "dynamo"
     try:
-        runner, how = compile_model(model, inputs, session, training)
-        run_once(runner, model, inputs, training)
-        if not session.captured():
-            retried = capture_after_nothing(model, inputs, session, training, new_graph_breaks(breaks_before))
-            runner = retried[0] if retried else runner
+        with causal_checks_unread(active=not measure) as mask_checks:  # graphs that never run
+            runner, how = compile_model(model, inputs, session, training)
+            run_once(runner, model, inputs, training)
+            if not session.captured():
+                retried = capture_after_nothing(model, inputs, session, training, new_graph_breaks(breaks_before))
+                runner = retried[0] if retried else runner
     except Exception as error:
         run_once(model, model, inputs, training)  # the model's own error, if eager fails too
         raise CaptureError(f"the capture of {type(model).__name__} ({how}) failed: {describe_error(error)}") from error
     captured, breaks = session.captured(), new_graph_breaks(breaks_before)
     nothing = f"nothing was captured from {type(model).__name__}: {'; '.join(breaks) or 'dynamo produced no graph'}"
-    step, notes = None, () if measure else _unmeasured_breaks(breaks)
+    step, notes = None, () if measure else _unmeasured_breaks(breaks) + mask_checks.note()
     if measure and worth_measuring(training, len(captured), len(breaks)):
         step = measure_model_gaps(runner, model, inputs, training, session.clock)
         if step is None:
