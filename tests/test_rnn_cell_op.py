@@ -69,3 +69,12 @@ def test_the_op_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(rnn_cell_inference, (x, [h], w_ih[:24], w_hh[:24], None, None, "gru_cell"),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("kind, gates", [("lstm", 4), ("gru", 3), ("tanh", 1)])
+def test_a_cells_flops_are_its_two_weight_matrices_over_its_batch(kind, gates):
+    # its state (hx, batch × hidden) is 2-d like a weight and is not one
+    from fxdream.ir.flops import node_flops
+    captured = fxdream.capture(Decoder(kind).eval(), (torch.randn(5, 3, 6),))
+    cells = [n for n in captured.forward.graph.nodes if n.target is rnn_cell_inference]
+    assert len(cells) == 3 and all(node_flops(n) == 2 * 5 * (gates * 8 * 6 + gates * 8 * 8) for n in cells)
