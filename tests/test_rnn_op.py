@@ -254,3 +254,12 @@ def test_an_lstm_without_projections_keeps_onednns_layer():
     model.lstm = torch.nn.LSTM(6, 8, batch_first=True)
     optimized = fxdream.optimize(model, (x,), cost=None)
     assert lstm_inference not in [n.target for n in _call_functions(optimized)]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_onednns_lstm_layer_counts_its_two_weight_matrices(bias):
+    # without biases the layer takes zeros of the weights' shapes in their place: not more weights
+    from fxdream.ir.flops import node_flops
+    captured = fxdream.capture(nn.LSTM(8, 16, bias=bias).eval(), (torch.randn(7, 3, 8),))
+    (layer,) = [n for n in captured.forward.graph.nodes if str(n.target) == "aten.mkldnn_rnn_layer.default"]
+    assert node_flops(layer) == 2 * 21 * (64 * 8 + 64 * 16)

@@ -152,12 +152,15 @@ _RNN_BACKWARD_OPS = frozenset({"fxdream.lstm_train_backward", "fxdream.rnn_train
 def _rnn_flops(node: fx.Node) -> int:
     """RNN ops (no formula in flop_counter): every weight matrix (4H×I, 4H×H for an LSTM,
     per layer and direction) multiplies every sequence element: 2·rows·cols FLOPs each. A cell
-    (``fxdream.rnn_cell_inference``: input, hx, w_ih, w_hh, ...) is one step over its batch."""
+    (``fxdream.rnn_cell_inference``: input, hx, w_ih, w_hh, ...) is one step over its batch;
+    oneDNN's layer (``aten.mkldnn_rnn_layer``: input, w_ih, w_hh, b_ih, b_hh, ...) one layer."""
     x = value_of(node.args[0])
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
         return 0
     tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
-    candidates = node.args[2:4] if op_name(node) == _RNN_CELL else node.args[1:]  # a cell's hx is 2-d too
+    # a cell's hx is 2-d too; oneDNN's layer without biases takes zeros of the weights' shapes in their place
+    candidates = node.args[2:4] if op_name(node) == _RNN_CELL else node.args[1:3] \
+        if op_name(node) == "aten.mkldnn_rnn_layer" else node.args[1:]
     weights = [w for w in torch.utils._pytree.tree_leaves(torch.utils._pytree.tree_map(value_of, candidates))
                if isinstance(w, torch.Tensor) and w.dim() == 2 and w is not x]
     backward = 2 if op_name(node) in _RNN_BACKWARD_OPS else 1  # the input's and the weights' gradients
