@@ -137,7 +137,7 @@ def test_a_model_with_nothing_captured_is_predicted_here_as_its_measured_eager_s
     model, inputs = PackedGru().train(), (torch.randn(5, 2, 6), torch.tensor([5, 3]))
     prediction = fxdream.simulate(model, inputs, training=True)
     assert prediction.time_ms > 0 and not any(t.op == "graph_call" for t in prediction.task_graph.tasks)
-    (note,) = prediction.notes
+    note = prediction.notes[0]  # (a busy machine adds a note after it)
     assert note.startswith("nothing was captured from PackedGru") and "the whole step ran as eager code" in note
     with pytest.raises(fxdream.CaptureError, match=r"nothing was captured from Packed.*measures the step as eager code"):
         fxdream.simulate(model, inputs, device="h100", training=True)
