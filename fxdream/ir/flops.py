@@ -145,7 +145,9 @@ _RNN_OPS = frozenset({"aten.lstm", "aten.gru", "aten.rnn_tanh", "aten.rnn_relu",
                       "aten._cudnn_rnn", "fxdream.rnn_inference", "fxdream.lstm_inference", "fxdream.lstm_train",
                       "fxdream.lstm_train_backward", "fxdream.rnn_train", "fxdream.rnn_train_backward",
                       "fxdream.rnn_cell_inference"})
-_RNN_CELL = "fxdream.rnn_cell_inference"
+# where an op's weight matrices are, where its other arguments hold 2-d tensors that are not
+# weights: a cell's hx; oneDNN's layer without biases, zeros of the weights' shapes in their place
+_RNN_WEIGHT_ARGS = {"fxdream.rnn_cell_inference": slice(2, 4), "aten.mkldnn_rnn_layer": slice(1, 3)}
 _RNN_BACKWARD_OPS = frozenset({"fxdream.lstm_train_backward", "fxdream.rnn_train_backward"})
 
 
@@ -158,9 +160,7 @@ def _rnn_flops(node: fx.Node) -> int:
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3):
         return 0
     tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
-    # a cell's hx is 2-d too; oneDNN's layer without biases takes zeros of the weights' shapes in their place
-    candidates = node.args[2:4] if op_name(node) == _RNN_CELL else node.args[1:3] \
-        if op_name(node) == "aten.mkldnn_rnn_layer" else node.args[1:]
+    candidates = node.args[_RNN_WEIGHT_ARGS.get(op_name(node), slice(1, None))]
     weights = [w for w in torch.utils._pytree.tree_leaves(torch.utils._pytree.tree_map(value_of, candidates))
                if isinstance(w, torch.Tensor) and w.dim() == 2 and w is not x]
     backward = 2 if op_name(node) in _RNN_BACKWARD_OPS else 1  # the input's and the weights' gradients
