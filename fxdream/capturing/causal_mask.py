@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from unittest import mock
 
 import torch.nn.modules.transformer as transformer
 
@@ -50,8 +51,5 @@ def causal_checks_unread(active: bool = True):
             return False
         return original(mask, is_causal, size)
 
-    transformer._detect_is_causal_mask = unread
-    try:
+    with mock.patch.object(transformer, "_detect_is_causal_mask", unread):
         yield checks
-    finally:
-        transformer._detect_is_causal_mask = original

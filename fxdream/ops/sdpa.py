@@ -12,6 +12,7 @@ keeps its fused ``_scaled_dot_product_flash_attention_for_cpu`` and needs none o
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -102,8 +103,5 @@ def meta_attention_redirected():
     def call(*args, **kwargs):
         fused = redirect_attention(args, kwargs, devices=())  # on the meta device only
         return fused if fused is not None else original(*args, **kwargs)
-    F.scaled_dot_product_attention = call
-    try:
+    with mock.patch.object(F, "scaled_dot_product_attention", call):
         yield
-    finally:
-        F.scaled_dot_product_attention = original

@@ -15,6 +15,7 @@ captured training step is slower than eager's.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 
@@ -126,10 +127,5 @@ def upsample_calls_redirected():
             kept = redirect_upsample(original, args, kwargs)
             return kept if kept is not None else original(*args, **kwargs)
         return call
-    try:
-        for name, original in _BY_NAME.items():
-            setattr(torch._C._nn, name, redirecting(original))
+    with mock.patch.multiple(torch._C._nn, **{name: redirecting(original) for name, original in _BY_NAME.items()}):
         yield
-    finally:
-        for name, original in _BY_NAME.items():
-            setattr(torch._C._nn, name, original)
