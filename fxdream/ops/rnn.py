@@ -98,9 +98,14 @@ _LIB.define("lstm_train_backward(Tensor grad_output, Tensor grad_hy, Tensor grad
 def _(input, hx, params, has_biases, num_layers, bidirectional, batch_first):
     output, hy, cy = torch.ops.fxdream.lstm_inference(input, hx, params, has_biases, num_layers, bidirectional,
                                                        batch_first)
+    return output, hy, cy, _reserve(input, num_layers, bidirectional, batch_first, 5 * hx[1].shape[-1])
+
+
+def _reserve(input, num_layers: int, bidirectional: bool, batch_first: bool, width: int):
+    """What a fused RNN kernel keeps for its backward: ``width`` values per layer, direction,
+    step and batch element."""
     steps, batch = (input.shape[1], input.shape[0]) if batch_first else (input.shape[0], input.shape[1])
-    directions = 2 if bidirectional else 1
-    return output, hy, cy, input.new_empty((num_layers * directions, steps, batch, 5 * hx[1].shape[-1]))
+    return input.new_empty((num_layers * (2 if bidirectional else 1), steps, batch, width))
 
 
 @torch.library.register_fake("fxdream::lstm_train_backward", lib=_LIB)
@@ -143,10 +148,7 @@ _LIB.define("rnn_train_backward(Tensor grad_output, Tensor grad_hy, Tensor input
 def _(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first):
     output, hy = torch.ops.fxdream.rnn_inference(input, hx, params, mode, has_biases, num_layers, bidirectional,
                                                  batch_first)
-    steps, batch = (input.shape[1], input.shape[0]) if batch_first else (input.shape[0], input.shape[1])
-    directions = 2 if bidirectional else 1
-    reserve = input.new_empty((num_layers * directions, steps, batch, RESERVED_PER_HIDDEN[mode] * hx.shape[-1]))
-    return output, hy, reserve
+    return output, hy, _reserve(input, num_layers, bidirectional, batch_first, RESERVED_PER_HIDDEN[mode] * hx.shape[-1])
 
 
 @torch.library.register_fake("fxdream::rnn_train_backward", lib=_LIB)
