@@ -27,7 +27,7 @@ from fxdream.capturing.arguments import check_counts, check_inputs
 from fxdream.capturing.host_gaps import StepCalls, measure_host_gaps, worth_measuring
 from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.model_state import preserved_state
-from fxdream.capturing.steps import differentiable_scalar
+from fxdream.capturing.steps import cut_from_callers_graph, differentiable_scalar
 from fxdream.measure import Measurement, time_interleaved
 from fxdream.numerics import max_abs_diff
 from fxdream.pass_registry import resolve_passes
@@ -168,6 +168,8 @@ def step_fn(module, inputs, loss_fn, training):
             with torch.no_grad():
                 return module(*inputs)
         return infer
+
+    inputs = cut_from_callers_graph(inputs)
 
     def train_step():
         for p in module.parameters():

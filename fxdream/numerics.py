@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
+from fxdream.capturing.steps import cut_from_callers_graph
+
 
 def _leaf_diff(actual, expected) -> float:
     """Max |actual - expected|; inf where the two are not alike (shape, or not both tensors):
@@ -32,6 +34,8 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
     """
     reference = copy.deepcopy(model)
     loss_fn = loss_fn or _default_loss
+    if training:
+        inputs = cut_from_callers_graph(inputs)
     torch.manual_seed(0)
     with torch.set_grad_enabled(training):
         expected = reference(*inputs)

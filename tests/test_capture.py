@@ -245,3 +245,19 @@ def test_a_lazy_module_keeps_what_its_first_call_set(training):
     model, x = nn.Sequential(nn.LazyLinear(4), nn.ReLU()).train(training), torch.randn(3, 5)
     fxdream.optimize(model, (x,), training=training, cost=None)
     assert type(model[0]) is nn.Linear and model[0].in_features == 5
+
+
+def test_a_training_capture_leaves_the_callers_autograd_graph_alone():
+    """An input made by the caller's graph (``leaf * 2``): capturing, simulating and verifying
+    a training step must not backpropagate into that graph (adding to ``leaf.grad``, freeing the
+    buffers the caller's own backward needs)."""
+    torch.manual_seed(0)
+    model = Net().train()
+    leaf = torch.randn(2, 3, 8, 8, requires_grad=True)
+    x = leaf * 2
+    fxdream.capture(model, (x,), training=True)
+    fxdream.simulate(model, (x,), device="cpu", training=True)
+    assert leaf.grad is None
+    model(x).sum().backward()  # raised "backward through the graph a second time" when the capture did
+    expected, = torch.autograd.grad(model(leaf * 2).sum(), leaf)
+    torch.testing.assert_close(leaf.grad, expected)

@@ -33,13 +33,27 @@ def tracing_config(training: bool, meta: bool = False):
     return torch._dynamo.config.patch(allow_rnn=True)
 
 
+def cut_from_callers_graph(inputs):
+    """``inputs`` with every tensor that is the output of the caller's autograd graph (has a
+    ``grad_fn``) replaced by a detached leaf that still requires grad. A training step fxdream
+    runs for its own ends (capture, timing, a numerics check) must not backpropagate into the
+    caller's graph: it would add to the caller's ``.grad`` and free the buffers the caller's own
+    backward needs. Leaves and tensors without grad pass through unchanged."""
+    def cut(value):
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            return value.detach().requires_grad_()
+        return value
+    return torch.utils._pytree.tree_map(cut, inputs)
+
+
 def one_step(call: Callable, inputs: tuple, training: bool):
     """``call(*inputs)``: under no_grad in inference; in training also a backward reaching every
-    output that needs a gradient (none where nothing does). Returns the output."""
+    output that needs a gradient (none where nothing does), never into the caller's graph that
+    made the inputs. Returns the output."""
     if not training:
         with torch.no_grad():
             return call(*inputs)
-    output = call(*inputs)
+    output = call(*cut_from_callers_graph(inputs))
     scalar = differentiable_scalar(output)
     if scalar is not None:
         scalar.backward()

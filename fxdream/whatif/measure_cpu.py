@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch.utils._pytree import tree_leaves
 
+from fxdream.capturing.steps import cut_from_callers_graph
 from fxdream.measure import time_interleaved
 from fxdream.whatif.core import Measured
 from fxdream.whatif.mixed_precision import _DTYPES
@@ -31,7 +32,7 @@ def measure_amp_cpu(model: torch.nn.Module, inputs, loss_fn=None, dtype: str = "
     ``torch.autocast("cpu", dtype)``, interleaved blocks, on this CPU."""
     low = _DTYPES[dtype]
     loss_fn = loss_fn or _default_loss
-    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    inputs = cut_from_callers_graph(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
     model.train()
 
