@@ -1,8 +1,10 @@
 import pytest
 import torch
 import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxdream
+from fxdream.ir.flops import node_flops
 from fxdream.ir.nodes import LAYER, is_compute, op_name
 from fxdream.capturing.layers import qualified_name
 
@@ -261,3 +263,36 @@ def test_a_training_capture_leaves_the_callers_autograd_graph_alone():
     model(x).sum().backward()  # raised "backward through the graph a second time" when the capture did
     expected, = torch.autograd.grad(model(leaf * 2).sum(), leaf)
     torch.testing.assert_close(leaf.grad, expected)
+
+
+def test_torchs_fast_path_transformer_layer_counts_its_gemms_flops():
+    """An nn.TransformerEncoderLayer in eval with batch-first inputs runs as torch's fused
+    ``_transformer_encoder_layer_fwd``, which flop_counter has no formula for. Its FLOPs are
+    those of its GEMMs: q/k/v projections (E×3E), q·kᵀ and probs·v, output projection (E×E)
+    and the feed-forward pair (E×F, F×E)."""
+    batch, tokens, width, ffn = 2, 10, 64, 128
+    layer = nn.TransformerEncoderLayer(width, 4, ffn, batch_first=True).eval()
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    captured = fxdream.capture(encoder, (torch.randn(batch, tokens, width),))
+    ops = [op_name(n) for _, gm in captured.graphs() for n in _compute_nodes(gm)]
+    assert ops.count("aten._transformer_encoder_layer_fwd") == 2
+    rows = batch * tokens
+    per_layer = (2 * rows * width * 3 * width + 2 * 2 * batch * tokens * tokens * width
+                 + 2 * rows * width * width + 2 * 2 * rows * width * ffn)
+    assert captured.total_flops() == 2 * per_layer
+
+
+def test_torchs_fast_path_attention_counts_its_projections_and_both_products():
+    """``_native_multi_head_attention`` (nn.MultiheadAttention's fused eval kernel): q and output
+    projections over the queries, k and v projections over the keys, q·kᵀ and probs·v."""
+    width, heads, batch, queries, keys = 16, 2, 3, 5, 7
+
+    def attention(q, k, v, w_qkv, b_qkv, w_out, b_out):
+        return torch._native_multi_head_attention(q, k, v, width, heads, w_qkv, b_qkv, w_out, b_out,
+                                                  need_weights=False)[0]
+    args = (torch.randn(batch, queries, width), torch.randn(batch, keys, width), torch.randn(batch, keys, width),
+            torch.randn(3 * width, width), torch.randn(3 * width), torch.randn(width, width), torch.randn(width))
+    gm = make_fx(attention, tracing_mode="fake")(*args)
+    node = next(n for n in gm.graph.nodes if op_name(n) == "aten._native_multi_head_attention")
+    assert node_flops(node) == (2 * width * width * (2 * batch * queries + 2 * batch * keys)
+                                + 2 * 2 * batch * queries * keys * width)

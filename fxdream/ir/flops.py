@@ -103,6 +103,8 @@ def node_flops(node: fx.Node) -> int:
         return _sdpa_flops(node)
     if op_name(node) == _CPU_SDPA_BACKWARD:
         return _cpu_sdpa_backward_flops(node)
+    if op_name(node) in _FAST_PATH_TRANSFORMER_OPS:
+        return _fast_path_transformer_flops(node)
     formula = flop_registry.get(packet) if packet is not None else None
     if formula is None:
         return 0
@@ -139,6 +141,33 @@ def _cpu_sdpa_backward_flops(node: fx.Node) -> int:
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (grad_out, q, k, v)):
         return 0
     return int(sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape))
+
+
+# torch's fast-path kernels for nn.TransformerEncoderLayer / nn.MultiheadAttention in eval
+# (batch-first inputs): whole layers as one op, which flop_counter has no formula for.
+_FAST_PATH_TRANSFORMER_OPS = frozenset({"aten._transformer_encoder_layer_fwd", "aten._native_multi_head_attention"})
+
+
+def _fast_path_transformer_flops(node: fx.Node) -> int:
+    """The GEMMs of a fast-path layer, 2·m·n·k each: the q/k/v and output projections, q·kᵀ and
+    probs·v over all heads (the embedding width), and for an encoder layer its feed-forward
+    block (``ffn_weight_1`` is F×E). Softmax, norms and activations are left out, as
+    flop_counter does. Arguments: ``_transformer_encoder_layer_fwd(src, E, heads, qkv_weight,
+    qkv_bias, proj_weight, proj_bias, use_gelu, norm_first, eps, norm 1 and 2 weights and
+    biases, ffn_weight_1, ...)``; ``_native_multi_head_attention(query, key, value, E, ...)``."""
+    encoder = op_name(node) == "aten._transformer_encoder_layer_fwd"
+    query = value_of(node.args[0])
+    key = query if encoder else value_of(node.args[1])
+    width = node.args[1] if encoder else node.args[3]
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == key.dim() == 3
+            and isinstance(width, int)) or query.is_nested:
+        return 0
+    batch, queries, keys = query.shape[0], query.shape[1], key.shape[1]
+    projections = 2 * width * width * (2 * batch * queries + 2 * batch * keys)  # q and output; k and v
+    attention = 2 * 2 * batch * queries * keys * width
+    ffn = value_of(node.args[14]) if encoder and len(node.args) > 14 else None
+    feed_forward = 2 * 2 * batch * queries * width * ffn.shape[0] if isinstance(ffn, torch.Tensor) else 0
+    return int(projections + attention + feed_forward)
 
 
 _RNN_OPS = frozenset({"aten.lstm", "aten.gru", "aten.rnn_tanh", "aten.rnn_relu", "aten.mkldnn_rnn_layer",
