@@ -17,7 +17,6 @@ import torch
 import fxdream
 from fxdream import models, whatif
 from fxdream.ab import ab, check_device_here, plot_ab, user_build
-from fxdream.capturing.capture_model import capture
 from fxdream.explain import crossover
 from fxdream.measure import time_interleaved
 from fxdream.models import NAMES
@@ -26,7 +25,7 @@ from fxdream.sim.lower import OPTIMIZERS
 from fxdream.sim.prediction import predict
 from fxdream.sim.profile.store import PROFILE_DIR_ENV
 from fxdream.sim.trace import plot_comparison, plot_timeline, write_chrome_trace
-from fxdream.simulation import prediction_inputs, simulate
+from fxdream.simulation import capture_for_prediction, prediction_inputs, simulate
 
 
 def build_model(name: str, batch: int, tiny: bool = False, training: bool = False):
@@ -149,8 +148,9 @@ def cmd_whatif(args) -> int:
 
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, True)
     print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
-    model, inputs, cost = prediction_inputs(model, inputs, args.device, args.cost)  # analytic: on meta
-    captured = capture(model, inputs, training=True)
+    copy, copy_inputs, cost = prediction_inputs(model, inputs, args.device, args.cost)  # analytic: on meta
+    _, captured, _, notes = capture_for_prediction((model, inputs), copy, copy_inputs, training=True)
+    _print_notes(notes)
     base = predict(captured, cost, True, OPTIMIZERS[args.optimizer])
     on_gpu = base.device.kind == "cuda"
     single = lambda run: (run, 1)  # noqa: E731  (scenario, GPUs it runs on)
@@ -231,11 +231,13 @@ def cmd_explain(args) -> int:
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} ...", flush=True)
-    model, inputs, _ = prediction_inputs(model, inputs, args.device, "auto")  # another device: on meta
-    captured = fxdream.capture(model, inputs, training=args.training)
+    copy, copy_inputs, _ = prediction_inputs(model, inputs, args.device, "auto")  # another device: on meta
+    model, captured, _, notes = capture_for_prediction((model, inputs), copy, copy_inputs, training=args.training)
+    _print_notes(notes)
     model.train(args.training)
     result = plan(model, captured, device=args.device, training=args.training,
-                  passes=args.passes.split(",") if args.passes != "auto" else "auto")
+                  passes=args.passes.split(",") if args.passes != "auto" else "auto",
+                  optimizer=OPTIMIZERS.get(args.optimizer) if args.training else None)
     print(result.before.summary(top=args.top))
     print()
     print(result.summary())
@@ -248,6 +250,12 @@ def cmd_explain(args) -> int:
                     title=f"{args.model} bs{args.batch} on {args.device}")
     print(f"\ntrace: {stem}.trace.json (Perfetto), timeline: {stem}.png")
     return 0
+
+
+def _print_notes(notes) -> None:
+    """The capture's notes (what a prediction left out, where it captured), before its numbers."""
+    for note in notes:
+        print(f"note: {note}")
 
 
 def _print_crossover(captured, args) -> None:
@@ -360,6 +368,8 @@ def _add_predicting_commands(sub) -> None:
     _model_args(exp)
     exp.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     exp.add_argument("--pass", dest="passes", default="auto", help='"auto" or pass name(s), comma-separated')
+    exp.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"),
+                     help="the optimizer step a training step includes (as simulate's)")
     exp.add_argument("--out", help="file stem for the .trace.json and .png")
     exp.add_argument("--top", type=int, default=10)
     exp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")

@@ -48,22 +48,8 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
     """``simulate`` of ``model`` on ``example_inputs`` (``original``'s, or their meta copy) with
     ``model_cost``; a meta copy that cannot be captured (it reads tensor values, or makes tensors
     on a fixed device) is captured on ``original``'s data."""
-    measure, fallback = isinstance(model_cost, Profiled), ()
-    try:  # host time outside the graphs (graph breaks, autograd) is measured here: only for this machine
-        with _autocast_watch() as autocast_notes:
-            captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure)
-        notes = tuple(autocast_notes) + tuple(notes)
-    except Exception as error:
-        hint = meta_hint(error) if on_meta(*original) else None
-        if hint is not None:
-            raise CaptureError(f"{error}\n{hint}") from error
-        if measure or model is original[0] or on_meta(*original):
-            raise
-        model, example_inputs = original  # it reads tensor values, or mixes in tensors of its own device
-        captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
-        fallback = (f"captured on the example's data here, not on the meta device, where its capture failed "
-                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",)
-    notes = fallback + tuple(notes)
+    model, captured, step, notes = capture_for_prediction(original, model, example_inputs, training,
+                                                          measure=isinstance(model_cost, Profiled))
     optimizer_model = OPTIMIZERS.get(optimizer)
     outside_static, outside_gradients = state_outside_graphs(model, captured, training, optimizer_model)
     if outside_static + outside_gradients >= 2**20:
@@ -79,6 +65,32 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
         prediction = predict(captured, model_cost, training, optimizer_model, contention=contention, step=step)
     return dataclasses.replace(prediction, notes=notes, static_bytes=prediction.static_bytes + outside_static,
                                outside_state_bytes=outside_static + outside_gradients)
+
+
+def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inputs: tuple, training: bool,
+                           measure: bool = False) -> tuple:
+    """Capture ``model`` on ``example_inputs`` for a prediction: (the model captured, captured,
+    StepCalls or None, notes). ``model`` is ``original``'s (model, inputs) or their meta copy;
+    ``measure``: host time outside the graphs is measured (only for this machine, real inputs).
+    A meta copy of a model built with data that cannot be captured on the meta device (it reads
+    tensor values, or makes tensors on a fixed device) is captured on ``original``'s data, with
+    a note saying so; a model the user built on the meta device has no data to fall back on, and
+    the error says what to do instead."""
+    try:
+        with _autocast_watch() as autocast_notes:
+            captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure)
+        return model, captured, step, tuple(autocast_notes) + tuple(notes)
+    except Exception as error:
+        hint = meta_hint(error) if on_meta(*original) else None
+        if hint is not None:
+            raise CaptureError(f"{error}\n{hint}") from error
+        if measure or model is original[0] or on_meta(*original):
+            raise
+        model, example_inputs = original
+        captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
+        fallback = (f"captured on the example's data here, not on the meta device, where its capture failed "
+                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",)
+        return model, captured, step, fallback + tuple(notes)
 
 
 def state_outside_graphs(model: torch.nn.Module, captured, training: bool,

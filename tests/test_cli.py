@@ -133,6 +133,18 @@ class Mine(nn.Linear):
 
 def build_mine(batch):
     return Mine(4, 2), torch.randn(batch, 4)
+
+class MaskedSum(nn.Module):
+    """Boolean-mask indexing: nonzero, which the meta device cannot answer."""
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x, mask):
+        return self.linear(x).squeeze(-1)[mask == 1].sum()
+
+def build_masked(batch):
+    return MaskedSum(), dict(x=torch.randn(batch, 12, 8), mask=torch.ones(batch, 12, dtype=torch.long))
 '''
 
 
@@ -159,6 +171,23 @@ def test_your_own_model_from_a_file_in_ab_simulate_and_explain(tmp_path, capsys)
     assert main(["simulate", f"{path}:build", "--device", "h100", "--batch", "4"]) == 0
     assert "predicted inference on h100" in capsys.readouterr().out
     assert main(["explain", f"{path}:build", "--device", "h100", "--out", str(tmp_path / "e")]) == 0
+
+
+def test_explain_and_whatif_for_a_gpu_capture_a_value_reading_model_on_its_data(tmp_path, capsys):
+    """A model that reads tensor values has no meta capture: explain and whatif capture it on
+    the example's data, as simulate does, and say so (they failed with the meta error)."""
+    path = tmp_path / "mine.py"
+    path.write_text(USER_MODEL)
+    assert main(["explain", f"{path}:build_masked", "--device", "h100", "--training", "--batch", "2",
+                 "--out", str(tmp_path / "e")]) == 0
+    explained = capsys.readouterr().out
+    assert "note: captured on the example's data here, not on the meta device" in explained
+    assert main(["simulate", f"{path}:build_masked", "--device", "h100", "--training", "--batch", "2"]) == 0
+    simulated = re.search(r"predicted training step on h100: ([0-9.]+) ms", capsys.readouterr().out).group(1)
+    # explain's step includes the optimizer step, as simulate's does
+    assert f"predicted on h100: {simulated} ms without passes" in explained
+    assert main(["whatif", f"{path}:build_masked", "--device", "h100", "--batch", "2"]) == 0
+    assert "note: captured on the example's data here" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("spec,message", [
