@@ -119,6 +119,25 @@ def test_dropout_is_marked_in_training_only():
     assert _marks(_dropout_graph(train=False), TRAIN) == {}  # draws nothing: an identity
 
 
+def _attention_graph(dropout_p, by_keyword=False):
+    def build(g, q, k, v):
+        keyword = dict(dropout_p=dropout_p) if by_keyword else {}
+        positional = () if by_keyword else (dropout_p,)
+        return _call(g, aten._scaled_dot_product_efficient_attention.default, q, k, v, None, True, *positional,
+                     name="attention", **keyword)
+    return _graph(build, (2, 2, 12, 16), (2, 2, 12, 16), (2, 2, 12, 16))
+
+
+def test_attention_without_dropout_draws_nothing_and_is_not_marked():
+    """Attention layers built with no dropout (Llama's attention_dropout=0) call SDPA with
+    dropout_p=0: no random numbers, so no reason to split a CUDA-graph region there."""
+    assert _marks(_attention_graph(0.0), TRAIN) == {}
+    assert _marks(_attention_graph(0.0, by_keyword=True), TRAIN) == {}
+    assert _marks(_attention_graph(0.1), TRAIN) == {
+        "attention": "random numbers in training: aten._scaled_dot_product_efficient_attention draws new values "
+                     "on every call (dropout is compatible in eval)"}
+
+
 def test_dropout_on_a_captured_model_training_vs_eval():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.ReLU(),
                                 torch.nn.Linear(8, 8), torch.nn.Dropout(0.2))

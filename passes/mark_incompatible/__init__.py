@@ -121,14 +121,25 @@ def _control_flow(node, ctx, op, tags):
     return None
 
 
+def _argument(node, name: str, default=None):
+    """The value of ``node``'s argument called ``name`` in its op's schema, passed by position
+    or by keyword (``default`` where it is not given, or the op has no such argument)."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if name not in names:
+        return default
+    position = names.index(name)
+    return node.args[position] if position < len(node.args) else node.kwargs.get(name, default)
+
+
 def _rng_in_training(node, ctx, op, tags):
+    """An op that draws random numbers on every call; not dropout that draws nothing (``p`` or
+    ``dropout_p`` 0, as in attention layers built with no dropout, or ``train=False``)."""
     if not ctx.training or _tag("nondeterministic_seeded") not in tags:
         return None
-    if op in ("aten.native_dropout", "aten.dropout"):
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        if train is False or p == 0:
-            return None  # draws nothing: an identity, as in eval
+    if _argument(node, "train", True) is False or any(
+            isinstance(p, (int, float)) and p == 0 for p in (_argument(node, "p"), _argument(node, "dropout_p"))):
+        return None  # draws nothing: an identity, as in eval
     return f"random numbers in training: {op} draws new values on every call (dropout is compatible in eval)"
 
 
