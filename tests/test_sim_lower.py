@@ -1,4 +1,6 @@
 """Lowering FX graphs to task graphs, with expected makespans and memory worked out by hand."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -145,12 +147,33 @@ def test_optimizer_step_follows_the_backward_as_its_own_tasks():
     def build(graph, x):
         return _call(graph, aten.neg.default, (x,), "neg"), None
     bw = graph_with_values(build, (1000,))  # one "gradient" of 4000 bytes
-    sgd = OptimizerModel("sgd", bytes_per_grad_byte=5.0, kernels_per_param=2)
+    sgd = OptimizerModel("sgd", bytes_per_grad_byte=5.0, kernels_per_param=2, foreach=False)
     lowered = lower([("g.bw", bw)], FixedCost(GPU), optimizer=sgd)
     step = lowered.graph.task("optim:0:k")
     assert step.phase == "optim"
     # 5 x 4000 bytes at 1e9 B/s = 20 µs
     assert step.duration_us == pytest.approx(20.0)
+
+
+def test_a_gpu_optimizer_step_is_torchs_multi_tensor_ops_over_every_gradient():
+    """torch's default on a GPU (foreach): SGD with momentum is three multi-tensor ops over all
+    gradients, each moving a third of the 5 bytes per gradient byte and launching one kernel
+    per 64 tensors; on a CPU, one update per parameter."""
+    def build(graph, *grads):
+        return tuple(_call(graph, aten.neg.default, (g,), f"neg{i}") for i, g in enumerate(grads)) + (None,)
+    shapes = [(1000,)] * 100  # 100 gradients of 4000 bytes: two launches of 64 tensors at most
+    bw = graph_with_values(build, *shapes)
+    sgd = OptimizerModel("sgd", bytes_per_grad_byte=5.0, kernels_per_param=2, foreach_ops=3)
+    spec = DeviceSpec("toy-gpu", "cuda", {"float32": 1e12}, 1e9, launch_overhead_us=2.0,
+                      dispatch_overhead_us=1.0, kernel_min_us=0.0, num_sms=1, memory_bytes=2**30)
+    graph = lower([("g.bw", bw)], FixedCost(spec), optimizer=sgd).graph
+    hosts = [n for n in graph.select(phase="optim") if not n.endswith(":k")]
+    assert len(hosts) == 3
+    assert all(graph.task(n).duration_us == pytest.approx(1.0 + 2 * 2.0) for n in hosts)  # a dispatch, 2 launches
+    # 5 x 400,000 bytes / 3 at 1e9 B/s
+    assert graph.task("optim:0:k").duration_us == pytest.approx(5 * 400_000 / 3 / 1e3)
+    on_cpu = lower([("g.bw", bw)], FixedCost(CPU), optimizer=sgd).graph
+    assert len(on_cpu.select(phase="optim")) == 100
 
 
 def test_optimizer_state_is_static_memory_of_its_size_per_updated_parameter():
@@ -172,7 +195,8 @@ def test_optimizer_updates_the_parameters_of_every_subgraph():
 
     captured = fxdream.capture(TwoSubgraphs(), (torch.randn(3, 4),), training=True)
     assert len(captured) == 2
-    lowered = lower_captured(captured, Analytic(get_device("h100")), SGD)
+    loop = dataclasses.replace(SGD, foreach=False)
+    lowered = lower_captured(captured, Analytic(get_device("h100")), loop)
     updates = [name for name in lowered.graph.select(phase="optim") if not name.endswith(":k")]
     assert len(updates) == 4  # two weights and two biases, one update each
 

@@ -25,6 +25,7 @@ are ignored (there are no CUDA graphs).
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -34,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxdream.capturing.host_gaps import END, StepCalls
 from fxdream.ir.nodes import LAYER, PARAMETER_GRADIENTS, is_view, op_name
-from fxdream.ir.tensors import tensor_bytes
+from fxdream.ir.tensors import size_hint, tensor_bytes
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph_regions, inline_cuda_graph_runners
 from fxdream.sim.liveness import Buffers
@@ -52,10 +53,15 @@ GRAPH_LAUNCH_PER_KERNEL_US = 0.01
 
 @dataclass(frozen=True)
 class OptimizerModel:
-    """The optimizer step as kernels: bytes moved per gradient byte and kernels per parameter.
+    """The optimizer step as kernels: bytes moved per gradient byte, kernels per parameter.
 
     SGD with momentum reads p, g, buf and writes p, buf (5x); Adam reads p, g, m, v and
-    writes p, m, v (7x). ``fused=True`` is one kernel for all parameters. Its state (momentum;
+    writes p, m, v (7x). ``fused=True`` is one kernel for all parameters. Otherwise torch's
+    default: on a CPU a loop over the parameters (``kernels_per_param`` each); on a GPU
+    (``foreach``) its multi-tensor implementation, ``foreach_ops`` ops for all parameters (SGD:
+    buf·momentum, buf + g, p − lr·buf; Adam: lerp, mul, addcmul, sqrt, div, add, addcdiv),
+    each launching a kernel per group of tensors; ``foreach=False`` is the loop there too
+    (torch's ``foreach=False``, or P3's updates as each gradient arrives). Its state (momentum;
     Adam's two moments) is ``state_copies`` tensors the size of each updated parameter, made
     on the first step and kept: static memory in every step after it.
     """
@@ -64,10 +70,15 @@ class OptimizerModel:
     kernels_per_param: int = 2
     fused: bool = False
     state_copies: int = 1
+    foreach_ops: int = 3
+    foreach: bool = True
 
 
-SGD = OptimizerModel("sgd", 5.0, 2, state_copies=1)
-ADAM = OptimizerModel("adam", 7.0, 5, state_copies=2)
+SGD = OptimizerModel("sgd", 5.0, 2, state_copies=1, foreach_ops=3)
+ADAM = OptimizerModel("adam", 7.0, 5, state_copies=2, foreach_ops=7)
+# torch's multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): one launch holds at most
+# 64 tensors (two tensor lists) and 320 blocks of 65536 elements
+FOREACH_TENSORS_PER_LAUNCH, FOREACH_ELEMENTS_PER_LAUNCH = 64, 320 * 65536
 OPTIMIZERS = {"sgd": SGD, "adam": ADAM}
 
 
@@ -310,23 +321,38 @@ def gradient_outputs(bw: fx.GraphModule) -> list[tuple[int, fx.Node]]:
 
 def _lower_optimizer(tg: TaskGraph, backwards: list[fx.GraphModule], cost: CostModel, optimizer: OptimizerModel,
                      on_gpu: bool) -> None:
-    """One update per gradient the backward graphs return (every subgraph's), after the last one."""
+    """The update of every gradient the backward graphs return (every subgraph's), after the last one."""
     grads = [g for bw in backwards for g in gradient_values(bw)]
-    if not grads:
+    append_optimizer_step(tg, [(tensor_bytes(g), size_hint(g.numel())) for g in grads], cost.device, optimizer,
+                          on_gpu)
+
+
+def append_optimizer_step(tg: TaskGraph, gradients: list[tuple[int, int]], device, optimizer: OptimizerModel,
+                          on_gpu: bool) -> None:
+    """Tasks ``optim:<i>`` (and ``optim:<i>:k``, a kernel on a GPU) updating ``gradients``
+    ((bytes, elements) each): one per parameter on a CPU or without ``foreach``, one per
+    multi-tensor op on a GPU, one when fused (see OptimizerModel)."""
+    if not gradients:
         return
-    device = cost.device
     launch = device.dispatch_overhead_us + (device.launch_overhead_us if on_gpu else 0.0)
-    groups = [grads] if optimizer.fused else [[g] for g in grads]
-    for i, group in enumerate(groups):
-        moved = optimizer.bytes_per_grad_byte * sum(tensor_bytes(g) for g in group)
-        kernels = 1 if optimizer.fused else optimizer.kernels_per_param
-        kernel_us = max(moved / device.mem_bandwidth * 1e6, kernels * device.kernel_min_us)
-        common = dict(layer="", op=f"optimizer.{optimizer.name}", phase="optim")
+    moved = [optimizer.bytes_per_grad_byte * nbytes for nbytes, _ in gradients]
+    if optimizer.fused:
+        steps = [(sum(moved), 1, launch)]
+    elif not on_gpu or not optimizer.foreach:
+        steps = [(m, optimizer.kernels_per_param, optimizer.kernels_per_param * launch) for m in moved]
+    else:
+        launches = max(math.ceil(len(gradients) / FOREACH_TENSORS_PER_LAUNCH),
+                       math.ceil(sum(elements for _, elements in gradients) / FOREACH_ELEMENTS_PER_LAUNCH))
+        host_us = device.dispatch_overhead_us + launches * device.launch_overhead_us
+        steps = [(sum(moved) / optimizer.foreach_ops, launches, host_us)] * optimizer.foreach_ops
+    common = dict(layer="", op=f"optimizer.{optimizer.name}", phase="optim")
+    for i, (nbytes, kernels, host_us) in enumerate(steps):
+        kernel_us = device.kernel_time_us(0, nbytes, kernels=kernels)  # memory-bound, as the fused what-if's
         name = f"optim:{i}"
         if not on_gpu:
-            tg.append(Task(name, TaskKind.CPU, kernels * launch + kernel_us, "cpu:0", **common))
+            tg.append(Task(name, TaskKind.CPU, host_us + kernel_us, "cpu:0", **common))
         else:
-            tg.append(Task(name, TaskKind.CPU, kernels * launch, "cpu:0", **common))
+            tg.append(Task(name, TaskKind.CPU, host_us, "cpu:0", **common))
             tg.append(Task(f"{name}:k", TaskKind.GPU, kernel_us, "stream:0", **common),
                       deps=[(name, DepKind.LAUNCH)])
 

@@ -1,4 +1,5 @@
-"""Fused-optimizer what-if: the per-parameter optimizer tasks (phase ``"optim"``) collapse
+"""Fused-optimizer what-if: the optimizer's tasks (phase ``"optim"``: per parameter, or torch's
+multi-tensor ops on a GPU) collapse
 into one launch and one kernel moving one pass over the optimizer state
 (``OptimizerModel.bytes_per_grad_byte``), as the lowering models ``fused=True``.
 """
@@ -13,7 +14,7 @@ from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _spec, _start
 def fused_optimizer(x, *, captured=None, graphs=None, device=None,
                     contention: bool | None = None) -> WhatIf:
     """What if the optimizer were one fused kernel (e.g. ``Adam(fused=True)``) instead of
-    ``kernels_per_param`` kernels per parameter?  One launch, one kernel moving the summed
+    ``kernels_per_param`` kernels per parameter (``foreach_ops`` multi-tensor ops on a GPU)?  One launch, one kernel moving the summed
     bytes: one pass over the state (``OptimizerModel.bytes_per_grad_byte``, whatever the
     per-parameter implementation moved) × the gradients of the captured backwards; without
     ``captured`` they are read back from the per-parameter kernel times

@@ -16,8 +16,10 @@ bucket) for the comparison (:func:`ddp_period`).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
+from fxdream.sim.lower import OPTIMIZERS, append_optimizer_step
 from fxdream.sim.prediction import Prediction
 from fxdream.sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _simulate, _Start, _start
@@ -51,6 +53,21 @@ def _optimizer_tasks(tg: TaskGraph) -> dict[int, list[str]]:
         if len(parts) >= 2 and parts[0] == "optim" and parts[1].isdigit():
             out.setdefault(int(parts[1]), []).append(n)
     return out
+
+
+def _updates_per_parameter(tg: TaskGraph, grads: Sequence[Gradient], device) -> TaskGraph:
+    """``tg`` with its optimizer step as one update per parameter, as P3 applies them (each as
+    its slices arrive), where the prediction's step updates them together (torch's multi-tensor
+    ops on a GPU). A fused step stays as it is: it cannot update one parameter alone."""
+    optim = tg.select(phase="optim")
+    model = OPTIMIZERS.get(tg.task(optim[0]).op.split(".", 1)[-1]) if optim else None
+    if model is None or model.fused or len(_optimizer_tasks(tg)) >= len(grads):
+        return tg
+    per_parameter = tg.remove(optim)
+    on_gpu = any(tg.task(n).kind is TaskKind.GPU for n in optim)
+    append_optimizer_step(per_parameter, [(gr.nbytes, 0) for gr in sorted(grads, key=lambda gr: gr.index)],
+                          device, dataclasses.replace(model, foreach=False), on_gpu)
+    return per_parameter
 
 
 def _two_iterations(tg: TaskGraph, grads: Sequence[Gradient], comms: Sequence[tuple],
@@ -169,7 +186,8 @@ def p3(x, cluster: Cluster, *, captured=None, graphs=None, slice_bytes: int = 4 
     slices = _slices(grads, forward_order, int(slice_bytes))
     buckets = _ddp_comms(s, grads, bucket_cap_mb, first_bucket_mb)
     static = s.current.static_bytes + sum(gr.nbytes for gr in grads)
-    g_p3, fw1 = _two_iterations(tg, grads, slices, cluster, channel, priority=True)
+    g_p3, fw1 = _two_iterations(_updates_per_parameter(tg, grads, s.current.device), grads, slices, cluster,
+                                channel, priority=True)
     g_ddp, _ = _two_iterations(tg, grads, buckets, cluster, channel, priority=False)
     tl_p3, period_p3 = _window_period(g_p3, fw1, s.contention, static)
     _, period_ddp = _window_period(g_ddp, fw1, s.contention, static)
