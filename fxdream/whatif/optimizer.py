@@ -1,7 +1,6 @@
 """Fused-optimizer what-if: the optimizer's tasks (phase ``"optim"``: per parameter, or torch's
-multi-tensor ops on a GPU) collapse
-into one launch and one kernel moving one pass over the optimizer state
-(``OptimizerModel.bytes_per_grad_byte``), as the lowering models ``fused=True``.
+multi-tensor ops on a GPU) collapse into one launch and one kernel moving one pass over the
+optimizer state (``OptimizerModel.bytes_per_grad_byte``), as the lowering models ``fused=True``.
 """
 from __future__ import annotations
 
