@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 
 import torch
+import torch.fx.experimental._config as meta_config  # private; the only switch of the meta nonzero kernel
 
 from fxdream.build import cost_model_for
 from fxdream.capturing.capture_model import capture_with_host_gaps
@@ -81,6 +82,11 @@ def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inpu
             captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure)
         return model, captured, step, tuple(autocast_notes) + tuple(notes)
     except Exception as error:
+        if on_meta(*original) and NONZERO_ON_META in str(error) and not meta_config.meta_nonzero_assume_all_nonzero:
+            with meta_config.patch(meta_nonzero_assume_all_nonzero=True):
+                model, captured, step, notes = capture_for_prediction(original, model, example_inputs, training,
+                                                                      measure)
+            return model, captured, step, (NONZERO_ASSUMED,) + notes
         hint = meta_hint(error) if on_meta(*original) else None
         if hint is not None:
             raise CaptureError(f"{error}\n{hint}") from error
@@ -116,6 +122,13 @@ def state_outside_graphs(model: torch.nn.Module, captured, training: bool,
         static += storage.nbytes() * (1 + (state_copies if learned else 0))
         gradients += storage.nbytes() if learned else 0
     return static, gradients
+
+
+# A model the user built on the meta device has no data to count a mask's true elements in
+# (boolean-mask indexing, nonzero): torch's meta kernel can take every element as kept instead.
+NONZERO_ON_META = "register_meta function for torch.nonzero()"
+NONZERO_ASSUMED = ("nonzero (boolean-mask indexing) on the meta device keeps every element here: the sizes it "
+                   "makes, and the work after it, are upper bounds")
 
 
 # A model on the meta device whose forward makes a tensor in code dynamo runs as Python (not

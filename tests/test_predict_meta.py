@@ -143,6 +143,30 @@ def test_a_meta_model_reading_a_value_gets_a_capture_error_saying_what_to_do():
         fxdream.simulate(model, (torch.randn(2, 4, device="meta"),), device="h100")
 
 
+class MaskedSum(nn.Module):
+    """Boolean-mask indexing: nonzero, whose result size depends on the mask's values."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x, mask):
+        return self.fc(x).squeeze(-1)[mask == 1].sum()
+
+
+def test_a_meta_model_indexing_with_a_mask_is_predicted_keeping_every_element():
+    """Built on the meta device there is no mask to count: nonzero keeps every element (an upper
+    bound, said in a note), which for an all-ones mask is what the data gives."""
+    x, mask = torch.randn(2, 12, 8), torch.ones(2, 12, dtype=torch.long)
+    torch.manual_seed(0)
+    on_data = fxdream.simulate(MaskedSum().train(), (x, mask), device="h100", training=True)
+    with torch.device("meta"):
+        model = MaskedSum().train()
+    on_meta_device = fxdream.simulate(model, (x.to("meta"), mask.to("meta")), device="h100", training=True)
+    assert on_meta_device.time_ms == pytest.approx(on_data.time_ms)
+    assert on_meta_device.notes[0].startswith("nonzero (boolean-mask indexing) on the meta device keeps every element")
+    assert not any("keeps every element" in note for note in on_data.notes)  # captured on its data
+
+
 @pytest.mark.parametrize("training", [False, True])
 def test_optimize_of_a_meta_model_captures_without_passes_or_timing_and_says_so(training):
     with torch.device("meta"):
