@@ -75,8 +75,9 @@ def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inpu
     ``measure``: host time outside the graphs is measured (only for this machine, real inputs).
     A meta copy of a model built with data that cannot be captured on the meta device (it reads
     tensor values, or makes tensors on a fixed device) is captured on ``original``'s data, with
-    a note saying so; a model the user built on the meta device has no data to fall back on, and
-    the error says what to do instead."""
+    a note saying so. A model the user built on the meta device has no data to fall back on:
+    boolean-mask indexing keeps every element there (``NONZERO_ASSUMED``), and a read of a value
+    raises with what to do instead."""
     try:
         with _autocast_watch() as autocast_notes:
             captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure)
