@@ -148,8 +148,8 @@ def cmd_whatif(args) -> int:
 
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, True)
     print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
-    copy, copy_inputs, cost = prediction_inputs(model, inputs, args.device, args.cost)  # analytic: on meta
-    _, captured, _, notes = capture_for_prediction((model, inputs), copy, copy_inputs, training=True)
+    to_capture, capture_inputs, cost = prediction_inputs(model, inputs, args.device, args.cost)  # analytic: on meta
+    _, captured, _, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs, training=True)
     _print_notes(notes)
     base = predict(captured, cost, True, OPTIMIZERS[args.optimizer])
     on_gpu = base.device.kind == "cuda"
@@ -231,8 +231,9 @@ def cmd_explain(args) -> int:
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} ...", flush=True)
-    copy, copy_inputs, _ = prediction_inputs(model, inputs, args.device, "auto")  # another device: on meta
-    model, captured, _, notes = capture_for_prediction((model, inputs), copy, copy_inputs, training=args.training)
+    to_capture, capture_inputs, _ = prediction_inputs(model, inputs, args.device, "auto")  # another device: on meta
+    model, captured, _, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs,
+                                                       training=args.training)
     _print_notes(notes)
     model.train(args.training)
     result = plan(model, captured, device=args.device, training=args.training,

@@ -194,7 +194,7 @@ def redirect_lstm(args, kwargs):
     if train is not False or _needs_grad(input, h, c, *params):  # dropout between layers is left out
         if input.device.type != "meta":
             return None
-        output, hy, cy, _reserve = lstm_train(input, [h, c], list(params), has_biases, num_layers, bidirectional,
+        output, hy, cy, _ = lstm_train(input, [h, c], list(params), has_biases, num_layers, bidirectional,
                                               batch_first)
         return output, hy, cy
     projected_on_cpu = input.device.type == "cpu" and h.shape[-1] != c.shape[-1]
@@ -214,7 +214,7 @@ def redirect_rnn(mode, args, kwargs):
     if train is not False or _needs_grad(input, hx, *params):  # dropout between layers is left out
         if input.device.type != "meta":
             return None
-        output, hy, _reserve = rnn_train(input, hx, list(params), mode, has_biases, num_layers, bidirectional,
+        output, hy, _ = rnn_train(input, hx, list(params), mode, has_biases, num_layers, bidirectional,
                                          batch_first)
         return output, hy
     return tuple(rnn_inference(input, hx, list(params), mode, has_biases, num_layers, bidirectional, batch_first))

@@ -357,6 +357,14 @@ def append_optimizer_step(tg: TaskGraph, gradients: list[tuple[int, int]], devic
                       deps=[(name, DepKind.LAUNCH)])
 
 
+def optimizer_in(tg: TaskGraph) -> tuple[list[str], OptimizerModel | None, bool]:
+    """A lowered step's optimizer tasks (phase ``"optim"``), the OptimizerModel their op names
+    (``optimizer.<name>``; None for none or an unknown name) and whether they launch GPU kernels."""
+    optim = tg.select(phase="optim")
+    model = OPTIMIZERS.get(tg.task(optim[0]).op.split(".", 1)[-1]) if optim else None
+    return optim, model, any(tg.task(n).kind is TaskKind.GPU for n in optim)
+
+
 def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None = None,
                    graphs: dict | None = None, step: StepCalls | None = None) -> Lowered:
     """Lower a Captured (or a tuple of them), optionally with rewritten graphs by (index, phase).

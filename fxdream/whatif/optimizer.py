@@ -5,7 +5,7 @@ optimizer state (``OptimizerModel.bytes_per_grad_byte``), as the lowering models
 from __future__ import annotations
 
 from fxdream.ir.tensors import tensor_bytes
-from fxdream.sim.lower import OPTIMIZERS, gradient_values
+from fxdream.sim.lower import gradient_values, optimizer_in
 from fxdream.sim.taskgraph import TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations
 
@@ -13,23 +13,20 @@ from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _spec, _start
 def fused_optimizer(x, *, captured=None, graphs=None, device=None,
                     contention: bool | None = None) -> WhatIf:
     """What if the optimizer were one fused kernel (e.g. ``Adam(fused=True)``) instead of
-    ``kernels_per_param`` kernels per parameter (``foreach_ops`` multi-tensor ops on a GPU)?  One launch, one kernel moving the summed
-    bytes: one pass over the state (``OptimizerModel.bytes_per_grad_byte``, whatever the
-    per-parameter implementation moved) × the gradients of the captured backwards; without
-    ``captured`` they are read back from the per-parameter kernel times
-    (bytes = time × bandwidth; kernels at the device's floor count 0: a lower bound)."""
+    ``kernels_per_param`` kernels per parameter (``foreach_ops`` multi-tensor ops on a GPU)?
+    One launch, one kernel moving the summed bytes: one pass over the state
+    (``OptimizerModel.bytes_per_grad_byte``, whatever the implementation moved) × the gradients
+    of the captured backwards; without ``captured`` they are read back from the optimizer's
+    kernel times (bytes = time × bandwidth; kernels at the device's floor count 0: a lower bound)."""
     s = _start(x, device, captured, graphs, contention)
     tg = s.current.task_graph
-    optim = tg.select(phase="optim")
+    optim, model, on_gpu = optimizer_in(tg)
     if not optim:
         raise ValueError("no optimizer tasks (phase 'optim'): predict a training step with an "
                          "optimizer (simulate(..., training=True, optimizer='adam'))")
     spec = _spec(device) or s.current.device
-    on_gpu = any(tg.task(n).kind is TaskKind.GPU for n in optim)
     host = [n for n in optim if tg.task(n).kind is not TaskKind.GPU]
     kernels = [n for n in optim if tg.task(n).kind is TaskKind.GPU]
-    op = tg.task(optim[0]).op
-    model = OPTIMIZERS.get(op.split(".", 1)[-1])
     per_param = model.kernels_per_param if model else 1
     launch = spec.dispatch_overhead_us + (spec.launch_overhead_us if on_gpu else 0.0)
     bw = spec.mem_bandwidth
@@ -57,4 +54,4 @@ def fused_optimizer(x, *, captured=None, graphs=None, device=None,
                "fused.bytes": int(nbytes), "fused.bytes_source": source,
                "fused.optimizer_busy_ms_before": before_ms,
                "fused.optimizer_busy_ms_after": sum(durations.values()) / 1e3}
-    return _finish(s, f"fused {model.name if model else op}", fused, details)
+    return _finish(s, f"fused {model.name if model else tg.task(optim[0]).op}", fused, details)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from fxdream.sim.lower import OPTIMIZERS, append_optimizer_step
+from fxdream.sim.lower import append_optimizer_step, optimizer_in
 from fxdream.sim.prediction import Prediction
 from fxdream.sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _simulate, _Start, _start
@@ -59,12 +59,10 @@ def _updates_per_parameter(tg: TaskGraph, grads: Sequence[Gradient], device) -> 
     """``tg`` with its optimizer step as one update per parameter, as P3 applies them (each as
     its slices arrive), where the prediction's step updates them together (torch's multi-tensor
     ops on a GPU). A fused step stays as it is: it cannot update one parameter alone."""
-    optim = tg.select(phase="optim")
-    model = OPTIMIZERS.get(tg.task(optim[0]).op.split(".", 1)[-1]) if optim else None
+    optim, model, on_gpu = optimizer_in(tg)
     if model is None or model.fused or len(_optimizer_tasks(tg)) >= len(grads):
         return tg
     per_parameter = tg.remove(optim)
-    on_gpu = any(tg.task(n).kind is TaskKind.GPU for n in optim)
     append_optimizer_step(per_parameter, [(gr.nbytes, 0) for gr in sorted(grads, key=lambda gr: gr.index)],
                           device, dataclasses.replace(model, foreach=False), on_gpu)
     return per_parameter
