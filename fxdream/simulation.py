@@ -52,7 +52,8 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
     model, captured, step, notes = capture_for_prediction(original, model, example_inputs, training,
                                                           measure=isinstance(model_cost, Profiled))
     optimizer_model = OPTIMIZERS.get(optimizer)
-    outside_static, outside_gradients = state_outside_graphs(model, captured, training, optimizer_model)
+    outside_static, outside_gradients = state_outside_graphs(model, captured, training, optimizer_model,
+                                                             step.input_storages if step is not None else ())
     if outside_static + outside_gradients >= 2**20:
         notes += (f"{(outside_static + outside_gradients) / 2**20:.1f} MiB of the model's parameters and buffers"
                   f"{' (with their gradients and optimizer state)' if training else ''} are inputs of no captured "
@@ -101,17 +102,19 @@ def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inpu
 
 
 def state_outside_graphs(model: torch.nn.Module, captured, training: bool,
-                         optimizer: OptimizerModel | None = None) -> tuple[int, int]:
+                         optimizer: OptimizerModel | None = None, called_with=()) -> tuple[int, int]:
     """(static bytes, gradient bytes) of the model's parameters and buffers no captured graph
     takes as an input: code run eagerly between the graphs uses them (an RNN in training, code
     after a graph break), or nothing does, so no graph's memory holds them. Static: the tensors
     and, in training, ``optimizer``'s state for each parameter; gradient: in training, each
     parameter's gradient. Tensors are told apart by their storage (a graph's input is a detached
-    view of the parameter; on the meta device every data pointer is 0)."""
+    view of the parameter; on the meta device every data pointer is 0). ``called_with``: the
+    storages a step's graph calls took (``StepCalls.input_storages``): a graph called once per
+    layer holds each layer's parameters on its own call, which the lowering counts."""
     parts = captured if isinstance(captured, tuple) else (captured,)
     # a storage's _cdata (its C++ object's address; private, isolated): equal for views of one storage
     seen = {x.untyped_storage()._cdata for part in parts for position, x in enumerate(part.example_inputs)
-            if position in part.state_positions and isinstance(x, torch.Tensor)}
+            if position in part.state_positions and isinstance(x, torch.Tensor)} | set(called_with)
     state_copies = optimizer.state_copies if training and optimizer is not None else 0
     static = gradients = 0
     for tensor in [*model.parameters(), *model.buffers()]:

@@ -247,3 +247,51 @@ class _StepTime:
 
     def perf_counter(self):
         return self.now
+
+
+class _BlockWithBreak(nn.Module):
+    """Dynamo compiles its halves once and calls them once per block."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return torch.relu(self.second(x))
+
+
+class _Blocks(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(_BlockWithBreak() for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_prediction_for_another_device_costs_a_graph_once_per_call(training):
+    torch.manual_seed(0)
+    x = torch.randn(8, 32)
+    one, four = (fxdream.simulate(_Blocks(n), (x,), device="h100", training=training) for n in (1, 4))
+    assert four.time_ms > 3.5 * one.time_ms  # each half of each block, not each half once
+    assert any("simulated once per call: {'g0.fw': 4, 'g1.fw': 4}" in n for n in four.notes) or training
+    names = [t.name for t in four.task_graph.tasks]
+    assert "g1#3.fw:call" in names and all(not n.startswith("host_gap:g") for n in names)  # nothing was timed
+    if training:  # the engine is modelled per backward call, as where nothing is measured at all
+        assert "g1#3.bw:autograd" in names
+    # every block's parameters are inputs of a graph call: none counted again as state outside the graphs
+    assert four.outside_state_bytes == 0
+
+
+def test_an_unmeasured_call_order_lowers_each_call_with_the_engine_modelled():
+    from fxdream.sim.lower import lower_captured
+    step = StepCalls(("g0.fw", "g0.fw", "g0.bw", "g0.bw"), (0.0,) * 4, 0.0, measured=False)
+    captured = fxdream.capture(nn.Linear(4, 4), (torch.randn(2, 4),), training=True)
+    names = [t.name for t in lower_captured(captured, cost_model_for("h100", "analytic"), step=step).graph.tasks]
+    assert [n for n in names if n.endswith(":autograd")] == ["g0#1.bw:autograd", "g0.bw:autograd"]
+    assert not any(n.startswith("host_gap") for n in names)

@@ -8,7 +8,13 @@ from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.causal_mask import causal_checks_unread
 from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
-from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
+from fxdream.capturing.host_gaps import (
+    describe_calls,
+    describe_gaps,
+    measure_model_gaps,
+    record_model_calls,
+    worth_measuring,
+)
 from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.model_state import preserved_modes, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
@@ -24,21 +30,25 @@ def capture(model: torch.nn.Module, example_inputs=(), training: bool = False, e
     were (during the capture, a model whose own flag is not ``training`` is switched whole:
     ``switch_to_build_mode``). Raises ``CaptureError`` when dynamo captured nothing.
     """
-    return capture_with_host_gaps(model, example_inputs, training, measure=False, example_kwargs=example_kwargs)[0]
+    return capture_with_host_gaps(model, example_inputs, training, measure=False, example_kwargs=example_kwargs,
+                                  call_order=False)[0]
 
 
 def capture_with_host_gaps(model: torch.nn.Module, example_inputs=(), training: bool = False,
-                           measure: bool = True, example_kwargs: dict | None = None) -> tuple:
+                           measure: bool = True, example_kwargs: dict | None = None,
+                           call_order: bool = True) -> tuple:
     """``capture``, plus (when ``measure`` and it is a training step or the graph broke) the
-    graph calls and host time outside the graphs of a few steps: (captured, StepCalls or None, notes)."""
+    graph calls and host time outside the graphs of a few steps: (captured, StepCalls or None, notes).
+    Without ``measure``, where the graph broke and ``call_order``: the order of one step's graph
+    calls, without times (``record_model_calls``)."""
     check_model(model)
     model, inputs = bind_keywords(model, example_inputs, example_kwargs)
     with preserved_modes(model), dynamo_state_kept():
         switch_to_build_mode(model, training)
-        return _capture(model, inputs, training, measure)
+        return _capture(model, inputs, training, measure, call_order)
 
 
-def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: bool) -> tuple:
+def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: bool, call_order: bool) -> tuple:
     session = CaptureSession(model)
     breaks_before, how = graph_break_counts(), "dynamo"
     try:
@@ -48,6 +58,9 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
             if not session.captured():
                 retried = capture_after_nothing(model, inputs, session, training, new_graph_breaks(breaks_before))
                 runner = retried[0] if retried else runner
+            # the graphs run as compiled (inside the checks' context: outside it dynamo compiles again)
+            order = _call_order(runner, model, inputs, training, session, breaks_before) if (
+                not measure and call_order) else None
     except Exception as error:
         run_once(model, model, inputs, training)  # the model's own error, if eager fails too
         raise CaptureError(f"the capture of {type(model).__name__} ({how}) failed: {describe_error(error)}") from error
@@ -63,10 +76,24 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
         else:  # the whole step is one measured host task
             notes = (f"{nothing}; the whole step ran as eager code, predicted from its time measured here "
                      f"({step.total_us / 1e3:.3f} ms per step)",)
+    elif order is not None:
+        step, notes = order, notes + describe_calls(order)
     if not captured and step is None:  # no graph to cost, and no time measured
         raise CaptureError(nothing if measure else f"{nothing}; fxdream.simulate for this machine with real inputs "
                                                    f"(cost='auto') measures the step as eager code instead")
     return (captured[0] if len(captured) == 1 else tuple(captured)), step, notes
+
+
+def _call_order(runner, model, inputs: tuple, training: bool, session: CaptureSession, breaks_before):
+    """``record_model_calls`` where the graph broke (the order of the graph calls and how many
+    are not known from the graphs alone), else None; None too where recording fails: the
+    prediction then costs each graph once."""
+    if not session.captured() or (len(session.captured()) == 1 and not new_graph_breaks(breaks_before)):
+        return None
+    try:
+        return record_model_calls(runner, model, inputs, training, session.clock)
+    except Exception:  # a step that ran once may fail again (a model that changes itself): order unknown
+        return None
 
 
 def _unmeasured_breaks(breaks: list[str]) -> tuple[str, ...]:

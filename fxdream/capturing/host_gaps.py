@@ -16,10 +16,13 @@ so it only joins predictions for this machine.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import torch
 
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import one_step
@@ -30,10 +33,15 @@ END = "end"
 @dataclass(frozen=True)
 class StepCalls:
     """One step: graph labels ("g0.fw", "g1.bw") in call order, µs of host time before each
-    call, and after the last."""
+    call, and after the last. ``measured`` False: only the order was recorded (a step on the
+    meta device, or for another device), its gaps are zeros. ``input_storages``: the storages
+    (``_cdata``) of the tensors its graph calls took, where recorded: a graph called once per
+    layer takes each layer's parameters on its own call."""
     calls: tuple[str, ...]
     gaps_us: tuple[float, ...]
     end_us: float
+    measured: bool = True
+    input_storages: frozenset[int] = frozenset()
 
     @property
     def total_us(self) -> float:
@@ -69,6 +77,7 @@ class SubgraphClock:
     def __init__(self):
         self.events: list[tuple[str, float, float]] | None = None
         self.compilations = 0
+        self.input_storages: set[int] | None = None  # a set: the storages of every call's tensors go in
 
     def wrap(self, boxed: Callable, label: str) -> Callable:
         """``boxed`` (aot's boxed calling convention: one list argument) with a time stamp."""
@@ -77,6 +86,9 @@ class SubgraphClock:
             if events is None:
                 return boxed(args)
             started = time.perf_counter()
+            if self.input_storages is not None:  # inside the call's time: the gaps stay the model's own
+                # _cdata: the storage's C++ object's address (private): equal for views of one storage
+                self.input_storages.update(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
             try:
                 return boxed(args)
             finally:
@@ -146,7 +158,8 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
                        rounds: int = 3, warmup: int = 1) -> StepCalls | None:
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
-    gradients, buffers and RNG are left as they were."""
+    gradients, buffers and RNG are left as they were. The result holds the storages the graph
+    calls took (``StepCalls.input_storages``)."""
 
     def step():
         if training:
@@ -154,8 +167,26 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
                 p.grad = None
         return one_step(call, inputs, training)
 
-    with preserved_state(model):
-        return measure_host_gaps(step, clock, rounds, warmup)
+    clock.input_storages = set()
+    try:
+        with preserved_state(model):
+            measured = measure_host_gaps(step, clock, rounds, warmup)
+        storages = frozenset(clock.input_storages)
+    finally:
+        clock.input_storages = None
+    return None if measured is None else dataclasses.replace(measured, input_storages=storages)
+
+
+def record_model_calls(call: Callable, model, inputs: tuple, training: bool,
+                       clock: SubgraphClock) -> StepCalls | None:
+    """The order of the graph calls of one step of ``call`` (as ``measure_model_gaps`` runs it),
+    without its times (``StepCalls.measured`` False, gaps zero), and the storages the calls
+    took; None where every step compiled. For a prediction that measures nothing here: a graph
+    called once per layer is costed once per call, in the order the step calls them."""
+    step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0)
+    if step is None:
+        return None
+    return dataclasses.replace(step, gaps_us=(0.0,) * len(step.calls), end_us=0.0, measured=False)
 
 
 def describe_gaps(step: StepCalls, subgraphs: int, training: bool, graph_breaks: int = 0) -> tuple[str, ...]:
@@ -165,7 +196,10 @@ def describe_gaps(step: StepCalls, subgraphs: int, training: bool, graph_breaks:
     causes = ([f"eager code around {graphs}"] if eager else []) + (["autograd"] if training else [])
     lines = (f"measured host time outside the graphs ({', '.join(causes)}): "
              f"{step.total_us / 1e3:.3f} ms per step, simulated as host tasks",)
+    return lines + describe_calls(step)
+
+
+def describe_calls(step: StepCalls) -> tuple[str, ...]:
+    """A report line for graphs ``step`` called more than once, each simulated once per call."""
     repeated = {label: n for label, n in step.counts().items() if n > 1}
-    if repeated:
-        lines += (f"graphs called more than once per step, simulated once per call: {repeated}",)
-    return lines
+    return (f"graphs called more than once per step, simulated once per call: {repeated}",) if repeated else ()

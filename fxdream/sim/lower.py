@@ -370,9 +370,10 @@ def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None =
     """Lower a Captured (or a tuple of them), optionally with rewritten graphs by (index, phase).
 
     Without ``step``: every forward in subgraph order, then every backward in reverse. With a
-    measured ``step`` (``fxdream.host_gaps``): the graphs in the order that step called them,
-    each call once (a repeated call is labelled "g0#1.fw"; the j-th backward call of a subgraph
-    pairs with its forwards last-in first-out, for liveness), and its host gaps between."""
+    ``step`` (``fxdream.host_gaps``): the graphs in the order that step called them, each call
+    once (a repeated call is labelled "g0#1.fw"; the j-th backward call of a subgraph pairs
+    with its forwards last-in first-out, for liveness), and, where it was measured, its host
+    gaps between (which hold autograd's engine; without them the engine is modelled)."""
     items = captured if isinstance(captured, tuple) else (captured,)
     pairs = []
     for c in items:
@@ -383,7 +384,7 @@ def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None =
         ordered = [p for p in pairs if p[0].endswith("fw")] + [p for p in reversed(pairs) if p[0].endswith("bw")]
         return lower(ordered, cost, optimizer)
     ordered, gaps = _as_called(dict(pairs), step)
-    return lower(ordered, cost, optimizer, gaps)
+    return lower(ordered, cost, optimizer, gaps if step.measured else None)
 
 
 def _as_called(by_label: dict, step: StepCalls) -> tuple[list, dict]:
