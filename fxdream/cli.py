@@ -21,6 +21,7 @@ from fxdream.explain import crossover
 from fxdream.measure import time_interleaved
 from fxdream.models import NAMES
 from fxdream.plan import plan
+from fxdream.sim.cost import Profiled
 from fxdream.sim.lower import OPTIMIZERS
 from fxdream.sim.prediction import predict
 from fxdream.sim.profile.store import PROFILE_DIR_ENV
@@ -231,14 +232,14 @@ def cmd_explain(args) -> int:
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, args.training)
     print(f"explaining {args.model} batch {args.batch} ({'training' if args.training else 'inference'}) "
           f"on {args.device} ...", flush=True)
-    to_capture, capture_inputs, _ = prediction_inputs(model, inputs, args.device, "auto")  # another device: on meta
-    model, captured, _, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs,
-                                                       training=args.training)
+    to_capture, capture_inputs, cost = prediction_inputs(model, inputs, args.device, "auto")  # elsewhere: on meta
+    model, captured, step, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs,
+                                                          training=args.training, measure=isinstance(cost, Profiled))
     _print_notes(notes)
     model.train(args.training)
     result = plan(model, captured, device=args.device, training=args.training,
                   passes=args.passes.split(",") if args.passes != "auto" else "auto",
-                  optimizer=OPTIMIZERS.get(args.optimizer) if args.training else None)
+                  cost=cost, optimizer=OPTIMIZERS.get(args.optimizer) if args.training else None, step=step)
     print(result.before.summary(top=args.top))
     print()
     print(result.summary())

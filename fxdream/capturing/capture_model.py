@@ -8,17 +8,13 @@ from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.causal_mask import causal_checks_unread
 from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
-from fxdream.capturing.host_gaps import (
-    describe_calls,
-    describe_gaps,
-    measure_model_gaps,
-    record_model_calls,
-    worth_measuring,
-)
+from fxdream.capturing.eager_ops import record_model_calls
+from fxdream.capturing.host_gaps import StepCalls, describe_calls, describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.keywords import bind_keywords
+from fxdream.capturing.meta import on_meta, traceable_on_meta
 from fxdream.capturing.model_state import preserved_modes, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
-from fxdream.capturing.steps import run_once
+from fxdream.capturing.steps import run_once, tracing_config
 from fxdream.capturing.torch_fx import compile_model
 
 
@@ -66,7 +62,7 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
         raise CaptureError(f"the capture of {type(model).__name__} ({how}) failed: {describe_error(error)}") from error
     captured, breaks = session.captured(), new_graph_breaks(breaks_before)
     nothing = f"nothing was captured from {type(model).__name__}: {'; '.join(breaks) or 'dynamo produced no graph'}"
-    step, notes = None, () if measure else _unmeasured_breaks(breaks) + mask_checks.note()
+    step, notes = None, () if measure else _unmeasured_breaks(breaks, order) + mask_checks.note()
     if measure and worth_measuring(training, len(captured), len(breaks)):
         step = measure_model_gaps(runner, model, inputs, training, session.clock)
         if step is None:
@@ -90,17 +86,31 @@ def _call_order(runner, model, inputs: tuple, training: bool, session: CaptureSe
     prediction then costs each graph once."""
     if not session.captured() or (len(session.captured()) == 1 and not new_graph_breaks(breaks_before)):
         return None
+    meta = on_meta(model, inputs)
     try:
-        return record_model_calls(runner, model, inputs, training, session.clock)
+        with traceable_on_meta(meta), tracing_config(training, meta):  # as the capture's step ran
+            return record_model_calls(runner, model, inputs, training, session.clock)
     except Exception:  # a step that ran once may fail again (a model that changes itself): order unknown
         return None
 
 
-def _unmeasured_breaks(breaks: list[str]) -> tuple[str, ...]:
+def _unmeasured_breaks(breaks: list[str], order: StepCalls | None) -> tuple[str, ...]:
     """Where the graph broke and nothing is measured (a prediction for another device, or on the
-    meta device), the eager code between the graphs is in no task: said, with the first reason."""
+    meta device), what became of the eager code between the graphs: its ops, recorded in
+    ``order``, costed from their shapes, or (not recorded) in no task; with the first reason."""
     if not breaks:
         return ()
     more = f", and {len(breaks) - 1} more" if len(breaks) > 1 else ""
-    return (f"not in this prediction: the eager code where the graph broke ({breaks[0]}{more}); its time is "
-            f"measured only in a prediction for this machine with real inputs (cost='auto')",)
+    if order is None:
+        return (f"not in this prediction: the eager code where the graph broke ({breaks[0]}{more}); its time is "
+                f"measured only in a prediction for this machine with real inputs (cost='auto')",)
+    ops = sum(1 for gm in order.eager_before.values() for n in gm.graph.nodes
+              if isinstance(n.target, torch._ops.OpOverload))
+    skipped = sum(order.eager_skipped.values())
+    names = ", ".join(f"{name} x{n}" for name, n in sorted(order.eager_skipped.items(), key=lambda kv: -kv[1])[:5])
+    if not ops and not skipped:
+        return (f"the eager code where the graph broke ({breaks[0]}{more}): no ATen op ran there in a step "
+                f"recorded after the capture's (its Python is not in this prediction)",)
+    return (f"the eager code where the graph broke ({breaks[0]}{more}): {ops} ATen ops, recorded in one step and "
+            f"costed from their shapes as a graph's ops are (its Python is not)"
+            + (f"; {skipped} ops not replayed, not in this prediction ({names})" if skipped else ""),)

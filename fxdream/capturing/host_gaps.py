@@ -19,15 +19,18 @@ import collections
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
 import torch
+import torch.fx as fx
 
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import one_step
 
 END = "end"
+GRAPH_CALL_PREFIX = "fxdream.graph:"  # a graph call's profiler range while eager ops are recorded: this + label
+STEP_RANGE = "fxdream.step"  # and each step's
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class StepCalls:
     end_us: float
     measured: bool = True
     input_storages: frozenset[int] = frozenset()
+    # where not measured: the eager ATen ops run before call k (key k; END: after the last) as a
+    # graph, and the ops that could not be replayed by name (fxdream.capturing.eager_ops)
+    eager_before: Mapping[object, fx.GraphModule] = field(default_factory=dict)
+    eager_skipped: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def total_us(self) -> float:
@@ -78,6 +85,7 @@ class SubgraphClock:
         self.events: list[tuple[str, float, float]] | None = None
         self.compilations = 0
         self.input_storages: set[int] | None = None  # a set: the storages of every call's tensors go in
+        self.mark_calls = False  # each call and step a profiler range (GRAPH_CALL_PREFIX + label, STEP_RANGE)
 
     def wrap(self, boxed: Callable, label: str) -> Callable:
         """``boxed`` (aot's boxed calling convention: one list argument) with a time stamp."""
@@ -90,6 +98,9 @@ class SubgraphClock:
                 # _cdata: the storage's C++ object's address (private): equal for views of one storage
                 self.input_storages.update(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
             try:
+                if self.mark_calls:
+                    with torch.autograd.profiler.record_function(GRAPH_CALL_PREFIX + label):
+                        return boxed(args)
                 return boxed(args)
             finally:
                 events.append((label, started, time.perf_counter()))
@@ -165,6 +176,9 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
         if training:
             for p in model.parameters():
                 p.grad = None
+        if clock.mark_calls:  # the step a profiler range too: the state kept around it is no op of the model's
+            with torch.autograd.profiler.record_function(STEP_RANGE):
+                return one_step(call, inputs, training)
         return one_step(call, inputs, training)
 
     clock.input_storages = set()
@@ -175,18 +189,6 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
     finally:
         clock.input_storages = None
     return None if measured is None else dataclasses.replace(measured, input_storages=storages)
-
-
-def record_model_calls(call: Callable, model, inputs: tuple, training: bool,
-                       clock: SubgraphClock) -> StepCalls | None:
-    """The order of the graph calls of one step of ``call`` (as ``measure_model_gaps`` runs it),
-    without its times (``StepCalls.measured`` False, gaps zero), and the storages the calls
-    took; None where every step compiled. For a prediction that measures nothing here: a graph
-    called once per layer is costed once per call, in the order the step calls them."""
-    step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0)
-    if step is None:
-        return None
-    return dataclasses.replace(step, gaps_us=(0.0,) * len(step.calls), end_us=0.0, measured=False)
 
 
 def describe_gaps(step: StepCalls, subgraphs: int, training: bool, graph_breaks: int = 0) -> tuple[str, ...]:

@@ -43,6 +43,7 @@ from fxdream.sim.profile.op_keys import HOST_SYNC_OPS
 from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
 from fxdream.sim.workspaces import workspace_bytes
 
+EAGER = "eager"  # label prefix of the graph of eager ops recorded between two graph calls
 STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on
 # Host cost of one graph launch beyond the CUDA launch itself: the runner's Python (shape key,
 # pointer check, replay call) as framework dispatches, and the driver's per-node work.
@@ -143,12 +144,13 @@ class _Lowering:
         current = None                    # the region being lowered (regions are contiguous)
         self.buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
         _append_host_gap(self.tg, label, gap_us, phase)
-        call_us = self.cost.graph_call_us() if hasattr(self.cost, "graph_call_us") else 0.0
+        eager = label.startswith(EAGER)  # ops run one by one: no graph call, inputs made by the step
+        call_us = self.cost.graph_call_us() if hasattr(self.cost, "graph_call_us") and not eager else 0.0
         if call_us:
             self.tg.append(Task(f"{label}:call", TaskKind.CPU, call_us, "cpu:0", op="graph_call", phase=phase))
         for node in gm.graph.nodes:
             if node.op == "placeholder":
-                if phase == "fw":
+                if phase == "fw" and not eager:
                     self.static += tensor_bytes(node.meta.get("val"))
                 self.buffers.define(node)
                 continue
@@ -388,12 +390,15 @@ def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None =
 
 
 def _as_called(by_label: dict, step: StepCalls) -> tuple[list, dict]:
-    """(label, graph) per call of ``step`` (calls of graphs not captured here are skipped) and the
-    host gaps by those labels."""
+    """(label, graph) per call of ``step`` (calls of graphs not captured here are skipped), each
+    preceded by the graph of the eager ops recorded before it ("eager3.fw", ``eager_before``),
+    and the host gaps by those labels."""
     forwards = collections.Counter(label.rsplit(".", 1)[0] for label in step.calls if label.endswith(".fw"))
     seen: collections.Counter = collections.Counter()
     used, ordered, gaps = set(), [], {END: step.end_us}
-    for label, gap_us in zip(step.calls, step.gaps_us):
+    for position, (label, gap_us) in enumerate(zip(step.calls, step.gaps_us)):
+        if position in step.eager_before:
+            ordered.append((f"{EAGER}{position}.{label.rsplit('.', 1)[1]}", step.eager_before[position]))
         if label not in by_label:
             gaps[END] += gap_us
             continue
@@ -409,4 +414,7 @@ def _as_called(by_label: dict, step: StepCalls) -> tuple[list, dict]:
         used.add(name)
         ordered.append((name, by_label[label]))
         gaps[name] = gap_us
+    if END in step.eager_before:
+        ordered.append((f"{EAGER}_{END}.{ordered[-1][0].rsplit('.', 1)[1] if ordered else 'fw'}",
+                        step.eager_before[END]))
     return ordered, gaps

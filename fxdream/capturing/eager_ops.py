@@ -1,0 +1,226 @@
+"""The eager ATen ops a step runs between its compiled graphs, as graphs a prediction can cost.
+
+Where nothing is measured (a prediction for another device, a model on the meta device), the
+code between the graphs (a function dynamo skips, ``torch.compiler.disable``, the backward of
+eager code) has no time. Its ops are recorded instead: the step runs once under torch's
+profiler with its shapes (``record_shapes``), each graph call inside a ``record_function``
+range named by its label, and every top-level ATen op outside those ranges (one whose caller
+is no ATen op or prim) is replayed on the meta device from the recorded overload, shapes,
+dtypes and values, through ``make_fx``, which splits composite ops (``linear``) into the ops a
+captured graph holds (``t``, ``addmm``). The ops before each graph call form one graph of
+independent ops (each op's inputs are its own placeholders: the profiler records no data
+flow), lowered like a captured graph and costed by the same model.
+
+An op that cannot be replayed (an argument the profiler does not record, a tensor list) is
+counted by name instead (``StepCalls.eager_skipped``), and said in the prediction's notes.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fxdream.capturing.host_gaps import (
+    END,
+    GRAPH_CALL_PREFIX,
+    STEP_RANGE,
+    StepCalls,
+    SubgraphClock,
+    measure_model_gaps,
+)
+
+# the profiler's names of tensor dtypes (c10's type names)
+DTYPES = {"float": torch.float32, "double": torch.float64, "c10::Half": torch.float16,
+          "c10::BFloat16": torch.bfloat16, "long int": torch.int64, "int": torch.int32, "short int": torch.int16,
+          "signed char": torch.int8, "unsigned char": torch.uint8, "bool": torch.bool}
+SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+                6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
+MAX_OPS = 5000  # a step that is mostly eager code: the first ops are replayed, the rest counted
+
+
+def record_model_calls(call: Callable, model, inputs: tuple, training: bool,
+                       clock: SubgraphClock) -> StepCalls | None:
+    """The order of the graph calls of one step of ``call`` (as ``measure_model_gaps`` runs it),
+    without times (``StepCalls.measured`` False, gaps zero), with the eager ops between them
+    (``StepCalls.eager_before``) and the storages the calls took; None where every step
+    compiled. For a prediction that measures nothing here."""
+    clock.mark_calls = True
+    try:
+        with profiled() as events:
+            step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0)
+    finally:
+        clock.mark_calls = False
+    if step is None:
+        return None
+    before, skipped = eager_ops(events, len(step.calls))
+    return dataclasses.replace(step, gaps_us=(0.0,) * len(step.calls), end_us=0.0, measured=False,
+                               eager_before=before, eager_skipped=skipped)
+
+
+@contextlib.contextmanager
+def profiled():
+    """The body under torch's profiler with shapes; yields a list that holds its events after.
+
+    The process's standard error is closed meanwhile: torch's profiler writes two lines of its
+    own there at every start and stop, which a user of a prediction has no use for. The body is
+    a step that already ran once, whose warnings were shown then."""
+    events: list = []
+    sys.stderr.flush()
+    saved, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 2)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
+            yield events
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
+    events.extend(profile.events())
+
+
+def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
+    """(position k → graph of the eager ops run before graph call k, ``END`` → after the last;
+    op name → ops not replayed) of a profiled step (the last ``STEP_RANGE``, where there is one)
+    whose ``calls`` graph calls were ranges named ``GRAPH_CALL_PREFIX`` + label. Where the
+    ranges do not match the calls (a step that compiled), every eager op is put at the end."""
+    steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE]
+    first, last = max(steps) if steps else (float("-inf"), float("inf"))  # the last step: the one kept
+    ranges = sorted(((e.time_range.start, e.time_range.end) for e in events
+                     if e.name.startswith(GRAPH_CALL_PREFIX) and first <= e.time_range.start <= last),
+                    key=lambda r: r[0])
+    placed = len(ranges) == calls
+    ops: dict[object, list] = collections.defaultdict(list)
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        if not (_top_level_aten(event) and first <= event.time_range.start <= last) or any(
+                s <= event.time_range.start < e for s, e in ranges):
+            continue
+        following = next((k for k, (s, _) in enumerate(ranges) if s >= event.time_range.end), None)
+        ops[following if placed and following is not None else END].append(event)
+    skipped: collections.Counter = collections.Counter()
+    before, replayed = {}, 0
+    for key, group in ops.items():
+        graph = fx.Graph()
+        for event in group:
+            if replayed >= MAX_OPS or not _replay_into(graph, event):
+                skipped[event.name] += 1
+                continue
+            replayed += 1
+        graph.output(())
+        if any(n.op == "call_function" for n in graph.nodes):
+            before[key] = fx.GraphModule(torch.nn.Module(), graph)
+    return before, dict(skipped)
+
+
+def _top_level_aten(event) -> bool:
+    parent = event.cpu_parent  # an op called by an op is part of it
+    return event.name.startswith("aten::") and not (parent is not None
+                                                    and parent.name.startswith(("aten::", "prims::")))
+
+
+def _replay_into(graph: fx.Graph, event) -> bool:
+    """Add ``event``'s op, as make_fx splits it on meta tensors, to ``graph``; False where it
+    cannot be replayed."""
+    traced = _traced(event)
+    if traced is None:
+        return False
+    env = {}
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(f"eager_input_{len(graph.nodes)}")
+            env[node].meta.update(node.meta)
+        elif node.op == "call_function":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        elif node.op == "get_attr":  # a constant make_fx kept: the op's input all the same
+            env[node] = graph.placeholder(f"eager_constant_{len(graph.nodes)}")
+            env[node].meta["val"] = getattr(traced, node.target)
+    return True
+
+
+def _traced(event) -> fx.GraphModule | None:
+    """``event``'s op traced by make_fx on meta tensors: its recorded overload, or (the profiler
+    leaves the name empty) the first of the op's overloads whose schema takes the recorded
+    arguments; None where none does."""
+    namespace, _, name = event.name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace, None), name, None)
+    if packet is None:
+        return None
+    names = [event.overload_name] if event.overload_name else sorted(packet.overloads(), key=lambda n: n != "default")
+    for overload in names:
+        op = getattr(packet, overload, None)
+        if op is None or len(op._schema.arguments) != len(event.input_shapes):
+            continue
+        try:
+            args, kwargs, tensors = _arguments(op, event)
+            return make_fx(lambda *ts: op(*_filled(args, ts), **dict(zip(kwargs, _filled(kwargs.values(), ts)))))(
+                *tensors)
+        except Exception:  # an argument this overload takes otherwise, or the profiler does not record
+            continue
+    return None
+
+
+class _Tensor:
+    """A tensor argument's place in the list make_fx traces over."""
+
+    def __init__(self, position: int):
+        self.position = position
+
+
+def _arguments(op, event) -> tuple[list, dict, list]:
+    """(positional arguments and keyword-only ones, with ``_Tensor`` places, and the meta tensors
+    for them) rebuilt from the profiler's shapes, dtypes and values along ``op``'s schema. The
+    tensors of a tensor list (``cat``'s, an RNN's weights) have recorded shapes but no dtype:
+    they take the first single tensor's (float32 where there is none)."""
+    list_dtype = next((DTYPES[d] for d in event.input_dtypes if d in DTYPES), torch.float32)
+    lists = getattr(event, "structured_input_shapes", None) or [None] * len(event.input_shapes)
+    args, kwargs, tensors = [], {}, []
+    for argument, shape, dtype, value, listed in zip(op._schema.arguments, event.input_shapes, event.input_dtypes,
+                                                     event.concrete_inputs, lists):
+        if dtype == "TensorList" and str(argument.type) == "List[Tensor]" and isinstance(listed, list):
+            rebuilt = [_tensor(s, list_dtype, tensors) for s in listed]
+        else:
+            rebuilt = _argument(argument.type, shape, dtype, value, tensors)
+        if argument.kwarg_only:
+            kwargs[argument.name] = rebuilt
+        else:
+            args.append(rebuilt)
+    return args, kwargs, tensors
+
+
+def _tensor(shape, dtype: torch.dtype, tensors: list) -> _Tensor:
+    tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
+    return _Tensor(len(tensors) - 1)
+
+
+def _argument(schema_type, shape, dtype: str, value, tensors: list):
+    """One argument of ``schema_type``; a tensor is appended to ``tensors``."""
+    optional = isinstance(schema_type, torch.OptionalType)
+    kind = str(schema_type.getElementType() if optional else schema_type)
+    if dtype in DTYPES and kind == "Tensor":
+        return _tensor(shape, DTYPES[dtype], tensors)
+    if "Tensor" in kind:
+        if optional and value is None and dtype == "":
+            return None
+        raise ValueError(f"a {kind} argument recorded as {dtype!r} is not replayed")
+    if dtype in DTYPES:
+        raise ValueError(f"a tensor recorded where the schema takes {kind}")
+    if "ScalarType" in kind:
+        return SCALAR_TYPES[value] if value is not None else None
+    if "Device" in kind:
+        return torch.device("meta")
+    if "Layout" in kind or "MemoryFormat" in kind:
+        return None  # the defaults: strided, contiguous
+    return value
+
+
+def _filled(args, tensors) -> list:
+    """``args`` with each ``_Tensor`` place (also inside a list) replaced by its tensor."""
+    return [tensors[a.position] if isinstance(a, _Tensor) else
+            [tensors[t.position] for t in a] if isinstance(a, list) and a and isinstance(a[0], _Tensor) else a
+            for a in args]

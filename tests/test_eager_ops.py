@@ -1,0 +1,70 @@
+"""Eager code between compiled graphs, recorded and costed in a prediction that measures nothing."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.capturing.eager_ops import eager_ops, profiled
+
+
+def _norm_and_project(h, w):
+    return nn.functional.linear(nn.functional.layer_norm(h * 2 + 1, (h.shape[-1],)), w)
+
+
+_skipped_by_dynamo = torch.compiler.disable(_norm_and_project)
+
+
+class _WithEagerPart(nn.Module):
+    """A linear and a batch norm, then ``_norm_and_project`` (run eagerly where ``eager``), then a
+    classifier."""
+
+    def __init__(self, eager: bool, width: int = 256):
+        super().__init__()
+        self.first, self.last = nn.Linear(width, width), nn.Linear(width, 8)
+        self.norm = nn.BatchNorm1d(width)  # buffers: state fxdream keeps around a step it runs
+        self.w = nn.Parameter(torch.randn(width, width))
+        self.middle = _skipped_by_dynamo if eager else _norm_and_project
+
+    def forward(self, x):
+        return self.last(self.middle(torch.relu(self.norm(self.first(x))), self.w)).softmax(-1)
+
+
+def test_eager_ops_between_graphs_are_costed_as_the_same_ops_in_a_graph():
+    torch.manual_seed(0)
+    x = torch.randn(16, 256)
+    eager = fxdream.simulate(_WithEagerPart(eager=True), (x,), device="h100")
+    compiled = fxdream.simulate(_WithEagerPart(eager=False), (x,), device="h100")
+    names = [t.name for t in eager.task_graph.tasks]
+    # before the second graph call: mul, add, layer_norm (as native_layer_norm), linear (as t, mm)
+    assert [n.split(":")[1] for n in names if n.startswith("eager1.fw:") and not n.endswith(":k")] == [
+        "mul", "add", "native_layer_norm", "getitem", "getitem_1", "getitem_2", "t", "mm"]
+    # the same ops, costed alike; the break adds the second graph's call, and nothing else
+    graph_call_us = next(t.duration_us for t in eager.task_graph.tasks if t.name == "g1.fw:call")
+    assert eager.time_ms == pytest.approx(compiled.time_ms + graph_call_us / 1e3, rel=1e-6)
+    assert "the eager code where the graph broke" in eager.notes[0] and "5 ATen ops" in eager.notes[0]
+
+
+def test_eager_backward_ops_are_costed_in_training():
+    torch.manual_seed(0)
+    x = torch.randn(16, 256)
+    prediction = fxdream.simulate(_WithEagerPart(eager=True), (x,), device="h100", training=True)
+    backward_mms = [t.name for t in prediction.task_graph.tasks
+                    if t.name.startswith("eager") and ".bw:mm" in t.name and not t.name.endswith(":k")]
+    assert len(backward_mms) == 2  # the eager linear's gradients: input and weight
+    # only the step's own ops: none of the state fxdream saves and restores around it (set_, copy_)
+    (note,) = [n for n in prediction.notes if n.startswith("the eager code")]
+    assert "not replayed" not in note and not any(t.name.startswith("eager0.") for t in prediction.task_graph.tasks)
+
+
+def test_ops_that_cannot_be_replayed_are_named():
+    a, b = torch.randn(4, 8, device="meta"), torch.randn(2, 8, device="meta")
+    index = torch.zeros(2, dtype=torch.long, device="meta")
+    with profiled() as events:
+        torch.cat([a, b]).relu()
+        a[index]
+    before, skipped = eager_ops(events, calls=0)
+    assert skipped == {"aten::index": 1}  # its indices, a list of optional tensors, have no recorded shapes
+    (graph,) = before.values()  # a tensor list's shapes are recorded: cat is replayed
+    ops = [n for n in graph.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in ops] == [torch.ops.aten.cat.default, torch.ops.aten.relu.default]
+    assert [tuple(x.meta["val"].shape) for x in ops[0].args[0]] == [(4, 8), (2, 8)]
