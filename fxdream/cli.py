@@ -150,9 +150,10 @@ def cmd_whatif(args) -> int:
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, True)
     print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
     to_capture, capture_inputs, cost = prediction_inputs(model, inputs, args.device, args.cost)  # analytic: on meta
-    _, captured, _, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs, training=True)
+    _, captured, step, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs, training=True,
+                                                      measure=isinstance(cost, Profiled))
     _print_notes(notes)
-    base = predict(captured, cost, True, OPTIMIZERS[args.optimizer])
+    base = predict(captured, cost, True, OPTIMIZERS[args.optimizer], step=step)
     on_gpu = base.device.kind == "cuda"
     single = lambda run: (run, 1)  # noqa: E731  (scenario, GPUs it runs on)
     scenarios = {"AMP float16": single(lambda: whatif.amp(base, dtype="float16", captured=captured)),

@@ -381,3 +381,28 @@ def test_ddp_and_fused_optimizer_see_only_parameter_gradients_across_a_graph_bre
     # SGD with momentum moves 5 bytes per gradient byte: one pass over p, g, buf (read) and p, buf (written)
     assert fused.details["fused.bytes"] == 5 * sum(g.nbytes for g in grads)
     assert fused.details["fused.replaced_tasks"] == 2 * 3  # SGD's three multi-tensor ops: a launch and a kernel each
+
+
+def test_what_ifs_count_every_call_of_a_graph_called_per_layer():
+    """A block with a graph break inside, four times: its graphs run four times per step, each
+    call with its own layer's parameters and gradients."""
+    from test_host_gaps import _Blocks
+    from fxdream.simulation import capture_for_prediction, prediction_inputs
+    from fxdream.whatif.data_parallel import gradients
+    model, x = _Blocks(4), torch.randn(8, 32)
+    to_capture, inputs, cost = prediction_inputs(model, (x,), "h100", "auto")
+    _, captured, step, _ = capture_for_prediction((model, (x,)), to_capture, inputs, training=True)
+    base = predict(captured, cost, True, SGD, step=step)
+    parameter_bytes = sum(p.numel() * 4 for p in model.parameters())
+    grads = gradients(captured, base.task_graph)
+    assert len(grads) == 16 and sum(g.nbytes for g in grads) == parameter_bytes  # 4 blocks x 2 linears x (w, b)
+    assert len({g.producer for g in grads}) == 16  # each produced by its own call's task
+    fused = W.fused_optimizer(base, captured=captured)
+    assert fused.details["fused.bytes"] == SGD.bytes_per_grad_byte * parameter_bytes
+    # AMP finds the node of every call's task: four blocks' worth, not one block's
+    amp = W.amp(base, dtype="float16", captured=captured)
+    one_block = _Blocks(1)
+    to_capture, inputs, cost = prediction_inputs(one_block, (x,), "h100", "auto")
+    _, captured, step, _ = capture_for_prediction((one_block, (x,)), to_capture, inputs, training=True)
+    amp_one = W.amp(predict(captured, cost, True, SGD, step=step), dtype="float16", captured=captured)
+    assert amp.details["amp.from_fx"] >= 4 * amp_one.details["amp.from_fx"]  # (the graphs split blocks unevenly)

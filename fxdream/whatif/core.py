@@ -218,6 +218,20 @@ def _graphs_by_label(captured, graphs=None) -> dict[str, fx.GraphModule]:
     return out
 
 
+def graph_label(call_label: str) -> str:
+    """The captured graph a lowered call ran: "g0#2.fw" (the third call of g0's forward) → "g0.fw"."""
+    scope, _, phase = call_label.rpartition(".")
+    return f"{scope.split('#', 1)[0]}.{phase}"
+
+
+def call_scopes(task_graph: TaskGraph, index: int) -> list[str]:
+    """The scopes of subgraph ``index``'s calls in ``task_graph`` ("g0", "g0#1", ...; a graph
+    called once per layer of a step, lowered once per call), "g0" first."""
+    found = {t.name.split(":", 1)[0].rpartition(".")[0] for t in task_graph.tasks}
+    repeats = sorted((s for s in found if s.startswith(f"g{index}#")), key=lambda s: int(s.split("#")[1]))
+    return [f"g{index}", *repeats]
+
+
 def _through_views(node: fx.Node) -> fx.Node:
     """The tensor a chain of views reads (a parameter behind its transpose, say)."""
     while node.op == "call_function" and is_view(node) and node.all_input_nodes:

@@ -34,7 +34,17 @@ from fxdream.ir.tensors import tensor_bytes
 from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.lower import gradient_outputs
 from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
-from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _items, _prediction, _Start, _start, _through_views
+from fxdream.whatif.core import (
+    WhatIf,
+    _finish,
+    _graphs_by_label,
+    _items,
+    _prediction,
+    _Start,
+    _start,
+    _through_views,
+    call_scopes,
+)
 
 MiB = 2 ** 20
 
@@ -152,22 +162,30 @@ def gradients(captured, task_graph: TaskGraph, graphs=None) -> tuple[Gradient, .
         if bw is None:
             continue
         fw = by_label[f"g{c.index}.fw"]
-        blabel, flabel = f"g{c.index}.bw", f"g{c.index}.fw"
-        placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
-        for pos, a in gradient_outputs(bw):
-            v = a.meta["val"]
-            base = _through_views(a)
-            producer = launcher = None
-            if base.op == "call_function":
-                launcher = f"{blabel}:{base.name}"
-                producer = f"{launcher}:k" if f"{launcher}:k" in task_graph else launcher
-                if launcher not in task_graph:
-                    producer = launcher = None
-            consumers = ()
-            if pos < len(placeholders):
-                consumers = _consumers(placeholders[pos], flabel, task_graph)
-            out.append(Gradient(len(out), tensor_bytes(v), producer, launcher, pos, consumers, blabel))
+        for scope in call_scopes(task_graph, c.index):  # a graph called per layer: each call's gradients
+            out.extend(_call_gradients(fw, bw, f"{scope}.fw", f"{scope}.bw", task_graph, len(out)))
     return tuple(out)
+
+
+def _call_gradients(fw: fx.GraphModule, bw: fx.GraphModule, flabel: str, blabel: str, task_graph: TaskGraph,
+                    first_index: int) -> list[Gradient]:
+    """The gradients one backward call (lowered as ``blabel``) computes, numbered from ``first_index``."""
+    out: list[Gradient] = []
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    for pos, a in gradient_outputs(bw):
+        v = a.meta["val"]
+        base = _through_views(a)
+        producer = launcher = None
+        if base.op == "call_function":
+            launcher = f"{blabel}:{base.name}"
+            producer = f"{launcher}:k" if f"{launcher}:k" in task_graph else launcher
+            if launcher not in task_graph:
+                producer = launcher = None
+        consumers = ()
+        if pos < len(placeholders):
+            consumers = _consumers(placeholders[pos], flabel, task_graph)
+        out.append(Gradient(first_index + len(out), tensor_bytes(v), producer, launcher, pos, consumers, blabel))
+    return out
 
 
 def _consumers(placeholder: fx.Node, label: str, tg: TaskGraph) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ from fxdream.whatif.core import (
     _start,
     _through_views,
     _with_durations,
+    graph_label,
 )
 
 # ops that autocast runs in fp16/bf16 on tensor cores: re-derived at the low-precision rate
@@ -79,7 +80,7 @@ def _node_of(task: Task, by_label: Mapping[str, fx.GraphModule], cache: dict) ->
     """The FX node a lowered task came from (its name is "<label>:<node>[:k]")."""
     if task.fx_node is None:
         return None
-    label = task.name.split(":", 1)[0]
+    label = graph_label(task.name.split(":", 1)[0])  # each call of a graph called more than once
     gm = by_label.get(label)
     if gm is None:
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fxdream.ir.tensors import tensor_bytes
 from fxdream.sim.lower import gradient_values, optimizer_in
 from fxdream.sim.taskgraph import TaskKind
-from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations
+from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations, call_scopes
 
 
 def fused_optimizer(x, *, captured=None, graphs=None, device=None,
@@ -31,10 +31,13 @@ def fused_optimizer(x, *, captured=None, graphs=None, device=None,
     launch = spec.dispatch_overhead_us + (spec.launch_overhead_us if on_gpu else 0.0)
     bw = spec.mem_bandwidth
     by_label = _graphs_by_label(s.captured, s.graphs)
-    bw_graphs = [gm for label, gm in by_label.items() if label.endswith(".bw")]
+    bw_graphs = [(label, gm) for label, gm in by_label.items() if label.endswith(".bw")]
     if model is not None and bw_graphs:
-        # the lowering's optimizer updates the gradients of every subgraph's backward
-        nbytes = model.bytes_per_grad_byte * sum(tensor_bytes(g) for gm in bw_graphs for g in gradient_values(gm))
+        # the lowering's optimizer updates the gradients of every backward call (a graph called
+        # per layer computes each layer's gradients)
+        calls = {label: len(call_scopes(tg, int(label[1:].split(".")[0]))) for label, _ in bw_graphs}
+        nbytes = model.bytes_per_grad_byte * sum(calls[label] * tensor_bytes(g)
+                                                 for label, gm in bw_graphs for g in gradient_values(gm))
         source = "captured gradients"
     else:
         times = [tg.task(n).duration_us for n in kernels] if on_gpu else \
