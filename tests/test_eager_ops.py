@@ -68,3 +68,27 @@ def test_ops_that_cannot_be_replayed_are_named():
     ops = [n for n in graph.graph.nodes if n.op == "call_function"]
     assert [n.target for n in ops] == [torch.ops.aten.cat.default, torch.ops.aten.relu.default]
     assert [tuple(x.meta["val"].shape) for x in ops[0].args[0]] == [(4, 8), (2, 8)]
+
+
+class _Recurrent(nn.Module):
+    """An LSTM, run eagerly where ``eager`` (``torch.compiler.disable``), then a linear layer."""
+
+    def __init__(self, eager: bool):
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(32, 64, batch_first=True), nn.Linear(64, 8)
+        self.run_lstm = torch.compiler.disable(self.lstm) if eager else self.lstm
+
+    def forward(self, x):
+        return self.fc(self.run_lstm(x)[0])
+
+
+def test_an_eager_rnn_layer_is_one_op_as_in_a_graph_not_its_per_step_ops():
+    x = torch.randn(2, 16, 32)
+    eager = fxdream.simulate(_Recurrent(eager=True), (x,), device="h100")
+    compiled = fxdream.simulate(_Recurrent(eager=False), (x,), device="h100")
+    assert eager.time_ms == pytest.approx(compiled.time_ms, rel=1e-6)  # on meta it would run ~30 ops per step
+    trained = fxdream.simulate(_Recurrent(eager=True), (x,), device="h100", training=True)
+    ops = [t.op for t in trained.task_graph.tasks if t.name.startswith("eager") and not t.name.endswith(":k")]
+    # the layer and its backward, each one op, as lstm_train in a captured graph; not its per-step backward
+    assert ops.count("fxdream.lstm_train") == 1 and ops.count("fxdream.lstm_train_backward") == 1
+    assert not any(op in ops for op in ("aten.sigmoid_backward", "aten.tanh_backward", "aten.mm"))

@@ -35,6 +35,7 @@ from fxdream.capturing.host_gaps import (
     SubgraphClock,
     measure_model_gaps,
 )
+from fxdream.ops.keep_whole import keep_ops_whole
 
 # the profiler's names of tensor dtypes (c10's type names)
 DTYPES = {"float": torch.float32, "double": torch.float64, "c10::Half": torch.float16,
@@ -43,6 +44,12 @@ DTYPES = {"float": torch.float32, "double": torch.float64, "c10::Half": torch.fl
 SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
                 6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
 MAX_OPS = 5000  # a step that is mostly eager code: the first ops are replayed, the rest counted
+# ops the replay of a layer with its backward makes itself (the gradients flowing in, autograd's
+# detaches): inputs of the layer's backward, not ops the step ran
+REPLAY_HARNESS = (torch.ops.aten.ones_like.default, torch.ops.aten.detach.default, torch.ops.aten.zeros.default)
+# RNN layers replayed as the torch function nn.RNNBase calls, which keep_ops_whole keeps one op
+WHOLE_LAYERS = {"aten::lstm": torch._VF.lstm, "aten::gru": torch._VF.gru, "aten::rnn_tanh": torch._VF.rnn_tanh,
+                "aten::rnn_relu": torch._VF.rnn_relu}
 
 
 def record_model_calls(call: Callable, model, inputs: tuple, training: bool,
@@ -96,19 +103,20 @@ def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
                      if e.name.startswith(GRAPH_CALL_PREFIX) and first <= e.time_range.start <= last),
                     key=lambda r: r[0])
     placed = len(ranges) == calls
+    trained, layer_backward = _rnn_layers_trained(events)
     ops: dict[object, list] = collections.defaultdict(list)
     for event in sorted(events, key=lambda e: e.time_range.start):
         if not (_top_level_aten(event) and first <= event.time_range.start <= last) or any(
-                s <= event.time_range.start < e for s, e in ranges):
+                s <= event.time_range.start < e for s, e in ranges + layer_backward):
             continue
         following = next((k for k, (s, _) in enumerate(ranges) if s >= event.time_range.end), None)
         ops[following if placed and following is not None else END].append(event)
     skipped: collections.Counter = collections.Counter()
-    before, replayed = {}, 0
+    before, replayed, cache = {}, 0, {}
     for key, group in ops.items():
         graph = fx.Graph()
         for event in group:
-            if replayed >= MAX_OPS or not _replay_into(graph, event):
+            if replayed >= MAX_OPS or not _replay_into(graph, event, cache, id(event) in trained):
                 skipped[event.name] += 1
                 continue
             replayed += 1
@@ -118,21 +126,50 @@ def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
     return before, dict(skipped)
 
 
+def _rnn_layers_trained(events: list) -> tuple[set[int], list[tuple[float, float]]]:
+    """(ids of the RNN layer events (``WHOLE_LAYERS``) whose backward ran, the time ranges of
+    that backward). On the meta device an RNN layer runs as per-step ops, each recording its own
+    autograd node, whose backward then runs node by node: those nodes are told by their
+    sequence numbers (the forward op's, on the engine's ``evaluate_function`` range), left out,
+    and the layer replayed with its backward as one op each (``lstm_train``'s)."""
+    layers = {}
+    for event in events:
+        if event.name in WHOLE_LAYERS and _top_level_aten(event):
+            layers[id(event)] = {d.sequence_nr for d in _descendants(event) if d.sequence_nr >= 0}
+    if not layers:
+        return set(), []
+    recorded = set().union(*layers.values())
+    backward = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")
+                and e.sequence_nr in recorded]
+    ran = {e.sequence_nr for e in backward}
+    return ({layer for layer, seqs in layers.items() if seqs & ran},
+            [(e.time_range.start, e.time_range.end) for e in backward])
+
+
+def _descendants(event) -> list:
+    found, todo = [], list(event.cpu_children)
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(child.cpu_children)
+    return found
+
+
 def _top_level_aten(event) -> bool:
     parent = event.cpu_parent  # an op called by an op is part of it
     return event.name.startswith("aten::") and not (parent is not None
                                                     and parent.name.startswith(("aten::", "prims::")))
 
 
-def _replay_into(graph: fx.Graph, event) -> bool:
-    """Add ``event``'s op, as make_fx splits it on meta tensors, to ``graph``; False where it
-    cannot be replayed."""
-    traced = _traced(event)
+def _replay_into(graph: fx.Graph, event, cache: dict, with_backward: bool = False) -> bool:
+    """Add ``event``'s op, as make_fx splits it on meta tensors, to ``graph`` (``with_backward``:
+    and its backward); False where it cannot be replayed."""
+    traced = _traced(event, cache, with_backward)
     if traced is None:
         return False
     env = {}
     for node in traced.graph.nodes:
-        if node.op == "placeholder":
+        if node.op == "placeholder" or (with_backward and node.target in REPLAY_HARNESS):
             env[node] = graph.placeholder(f"eager_input_{len(graph.nodes)}")
             env[node].meta.update(node.meta)
         elif node.op == "call_function":
@@ -143,10 +180,20 @@ def _replay_into(graph: fx.Graph, event) -> bool:
     return True
 
 
-def _traced(event) -> fx.GraphModule | None:
-    """``event``'s op traced by make_fx on meta tensors: its recorded overload, or (the profiler
-    leaves the name empty) the first of the op's overloads whose schema takes the recorded
-    arguments; None where none does."""
+def _traced(event, cache: dict, with_backward: bool = False) -> fx.GraphModule | None:
+    """``event``'s op traced by make_fx on meta tensors (``cache``: by the recorded call, as an
+    eager loop repeats the same calls): its recorded overload, or (the profiler leaves the name
+    empty) the first of the op's overloads whose schema takes the recorded arguments; None
+    where none does. An RNN layer (``_VF.lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``) is one op,
+    as in a captured graph (``keep_ops_whole``), not the per-step ops its meta kernel runs."""
+    key = (event.name, event.overload_name, repr(event.input_shapes), repr(event.input_dtypes),
+           repr(event.concrete_inputs), repr(getattr(event, "structured_input_shapes", None)), with_backward)
+    if key not in cache:
+        cache[key] = _trace(event, with_backward)
+    return cache[key]
+
+
+def _trace(event, with_backward: bool) -> fx.GraphModule | None:
     namespace, _, name = event.name.partition("::")
     packet = getattr(getattr(torch.ops, namespace, None), name, None)
     if packet is None:
@@ -158,8 +205,20 @@ def _traced(event) -> fx.GraphModule | None:
             continue
         try:
             args, kwargs, tensors = _arguments(op, event)
-            return make_fx(lambda *ts: op(*_filled(args, ts), **dict(zip(kwargs, _filled(kwargs.values(), ts)))))(
-                *tensors)
+            whole = WHOLE_LAYERS.get(event.name) if overload == "input" else None
+            call = whole or op
+
+            def run(*ts):
+                outputs = call(*_filled(args, ts), **dict(zip(kwargs, _filled(kwargs.values(), ts))))
+                if with_backward:  # the layer's gradients for its input and weights
+                    leaves = [t for t in ts if t.requires_grad]
+                    outs = [o for o in torch.utils._pytree.tree_leaves(outputs) if o.requires_grad]
+                    return torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
+                return outputs
+            if with_backward:
+                tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+            with keep_ops_whole() if whole else contextlib.nullcontext(), torch.set_grad_enabled(with_backward):
+                return make_fx(run)(*tensors)
         except Exception:  # an argument this overload takes otherwise, or the profiler does not record
             continue
     return None
