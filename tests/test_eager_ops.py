@@ -92,3 +92,4 @@ def test_an_eager_rnn_layer_is_one_op_as_in_a_graph_not_its_per_step_ops():
     # the layer and its backward, each one op, as lstm_train in a captured graph; not its per-step backward
     assert ops.count("fxdream.lstm_train") == 1 and ops.count("fxdream.lstm_train_backward") == 1
     assert not any(op in ops for op in ("aten.sigmoid_backward", "aten.tanh_backward", "aten.mm"))
+    assert "aten.detach" not in ops  # AccumulateGrad's: the engine's gradient hand-over, not the model's ops

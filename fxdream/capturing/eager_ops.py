@@ -156,9 +156,9 @@ def _descendants(event) -> list:
 
 
 def _top_level_aten(event) -> bool:
-    parent = event.cpu_parent  # an op called by an op is part of it
-    return event.name.startswith("aten::") and not (parent is not None
-                                                    and parent.name.startswith(("aten::", "prims::")))
+    parent = event.cpu_parent  # an op called by an op is part of it; AccumulateGrad's, autograd's engine
+    return event.name.startswith("aten::") and not (
+        parent is not None and parent.name.startswith(("aten::", "prims::", "torch::autograd::AccumulateGrad")))
 
 
 def _replay_into(graph: fx.Graph, event, cache: dict, with_backward: bool = False) -> bool:
