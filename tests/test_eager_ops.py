@@ -94,3 +94,23 @@ def test_an_eager_rnn_layer_is_one_op_as_in_a_graph_not_its_per_step_ops():
     assert not any(op in ops for op in ("aten.sigmoid_backward", "aten.tanh_backward", "aten.mm"))
     # the parameters' AccumulateGrad (the backward's end) detach each gradient: the engine's, not the model's ops
     assert not [t for t in trained.task_graph.tasks if t.name.startswith("eager_end") and t.op == "aten.detach"]
+
+
+class _PrintsBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.first(x)
+        print("", end="")  # a graph break with no op of its own
+        return self.second(h)
+
+
+def test_the_loss_a_training_step_backpropagates_is_not_costed_as_the_models_eager_ops():
+    prediction = fxdream.simulate(_PrintsBetween(), (torch.randn(2, 16, 32),), device="h100", training=True)
+    ops = {t.op for t in prediction.task_graph.tasks if t.name.startswith("eager")}
+    # fxdream's scalar (a sum), its seed and its backward are not the model's; a model with no
+    # break runs them too, uncosted
+    assert not ops & {"aten.sum", "aten.ones_like", "aten.expand", "aten.add"}
+    assert not any(t.name.startswith("eager") and t.op == "autograd.autograd" for t in prediction.task_graph.tasks)

@@ -35,6 +35,7 @@ from fxdream.capturing.host_gaps import (
     SubgraphClock,
     measure_model_gaps,
 )
+from fxdream.capturing.steps import LOSS_RANGE
 from fxdream.ops.keep_whole import keep_ops_whole
 
 # the profiler's names of tensor dtypes (c10's type names)
@@ -43,6 +44,7 @@ DTYPES = {"float": torch.float32, "double": torch.float64, "c10::Half": torch.fl
           "signed char": torch.int8, "unsigned char": torch.uint8, "bool": torch.bool}
 SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
                 6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
+ENGINE_NODE = "autograd::engine::evaluate_function"  # the engine's range around running one node
 MAX_OPS = 5000  # a step that is mostly eager code: the first ops are replayed, the rest counted
 # ops the replay of a layer with its backward makes itself (the gradients flowing in, autograd's
 # detaches): inputs of the layer's backward, not ops the step ran
@@ -104,10 +106,13 @@ def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
                     key=lambda r: r[0])
     placed = len(ranges) == calls
     trained, layer_backward = _rnn_layers_trained(events)
+    loss = [e for e in events if e.name == LOSS_RANGE]
+    outside = ranges + layer_backward + [(e.time_range.start, e.time_range.end) for e in loss] + \
+        _backward_of({d.sequence_nr for e in loss for d in _descendants(e) if d.sequence_nr >= 0}, events)
     ops: dict[object, list] = collections.defaultdict(list)
     for event in sorted(events, key=lambda e: e.time_range.start):
         if not (_top_level_aten(event) and first <= event.time_range.start <= last) or any(
-                s <= event.time_range.start < e for s, e in ranges + layer_backward):
+                s <= event.time_range.start < e for s, e in outside):
             continue
         following = next((k for k, (s, _) in enumerate(ranges) if s >= event.time_range.end), None)
         ops[following if placed and following is not None else END].append(event)
@@ -138,12 +143,17 @@ def _rnn_layers_trained(events: list) -> tuple[set[int], list[tuple[float, float
             layers[id(event)] = {d.sequence_nr for d in _descendants(event) if d.sequence_nr >= 0}
     if not layers:
         return set(), []
-    recorded = set().union(*layers.values())
-    backward = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")
-                and e.sequence_nr in recorded]
-    ran = {e.sequence_nr for e in backward}
-    return ({layer for layer, seqs in layers.items() if seqs & ran},
-            [(e.time_range.start, e.time_range.end) for e in backward])
+    backward = _backward_of(set().union(*layers.values()), events)
+    ran = {e.sequence_nr for e in events if e.name.startswith(ENGINE_NODE) and e.sequence_nr in
+           set().union(*layers.values())}
+    return {layer for layer, seqs in layers.items() if seqs & ran}, backward
+
+
+def _backward_of(sequence_numbers: set[int], events: list) -> list[tuple[float, float]]:
+    """The time ranges in which autograd's engine ran the nodes the forward ops numbered
+    ``sequence_numbers`` recorded (their backward)."""
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if e.name.startswith(ENGINE_NODE) and e.sequence_nr in sequence_numbers]
 
 
 def _descendants(event) -> list:

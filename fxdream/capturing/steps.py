@@ -46,6 +46,9 @@ def cut_from_callers_graph(inputs):
     return torch.utils._pytree.tree_map(cut, inputs)
 
 
+LOSS_RANGE = "fxdream.loss"  # profiler range of the scalar a training step backpropagates and its seed
+
+
 def one_step(call: Callable, inputs: tuple, training: bool):
     """``call(*inputs)``: under no_grad in inference; in training also a backward reaching every
     output that needs a gradient (none where nothing does), never into the caller's graph that
@@ -54,9 +57,11 @@ def one_step(call: Callable, inputs: tuple, training: bool):
         with torch.no_grad():
             return call(*inputs)
     output = call(*cut_from_callers_graph(inputs))
-    scalar = differentiable_scalar(output)
+    with torch.autograd.profiler.record_function(LOSS_RANGE):  # fxdream's loss, not the model's ops
+        scalar = differentiable_scalar(output)
+        seed = None if scalar is None else torch.ones_like(scalar)
     if scalar is not None:
-        scalar.backward()
+        scalar.backward(seed)
     return output
 
 

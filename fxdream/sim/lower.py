@@ -99,7 +99,8 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
     lowering = _Lowering(cost)
     saved = {label.rsplit(".", 1)[0]: saved_inputs(gm) for label, gm in graphs if label.endswith(".bw")}
     for graph_index, (label, gm) in enumerate(graphs):
-        engine = host_gaps is None and label.endswith(".bw")  # measured gaps hold the engine's time
+        # measured gaps hold the engine's time; eager ops ran inside the engine's nodes already costed
+        engine = host_gaps is None and label.endswith(".bw") and not label.startswith(EAGER)
         if engine:
             _append_autograd(lowering.tg, f"{label}:autograd", cost.device.autograd_node_us)
         lowering.graph(graph_index, label, gm, gaps.pop(label, 0.0), saved.get(label.rsplit(".", 1)[0]))
