@@ -11,8 +11,10 @@ captured graph holds (``t``, ``addmm``). The ops before each graph call form one
 independent ops (each op's inputs are its own placeholders: the profiler records no data
 flow), lowered like a captured graph and costed by the same model.
 
-An op that cannot be replayed (an argument the profiler does not record, a tensor list) is
-counted by name instead (``StepCalls.eager_skipped``), and said in the prediction's notes.
+An RNN layer is replayed as the one op a captured graph holds, with its backward where that
+ran; the loss a training step backpropagates is fxdream's, not the model's, and left out. An op
+that cannot be replayed (an argument the profiler does not record: ``index``'s list of optional
+tensors) is counted by name instead (``StepCalls.eager_skipped``), and said in the notes.
 """
 from __future__ import annotations
 
@@ -99,26 +101,10 @@ def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
     op name → ops not replayed) of a profiled step (the last ``STEP_RANGE``, where there is one)
     whose ``calls`` graph calls were ranges named ``GRAPH_CALL_PREFIX`` + label. Where the
     ranges do not match the calls (a step that compiled), every eager op is put at the end."""
-    steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE]
-    first, last = max(steps) if steps else (float("-inf"), float("inf"))  # the last step: the one kept
-    ranges = sorted(((e.time_range.start, e.time_range.end) for e in events
-                     if e.name.startswith(GRAPH_CALL_PREFIX) and first <= e.time_range.start <= last),
-                    key=lambda r: r[0])
-    placed = len(ranges) == calls
-    trained, layer_backward = _rnn_layers_trained(events)
-    loss = [e for e in events if e.name == LOSS_RANGE]
-    outside = ranges + layer_backward + [(e.time_range.start, e.time_range.end) for e in loss] + \
-        _backward_of({d.sequence_nr for e in loss for d in _descendants(e) if d.sequence_nr >= 0}, events)
-    ops: dict[object, list] = collections.defaultdict(list)
-    for event in sorted(events, key=lambda e: e.time_range.start):
-        if not (_top_level_aten(event) and first <= event.time_range.start <= last) or any(
-                s <= event.time_range.start < e for s, e in outside):
-            continue
-        following = next((k for k, (s, _) in enumerate(ranges) if s >= event.time_range.end), None)
-        ops[following if placed and following is not None else END].append(event)
+    trained, grouped = _eager_events(events, calls)
     skipped: collections.Counter = collections.Counter()
     before, replayed, cache = {}, 0, {}
-    for key, group in ops.items():
+    for key, group in grouped.items():
         graph = fx.Graph()
         for event in group:
             if replayed >= MAX_OPS or not _replay_into(graph, event, cache, id(event) in trained):
@@ -129,6 +115,30 @@ def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
         if any(n.op == "call_function" for n in graph.nodes):
             before[key] = fx.GraphModule(torch.nn.Module(), graph)
     return before, dict(skipped)
+
+
+def _eager_events(events: list, calls: int) -> tuple[set[int], dict[object, list]]:
+    """(ids of RNN layers to replay with their backward, the model's eager top-level ATen events
+    grouped by the graph call they precede): inside the step, outside every graph call, the
+    loss fxdream makes and the backward nodes of that loss and of RNN layers' per-step ops."""
+    steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE]
+    first, last = max(steps) if steps else (float("-inf"), float("inf"))  # the last step: the one kept
+    calls_ran = sorted(((e.time_range.start, e.time_range.end) for e in events
+                        if e.name.startswith(GRAPH_CALL_PREFIX) and first <= e.time_range.start <= last),
+                       key=lambda r: r[0])
+    trained, layer_backward = _rnn_layers_trained(events)
+    loss = [e for e in events if e.name == LOSS_RANGE]
+    loss_numbers = {d.sequence_nr for e in loss for d in _descendants(e) if d.sequence_nr >= 0}
+    outside = calls_ran + layer_backward + [(e.time_range.start, e.time_range.end) for e in loss] + \
+        _backward_of(loss_numbers, events)
+    grouped: dict[object, list] = collections.defaultdict(list)
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        start = event.time_range.start
+        if not (_top_level_aten(event) and first <= start <= last) or any(s <= start < e for s, e in outside):
+            continue
+        following = next((k for k, (s, _) in enumerate(calls_ran) if s >= event.time_range.end), None)
+        grouped[following if len(calls_ran) == calls and following is not None else END].append(event)
+    return trained, grouped
 
 
 def _rnn_layers_trained(events: list) -> tuple[set[int], list[tuple[float, float]]]:
@@ -143,10 +153,9 @@ def _rnn_layers_trained(events: list) -> tuple[set[int], list[tuple[float, float
             layers[id(event)] = {d.sequence_nr for d in _descendants(event) if d.sequence_nr >= 0}
     if not layers:
         return set(), []
-    backward = _backward_of(set().union(*layers.values()), events)
-    ran = {e.sequence_nr for e in events if e.name.startswith(ENGINE_NODE) and e.sequence_nr in
-           set().union(*layers.values())}
-    return {layer for layer, seqs in layers.items() if seqs & ran}, backward
+    recorded = set().union(*layers.values())
+    ran = {e.sequence_nr for e in events if e.name.startswith(ENGINE_NODE) and e.sequence_nr in recorded}
+    return {layer for layer, seqs in layers.items() if seqs & ran}, _backward_of(recorded, events)
 
 
 def _backward_of(sequence_numbers: set[int], events: list) -> list[tuple[float, float]]:
