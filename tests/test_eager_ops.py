@@ -109,8 +109,8 @@ class _PrintsBetween(nn.Module):
 
 def test_the_loss_a_training_step_backpropagates_is_not_costed_as_the_models_eager_ops():
     prediction = fxdream.simulate(_PrintsBetween(), (torch.randn(2, 16, 32),), device="h100", training=True)
-    ops = {t.op for t in prediction.task_graph.tasks if t.name.startswith("eager")}
-    # fxdream's scalar (a sum), its seed and its backward are not the model's; a model with no
-    # break runs them too, uncosted
-    assert not ops & {"aten.sum", "aten.ones_like", "aten.expand", "aten.add"}
-    assert not any(t.name.startswith("eager") and t.op == "autograd.autograd" for t in prediction.task_graph.tasks)
+    # fxdream's scalar (a sum), its seed and its backward are not the model's (a model with no
+    # break runs them too, uncosted), nor are aot's runtime wrapper's views and copies around
+    # each graph (the graph's call costs them): the print runs no ATen op
+    assert not [t.name for t in prediction.task_graph.tasks if t.name.startswith("eager")]
+    assert "no ATen op ran there" in prediction.notes[0]

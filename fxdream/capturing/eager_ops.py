@@ -174,10 +174,14 @@ def _descendants(event) -> list:
     return found
 
 
+# callers whose ATen ops are not the model's eager code: an op (its parts), the engine's gradient
+# hand-over, aot_autograd's runtime wrapper around a compiled graph (costed as the graph's call)
+NOT_MODEL_CALLERS = ("aten::", "prims::", "torch::autograd::AccumulateGrad", "CompiledFunction")
+
+
 def _top_level_aten(event) -> bool:
-    parent = event.cpu_parent  # an op called by an op is part of it; AccumulateGrad's, autograd's engine
-    return event.name.startswith("aten::") and not (
-        parent is not None and parent.name.startswith(("aten::", "prims::", "torch::autograd::AccumulateGrad")))
+    parent = event.cpu_parent
+    return event.name.startswith("aten::") and not (parent is not None and parent.name.startswith(NOT_MODEL_CALLERS))
 
 
 def _replay_into(graph: fx.Graph, event, cache: dict, with_backward: bool = False) -> bool:
