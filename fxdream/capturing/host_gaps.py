@@ -16,6 +16,7 @@ so it only joins predictions for this machine.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -176,10 +177,9 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
         if training:
             for p in model.parameters():
                 p.grad = None
-        if clock.mark_calls:  # the step a profiler range too: the state kept around it is no op of the model's
-            with torch.autograd.profiler.record_function(STEP_RANGE):
-                return one_step(call, inputs, training)
-        return one_step(call, inputs, training)
+        # while eager ops are recorded, the step is a profiler range: the state kept around it is no op of the model's
+        with torch.autograd.profiler.record_function(STEP_RANGE) if clock.mark_calls else contextlib.nullcontext():
+            return one_step(call, inputs, training)
 
     clock.input_storages = set()
     try:

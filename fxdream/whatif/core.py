@@ -224,12 +224,19 @@ def graph_label(call_label: str) -> str:
     return f"{scope.split('#', 1)[0]}.{phase}"
 
 
-def call_scopes(task_graph: TaskGraph, index: int) -> list[str]:
-    """The scopes of subgraph ``index``'s calls in ``task_graph`` ("g0", "g0#1", ...; a graph
-    called once per layer of a step, lowered once per call), "g0" first."""
-    found = {t.name.split(":", 1)[0].rpartition(".")[0] for t in task_graph.tasks}
-    repeats = sorted((s for s in found if s.startswith(f"g{index}#")), key=lambda s: int(s.split("#")[1]))
-    return [f"g{index}", *repeats]
+def call_scopes(task_graph: TaskGraph) -> dict[int, list[str]]:
+    """Subgraph index → the scopes of its calls in ``task_graph`` ("g0", "g0#1", ...; a graph
+    called once per layer of a step is lowered once per call), "g<index>" first. Read in one
+    pass over the tasks; a subgraph with no task has no entry (its one call: ``[f"g{index}"]``)."""
+    repeats: dict[int, list[int]] = {}
+    for task in task_graph.tasks:
+        scope = task.name.split(":", 1)[0].rpartition(".")[0]
+        graph, _, call = scope.partition("#")
+        if graph[:1] == "g" and graph[1:].isdigit():
+            calls = repeats.setdefault(int(graph[1:]), [])
+            if call.isdigit() and int(call) not in calls:
+                calls.append(int(call))
+    return {index: [f"g{index}", *(f"g{index}#{k}" for k in sorted(calls))] for index, calls in repeats.items()}
 
 
 def _through_views(node: fx.Node) -> fx.Node:

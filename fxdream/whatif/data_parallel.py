@@ -155,14 +155,14 @@ class Gradient:
 def gradients(captured, task_graph: TaskGraph, graphs=None) -> tuple[Gradient, ...]:
     """The gradients of every captured backward and the tasks that produce (and, in the
     forward, consume) them in ``task_graph`` (lowered from ``captured``)."""
-    by_label = _graphs_by_label(captured, graphs)
+    by_label, scopes = _graphs_by_label(captured, graphs), call_scopes(task_graph)
     out: list[Gradient] = []
     for c in _items(captured):
         bw = by_label.get(f"g{c.index}.bw")
         if bw is None:
             continue
         fw = by_label[f"g{c.index}.fw"]
-        for scope in call_scopes(task_graph, c.index):  # a graph called per layer: each call's gradients
+        for scope in scopes.get(c.index, [f"g{c.index}"]):  # a graph called per layer: each call's gradients
             out.extend(_call_gradients(fw, bw, f"{scope}.fw", f"{scope}.bw", task_graph, len(out)))
     return tuple(out)
 

@@ -35,8 +35,8 @@ def fused_optimizer(x, *, captured=None, graphs=None, device=None,
     if model is not None and bw_graphs:
         # the lowering's optimizer updates the gradients of every backward call (a graph called
         # per layer computes each layer's gradients)
-        calls = {label: len(call_scopes(tg, int(label[1:].split(".")[0]))) for label, _ in bw_graphs}
-        nbytes = model.bytes_per_grad_byte * sum(calls[label] * tensor_bytes(g)
+        calls = {f"g{index}.bw": len(scopes) for index, scopes in call_scopes(tg).items()}
+        nbytes = model.bytes_per_grad_byte * sum(calls.get(label, 1) * tensor_bytes(g)
                                                  for label, gm in bw_graphs for g in gradient_values(gm))
         source = "captured gradients"
     else:
