@@ -114,3 +114,50 @@ def test_the_loss_a_training_step_backpropagates_is_not_costed_as_the_models_eag
     # each graph (the graph's call costs them): the print runs no ATen op
     assert not [t.name for t in prediction.task_graph.tasks if t.name.startswith("eager")]
     assert "no ATen op ran there" in prediction.notes[0]
+
+
+def _packed_lstm_events(lengths: list[int]):
+    """The profiler's events of a 2-layer LSTM (64 → 128) over a packed batch of 8 sequences."""
+    torch.manual_seed(0)
+    lstm, x = nn.LSTM(64, 128, num_layers=2, batch_first=True).eval(), torch.randn(8, 32, 64)
+    with profiled() as events, torch.no_grad():
+        packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor(lengths), batch_first=True, enforce_sorted=False)
+        nn.utils.rnn.pad_packed_sequence(lstm(packed)[0], batch_first=True)
+    return events
+
+
+def test_an_rnn_layer_over_a_packed_sequence_is_its_steps_over_the_rows_they_hold():
+    lengths = [32, 30, 28, 20, 32, 10, 5, 32]  # 189 rows over 32 steps: ceil(189 / 32) = 6 a step
+    before, skipped = eager_ops(_packed_lstm_events(lengths), calls=0)
+    (graph,) = before.values()
+    (layer,) = [n for n in graph.graph.nodes if n.target == torch.ops.fxdream.lstm_inference.default]
+    data, states = layer.args[0], layer.args[1]
+    assert tuple(data.meta["val"].shape) == (32, 6, 64)
+    assert [tuple(s.meta["val"].shape) for s in states] == [(2, 6, 128), (2, 6, 128)]
+    # packing and unpacking are composite ops whose output sizes follow the lengths: replayed as
+    # the ops they ran, one copy per run of steps with the same batch (6 here) each way
+    copies = [n for n in graph.graph.nodes if n.target == torch.ops.aten.copy_.default]
+    assert len(copies) == 6 and sum(c.args[1].meta["val"].numel() for c in copies) == sum(lengths) * 128
+    assert skipped == {"aten::item": 2, "aten::index": 1}  # host reads of the lengths; index has kernels
+
+
+def test_a_packed_lstm_of_full_sequences_costs_its_layer_as_the_padded_lstm():
+    tokens, lengths = torch.randint(0, 50, (4, 16)), torch.full((4,), 16)
+
+    class Tagger(nn.Module):
+        def __init__(self, packed: bool):
+            super().__init__()
+            self.embed, self.lstm, self.packed = nn.Embedding(50, 32), nn.LSTM(32, 64, batch_first=True), packed
+
+        def forward(self, tokens, lengths):
+            x = self.embed(tokens)
+            if self.packed:
+                x = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+                return nn.utils.rnn.pad_packed_sequence(self.lstm(x)[0], batch_first=True)[0]
+            return self.lstm(x)[0]
+
+    def layer_cost(packed: bool, training: bool) -> dict:
+        prediction = fxdream.simulate(Tagger(packed), (tokens, lengths), device="h100", training=training)
+        return {t.op: t.duration_us for t in prediction.task_graph.tasks if t.op.startswith("fxdream.lstm")}
+    for training in (False, True):
+        assert layer_cost(True, training) == layer_cost(False, training) != {}

@@ -12,9 +12,12 @@ independent ops (each op's inputs are its own placeholders: the profiler records
 flow), lowered like a captured graph and costed by the same model.
 
 An RNN layer is replayed as the one op a captured graph holds, with its backward where that
-ran; the loss a training step backpropagates is fxdream's, not the model's, and left out. An op
-that cannot be replayed (an argument the profiler does not record: ``index``'s list of optional
-tensors) is counted by name instead (``StepCalls.eager_skipped``), and said in the notes.
+ran (over a packed sequence, as the padded layer of the same steps and rows); the loss a
+training step backpropagates is fxdream's, not the model's, and left out. A composite op that
+cannot be replayed from its record (its output's size follows values: packing a sequence) is
+replayed as the ATen ops it ran. An op that cannot be replayed either way (an argument the
+profiler does not record: ``index``'s list of optional tensors; a host read: ``item``) is
+counted by name instead (``StepCalls.eager_skipped``), and said in the notes.
 """
 from __future__ import annotations
 
@@ -107,10 +110,12 @@ def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
     for key, group in grouped.items():
         graph = fx.Graph()
         for event in group:
-            if replayed >= MAX_OPS or not _replay_into(graph, event, cache, id(event) in trained):
+            if replayed >= MAX_OPS:
                 skipped[event.name] += 1
                 continue
-            replayed += 1
+            added, missed = _replay_whole_or_in_parts(graph, event, cache, id(event) in trained)
+            replayed += added
+            skipped.update(missed)
         graph.output(())
         if any(n.op == "call_function" for n in graph.nodes):
             before[key] = fx.GraphModule(torch.nn.Module(), graph)
@@ -184,6 +189,45 @@ def _top_level_aten(event) -> bool:
     return event.name.startswith("aten::") and not (parent is not None and parent.name.startswith(NOT_MODEL_CALLERS))
 
 
+def _replay_whole_or_in_parts(graph: fx.Graph, event, cache: dict, with_backward: bool) -> tuple[int, list[str]]:
+    """(ops added to ``graph``, names of those not replayed): ``event``'s op; or, where it cannot
+    be replayed from its own record and is a composite op (``_composite``), the ATen ops it ran,
+    each likewise: ``_pad_packed_sequence`` copies a step's rows at a time, in ops whose shapes
+    the profiler records where its own output's size follows the lengths' values."""
+    if _replay_into(graph, event, cache, with_backward):
+        return 1, []
+    parts = sorted((c for c in event.cpu_children if c.name.startswith("aten::")), key=lambda c: c.time_range.start)
+    if not parts or not _composite(event):
+        return 0, [event.name]
+    added, missed = 0, []
+    for part in parts:
+        part_added, part_missed = _replay_whole_or_in_parts(graph, part, cache, False)
+        added, missed = added + part_added, missed + part_missed
+    return added, (missed if added else [event.name])  # none of its parts: named as the op the model called
+
+
+def _composite(event) -> bool:
+    """Whether ``event``'s op runs as other ATen ops on every device: each of its overloads that
+    takes the recorded number of arguments has a composite kernel and none of its own for a CPU
+    or a GPU (``aten::index`` has kernels of its own: its parts are not its work)."""
+    namespace, _, name = event.name.partition("::")
+    packet = getattr(getattr(torch.ops, namespace, None), name, None)
+    if packet is None:
+        return False
+    names = [event.overload_name] if event.overload_name else packet.overloads()
+    qualified = [f"{event.name}.{n}" if n != "default" else event.name for n in names
+                 if hasattr(packet, n) and len(getattr(packet, n)._schema.arguments) == len(event.input_shapes)]
+
+    def has(op: str, key: str) -> bool:
+        try:
+            return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+        except RuntimeError:  # an overload only TorchScript holds (``index_put.hacked_twin``): no kernel
+            return False
+    return bool(qualified) and all(
+        (has(op, "CompositeImplicitAutograd") or has(op, "CompositeExplicitAutograd"))
+        and not (has(op, "CPU") or has(op, "CUDA")) for op in qualified)
+
+
 def _replay_into(graph: fx.Graph, event, cache: dict, with_backward: bool = False) -> bool:
     """Add ``event``'s op, as make_fx splits it on meta tensors, to ``graph`` (``with_backward``:
     and its backward); False where it cannot be replayed."""
@@ -203,6 +247,38 @@ def _replay_into(graph: fx.Graph, event, cache: dict, with_backward: bool = Fals
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class StandIn:
+    """A recorded op in the form another op's replay takes: the profiler's fields, rewritten."""
+    name: str
+    overload_name: str
+    input_shapes: list
+    input_dtypes: list
+    concrete_inputs: list
+    structured_input_shapes: list
+
+
+def packed_layer_stand_in(event):
+    """``event``, or for an RNN layer over a packed sequence (``lstm.data``: ``data`` [N, F] and
+    ``batch_sizes`` [T], from ``nn.utils.rnn.pack_padded_sequence``) a stand-in of the same
+    work: the layer over a padded input of T steps of ceil(N / T) rows, with its states that
+    wide. It runs T sequential steps over N rows in all; its own replay cannot run on meta
+    tensors, as its steps' sizes follow the values of ``batch_sizes``."""
+    dtypes = list(event.input_dtypes)
+    is_packed = len(dtypes) == 9 and dtypes[1] == "long int" and len(event.input_shapes[1]) == 1
+    if event.name not in WHOLE_LAYERS or not is_packed:
+        return event
+    lists = list(getattr(event, "structured_input_shapes", None) or [None] * len(dtypes))
+    (rows, features), (steps,) = event.input_shapes[0], event.input_shapes[1]
+    width = -(-rows // max(steps, 1))
+    widened = lambda shape: [shape[0], width, *shape[2:]]  # noqa: E731  (layers x directions, batch, hidden)
+    states = [widened(s) for s in lists[2]] if dtypes[2] == "TensorList" else widened(event.input_shapes[2])
+    shapes = [[steps, width, features]] + [[] if dtypes[2] == "TensorList" else states] + event.input_shapes[3:] + [[]]
+    return StandIn(event.name, "input", shapes, [dtypes[0]] + dtypes[2:] + ["Scalar"],
+                   [None] + list(event.concrete_inputs[2:]) + [False],
+                   [shapes[0], states] + lists[3:] + [[]])
+
+
 def _traced(event, cache: dict, with_backward: bool = False) -> fx.GraphModule | None:
     """``event``'s op traced by make_fx on meta tensors (``cache``: by the recorded call, as an
     eager loop repeats the same calls): its recorded overload, or (the profiler leaves the name
@@ -212,7 +288,7 @@ def _traced(event, cache: dict, with_backward: bool = False) -> fx.GraphModule |
     key = (event.name, event.overload_name, repr(event.input_shapes), repr(event.input_dtypes),
            repr(event.concrete_inputs), repr(getattr(event, "structured_input_shapes", None)), with_backward)
     if key not in cache:
-        cache[key] = _trace(event, with_backward)
+        cache[key] = _trace(packed_layer_stand_in(event), with_backward)
     return cache[key]
 
 
