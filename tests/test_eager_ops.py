@@ -138,7 +138,7 @@ def test_an_rnn_layer_over_a_packed_sequence_is_its_steps_over_the_rows_they_hol
     # the ops they ran, one copy per run of steps with the same batch (6 here) each way
     copies = [n for n in graph.graph.nodes if n.target == torch.ops.aten.copy_.default]
     assert len(copies) == 6 and sum(c.args[1].meta["val"].numel() for c in copies) == sum(lengths) * 128
-    assert skipped == {"aten::item": 2, "aten::index": 1}  # host reads of the lengths; index has kernels
+    assert skipped == {"aten::index": 1}  # its list of optional tensors is not recorded, and it has kernels
 
 
 def test_a_packed_lstm_of_full_sequences_costs_its_layer_as_the_padded_lstm():
@@ -161,3 +161,29 @@ def test_a_packed_lstm_of_full_sequences_costs_its_layer_as_the_padded_lstm():
         return {t.op: t.duration_us for t in prediction.task_graph.tasks if t.op.startswith("fxdream.lstm")}
     for training in (False, True):
         assert layer_cost(True, training) == layer_cost(False, training) != {}
+
+
+class _ReadsAValue(nn.Module):
+    """A branch on a value the device computed (``.item()``): dynamo breaks the graph there."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        h = self.first(x)
+        if h.mean().item() > -1e9:  # always taken
+            h = h.relu()
+        return self.second(h)
+
+
+def test_a_host_read_between_graphs_makes_the_host_wait_for_the_device():
+    prediction = fxdream.simulate(_ReadsAValue(), (torch.randn(64, 256),), device="h100")
+    tasks, times = prediction.task_graph.tasks, prediction.timeline.times
+    (sync,) = [t.name for t in tasks if t.kind == "sync"]
+    at = times[sync][0]
+    # the device has run every kernel launched before the read, and the host goes on only after it
+    assert at == max(end for name, (start, end) in times.items() if name.endswith(":k") and start < at)
+    after = [t.name for t in tasks[[t.name for t in tasks].index(sync) + 1:] if t.kind == "cpu"]
+    assert after and min(times[name][0] for name in after) >= times[sync][1]
+    assert "not replayed" not in prediction.notes[-1]

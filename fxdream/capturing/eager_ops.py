@@ -54,6 +54,8 @@ MAX_OPS = 5000  # a step that is mostly eager code: the first ops are replayed, 
 # ops the replay of a layer with its backward makes itself (the gradients flowing in, autograd's
 # detaches): inputs of the layer's backward, not ops the step ran
 REPLAY_HARNESS = (torch.ops.aten.ones_like.default, torch.ops.aten.detach.default, torch.ops.aten.zeros.default)
+# ops that read a device tensor's value on the host: the host waits for the device there
+HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal")
 # RNN layers replayed as the torch function nn.RNNBase calls, which keep_ops_whole keeps one op
 WHOLE_LAYERS = {"aten::lstm": torch._VF.lstm, "aten::gru": torch._VF.gru, "aten::rnn_tanh": torch._VF.rnn_tanh,
                 "aten::rnn_relu": torch._VF.rnn_relu}
@@ -194,7 +196,7 @@ def _replay_whole_or_in_parts(graph: fx.Graph, event, cache: dict, with_backward
     be replayed from its own record and is a composite op (``_composite``), the ATen ops it ran,
     each likewise: ``_pad_packed_sequence`` copies a step's rows at a time, in ops whose shapes
     the profiler records where its own output's size follows the lengths' values."""
-    if _replay_into(graph, event, cache, with_backward):
+    if _replay_into(graph, event, cache, with_backward) or _host_read_into(graph, event):
         return 1, []
     parts = sorted((c for c in event.cpu_children if c.name.startswith("aten::")), key=lambda c: c.time_range.start)
     if not parts or not _composite(event):
@@ -204,6 +206,22 @@ def _replay_whole_or_in_parts(graph: fx.Graph, event, cache: dict, with_backward
         part_added, part_missed = _replay_whole_or_in_parts(graph, part, cache, False)
         added, missed = added + part_added, missed + part_missed
     return added, (missed if added else [event.name])  # none of its parts: named as the op the model called
+
+
+def _host_read_into(graph: fx.Graph, event) -> bool:
+    """Add a host read of a device value (``HOST_READS``: ``.item()``, ``bool(tensor)``) to
+    ``graph`` as the copy of its first tensor to the host (``_local_scalar_dense``), after which
+    the lowering makes the host wait for the device; False for any other op. A meta tensor has
+    no value to read, so such an op is never replayed. The record does not tell a tensor that
+    stays on the host (a packed sequence's batch sizes) from a device tensor: every read waits,
+    an upper bound."""
+    if event.name not in HOST_READS or not event.input_dtypes or event.input_dtypes[0] not in DTYPES:
+        return False
+    read = graph.placeholder(f"eager_input_{len(graph.nodes)}")
+    read.meta["val"] = torch.empty(event.input_shapes[0], dtype=DTYPES[event.input_dtypes[0]], device="meta")
+    value = graph.call_function(torch.ops.aten._local_scalar_dense.default, (read,))
+    value.meta["val"] = read.meta["val"].dtype.is_floating_point and 0.0 or 0  # a Python number, as item gives
+    return True
 
 
 def _composite(event) -> bool:
