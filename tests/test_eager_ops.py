@@ -64,7 +64,8 @@ def test_ops_that_cannot_be_replayed_are_named():
         a[index]
     before, skipped = eager_ops(events, calls=0)
     assert skipped == {"aten::index": 1}  # its indices, a list of optional tensors, have no recorded shapes
-    (graph,) = before.values()  # a tensor list's shapes are recorded: cat is replayed
+    (((phase, graph),),) = before.values()  # a tensor list's shapes are recorded: cat is replayed
+    assert phase == "fw"
     ops = [n for n in graph.graph.nodes if n.op == "call_function"]
     assert [n.target for n in ops] == [torch.ops.aten.cat.default, torch.ops.aten.relu.default]
     assert [tuple(x.meta["val"].shape) for x in ops[0].args[0]] == [(4, 8), (2, 8)]
@@ -129,7 +130,8 @@ def _packed_lstm_events(lengths: list[int]):
 def test_an_rnn_layer_over_a_packed_sequence_is_its_steps_over_the_rows_they_hold():
     lengths = [32, 30, 28, 20, 32, 10, 5, 32]  # 189 rows over 32 steps: ceil(189 / 32) = 6 a step
     before, skipped = eager_ops(_packed_lstm_events(lengths), calls=0)
-    (graph,) = before.values()
+    (((phase, graph),),) = before.values()
+    assert phase == "fw"
     (layer,) = [n for n in graph.graph.nodes if n.target == torch.ops.fxdream.lstm_inference.default]
     data, states = layer.args[0], layer.args[1]
     assert tuple(data.meta["val"].shape) == (32, 6, 64)
@@ -161,6 +163,32 @@ def test_a_packed_lstm_of_full_sequences_costs_its_layer_as_the_padded_lstm():
         return {t.op: t.duration_us for t in prediction.task_graph.tasks if t.op.startswith("fxdream.lstm")}
     for training in (False, True):
         assert layer_cost(True, training) == layer_cost(False, training) != {}
+
+
+def test_eager_forward_and_backward_ops_with_no_graph_call_between_are_in_their_phases():
+    """An LSTM over a packed sequence after a captured embedding: the step calls the embedding's
+    forward, runs the rest eagerly, backward too, then the embedding's backward."""
+    model = nn.ModuleDict({"embed": nn.Embedding(50, 32), "lstm": nn.LSTM(32, 64, batch_first=True)})
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.parts = model
+
+        def forward(self, tokens, lengths):
+            x = nn.utils.rnn.pack_padded_sequence(self.parts["embed"](tokens), lengths, batch_first=True)
+            return nn.utils.rnn.pad_packed_sequence(self.parts["lstm"](x)[0], batch_first=True)[0]
+    prediction = fxdream.simulate(Tagger(), (torch.randint(0, 50, (4, 16)), torch.full((4,), 16)),
+                                  device="h100", training=True)
+    groups = list(dict.fromkeys(t.name.split(":")[0] for t in prediction.task_graph.tasks))
+    assert groups == ["g0.fw", "eager1.fw", "eager1.bw", "g0.bw", "optim"]
+    ops = {group: {t.op for t in prediction.task_graph.tasks if t.name.startswith(group + ":")} for group in groups}
+    # the layer where it ran, its backward where the engine ran it; unpacking copies rows in the
+    # forward, the packing's backward in the backward
+    assert {"fxdream.lstm_train", "aten.copy_"} <= ops["eager1.fw"] and "fxdream.lstm_train_backward" not in ops[
+        "eager1.fw"]
+    assert {"fxdream.lstm_train_backward", "aten.copy_"} <= ops["eager1.bw"] and "fxdream.lstm_train" not in ops[
+        "eager1.bw"]
 
 
 class _ReadsAValue(nn.Module):

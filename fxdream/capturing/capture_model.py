@@ -104,7 +104,7 @@ def _unmeasured_breaks(breaks: list[str], order: StepCalls | None) -> tuple[str,
     if order is None:
         return (f"not in this prediction: the eager code where the graph broke ({breaks[0]}{more}); its time is "
                 f"measured only in a prediction for this machine with real inputs (cost='auto')",)
-    ops = sum(1 for gm in order.eager_before.values() for n in gm.graph.nodes
+    ops = sum(1 for graphs in order.eager_before.values() for _, gm in graphs for n in gm.graph.nodes
               if isinstance(n.target, torch._ops.OpOverload))
     skipped = sum(order.eager_skipped.values())
     names = ", ".join(f"{name} x{n}" for name, n in sorted(order.eager_skipped.items(), key=lambda kv: -kv[1])[:5])

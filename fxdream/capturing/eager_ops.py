@@ -5,19 +5,17 @@ code between the graphs (a function dynamo skips, ``torch.compiler.disable``, th
 eager code) has no time. Its ops are recorded instead: the step runs once under torch's
 profiler with its shapes (``record_shapes``), each graph call inside a ``record_function``
 range named by its label, and every top-level ATen op outside those ranges (one whose caller
-is no ATen op or prim) is replayed on the meta device from the recorded overload, shapes,
-dtypes and values, through ``make_fx``, which splits composite ops (``linear``) into the ops a
-captured graph holds (``t``, ``addmm``). The ops before each graph call form one graph of
-independent ops (each op's inputs are its own placeholders: the profiler records no data
-flow), lowered like a captured graph and costed by the same model.
+is no ATen op or prim) is replayed on the meta device (``fxdream.capturing.op_replay``). The
+ops run before each graph call form graphs of independent ops (each op's inputs are its own
+placeholders: the profiler records no data flow), one per phase in the order they ran (the
+forward's, then the backward's, which autograd's engine runs), lowered like a captured graph
+and costed by the same model.
 
-An RNN layer is replayed as the one op a captured graph holds, with its backward where that
-ran (over a packed sequence, as the padded layer of the same steps and rows); the loss a
-training step backpropagates is fxdream's, not the model's, and left out. A composite op that
-cannot be replayed from its record (its output's size follows values: packing a sequence) is
-replayed as the ATen ops it ran. An op that cannot be replayed either way (an argument the
-profiler does not record: ``index``'s list of optional tensors; a host read: ``item``) is
-counted by name instead (``StepCalls.eager_skipped``), and said in the notes.
+An RNN layer whose backward ran is replayed as one op where its forward ran and its backward
+as one op where that ran, not as the per-step nodes the engine ran; the loss a training step
+backpropagates is fxdream's, not the model's, and left out. An op that cannot be replayed (an
+argument the profiler does not record: ``index``'s list of optional tensors) is counted by
+name instead (``StepCalls.eager_skipped``), and said in the notes.
 """
 from __future__ import annotations
 
@@ -26,11 +24,10 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxdream.capturing.host_gaps import (
     END,
@@ -40,25 +37,11 @@ from fxdream.capturing.host_gaps import (
     SubgraphClock,
     measure_model_gaps,
 )
+from fxdream.capturing.op_replay import ALL, BACKWARD, FORWARD, WHOLE_LAYERS, replay
 from fxdream.capturing.steps import LOSS_RANGE
-from fxdream.ops.keep_whole import keep_ops_whole
 
-# the profiler's names of tensor dtypes (c10's type names)
-DTYPES = {"float": torch.float32, "double": torch.float64, "c10::Half": torch.float16,
-          "c10::BFloat16": torch.bfloat16, "long int": torch.int64, "int": torch.int32, "short int": torch.int16,
-          "signed char": torch.int8, "unsigned char": torch.uint8, "bool": torch.bool}
-SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
-                6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
 ENGINE_NODE = "autograd::engine::evaluate_function"  # the engine's range around running one node
 MAX_OPS = 5000  # a step that is mostly eager code: the first ops are replayed, the rest counted
-# ops the replay of a layer with its backward makes itself (the gradients flowing in, autograd's
-# detaches): inputs of the layer's backward, not ops the step ran
-REPLAY_HARNESS = (torch.ops.aten.ones_like.default, torch.ops.aten.detach.default, torch.ops.aten.zeros.default)
-# ops that read a device tensor's value on the host: the host waits for the device there
-HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal")
-# RNN layers replayed as the torch function nn.RNNBase calls, which keep_ops_whole keeps one op
-WHOLE_LAYERS = {"aten::lstm": torch._VF.lstm, "aten::gru": torch._VF.gru, "aten::rnn_tanh": torch._VF.rnn_tanh,
-                "aten::rnn_relu": torch._VF.rnn_relu}
 
 
 def record_model_calls(call: Callable, model, inputs: tuple, training: bool,
@@ -102,67 +85,106 @@ def profiled():
 
 
 def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
-    """(position k → graph of the eager ops run before graph call k, ``END`` → after the last;
-    op name → ops not replayed) of a profiled step (the last ``STEP_RANGE``, where there is one)
-    whose ``calls`` graph calls were ranges named ``GRAPH_CALL_PREFIX`` + label. Where the
-    ranges do not match the calls (a step that compiled), every eager op is put at the end."""
-    trained, grouped = _eager_events(events, calls)
+    """(position k → the eager ops run before graph call k, ``END`` → after the last, as
+    (phase, graph) pairs in the order they ran; op name → ops not replayed) of a profiled step
+    (the last ``STEP_RANGE``, where there is one) whose ``calls`` graph calls were ranges named
+    ``GRAPH_CALL_PREFIX`` + label. Where the ranges do not match the calls (a step that
+    compiled), every eager op is put at the end."""
     skipped: collections.Counter = collections.Counter()
     before, replayed, cache = {}, 0, {}
-    for key, group in grouped.items():
-        graph = fx.Graph()
-        for event in group:
+    for key, ran in _eager_events(events, calls).items():
+        segments: list[tuple[str, fx.Graph]] = []
+        for op in ran:
+            if not segments or segments[-1][0] != op.phase:
+                segments.append((op.phase, fx.Graph()))
             if replayed >= MAX_OPS:
-                skipped[event.name] += 1
+                skipped[op.event.name] += 1
                 continue
-            added, missed = _replay_whole_or_in_parts(graph, event, cache, id(event) in trained)
+            added, missed = replay(segments[-1][1], op.event, cache, op.part)
             replayed += added
             skipped.update(missed)
-        graph.output(())
-        if any(n.op == "call_function" for n in graph.nodes):
-            before[key] = fx.GraphModule(torch.nn.Module(), graph)
+        kept = tuple((phase, _module(graph)) for phase, graph in segments
+                     if any(n.op == "call_function" for n in graph.nodes))
+        if kept:
+            before[key] = kept
     return before, dict(skipped)
 
 
-def _eager_events(events: list, calls: int) -> tuple[set[int], dict[object, list]]:
-    """(ids of RNN layers to replay with their backward, the model's eager top-level ATen events
-    grouped by the graph call they precede): inside the step, outside every graph call, the
-    loss fxdream makes and the backward nodes of that loss and of RNN layers' per-step ops."""
+def _module(graph: fx.Graph) -> fx.GraphModule:
+    graph.output(())
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+class _EagerOp(NamedTuple):
+    """An op to replay: when it ran, in which phase, and which part of its replay."""
+    start: float
+    end: float
+    phase: str  # "fw", or "bw" for an op autograd's engine ran
+    event: object
+    part: str = ALL
+
+
+def _eager_events(events: list, calls: int) -> dict[object, list[_EagerOp]]:
+    """The model's eager top-level ATen ops grouped by the graph call they precede, in the order
+    they ran: inside the step, outside every graph call, the loss fxdream makes and the backward
+    nodes of that loss; an RNN layer whose backward ran as its forward where it ran and its
+    backward where that began, in place of the per-step nodes the engine ran."""
     steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE]
     first, last = max(steps) if steps else (float("-inf"), float("inf"))  # the last step: the one kept
     calls_ran = sorted(((e.time_range.start, e.time_range.end) for e in events
                         if e.name.startswith(GRAPH_CALL_PREFIX) and first <= e.time_range.start <= last),
                        key=lambda r: r[0])
-    trained, layer_backward = _rnn_layers_trained(events)
+    layers_backward, layer_nodes = _rnn_layers_trained(events)
     loss = [e for e in events if e.name == LOSS_RANGE]
     loss_numbers = {d.sequence_nr for e in loss for d in _descendants(e) if d.sequence_nr >= 0}
-    outside = calls_ran + layer_backward + [(e.time_range.start, e.time_range.end) for e in loss] + \
+    outside = calls_ran + layer_nodes + [(e.time_range.start, e.time_range.end) for e in loss] + \
         _backward_of(loss_numbers, events)
-    grouped: dict[object, list] = collections.defaultdict(list)
-    for event in sorted(events, key=lambda e: e.time_range.start):
-        start = event.time_range.start
+    ran = []
+    for event in events:
+        start, end = event.time_range.start, event.time_range.end
         if not (_top_level_aten(event) and first <= start <= last) or any(s <= start < e for s, e in outside):
             continue
-        following = next((k for k, (s, _) in enumerate(calls_ran) if s >= event.time_range.end), None)
-        grouped[following if len(calls_ran) == calls and following is not None else END].append(event)
-    return trained, grouped
+        if id(event) not in layers_backward:
+            ran.append(_EagerOp(start, end, "bw" if _in_engine(event) else "fw", event))
+            continue
+        ran.append(_EagerOp(start, end, "fw", event, FORWARD))
+        ran.append(_EagerOp(*layers_backward[id(event)], "bw", event, BACKWARD))
+    grouped: dict[object, list[_EagerOp]] = collections.defaultdict(list)
+    for op in sorted(ran, key=lambda op: op.start):
+        following = next((k for k, (s, _) in enumerate(calls_ran) if s >= op.end), None)
+        grouped[following if len(calls_ran) == calls and following is not None else END].append(op)
+    return grouped
 
 
-def _rnn_layers_trained(events: list) -> tuple[set[int], list[tuple[float, float]]]:
-    """(ids of the RNN layer events (``WHOLE_LAYERS``) whose backward ran, the time ranges of
-    that backward). On the meta device an RNN layer runs as per-step ops, each recording its own
-    autograd node, whose backward then runs node by node: those nodes are told by their
-    sequence numbers (the forward op's, on the engine's ``evaluate_function`` range), left out,
-    and the layer replayed with its backward as one op each (``lstm_train``'s)."""
+def _rnn_layers_trained(events: list) -> tuple[dict[int, tuple[float, float]], list[tuple[float, float]]]:
+    """(id of each RNN layer event (``WHOLE_LAYERS``) whose backward ran → (start, end) of that
+    backward, the time ranges of every such layer's backward nodes). On the meta device an RNN
+    layer runs as per-step ops, each recording its own autograd node, whose backward then runs
+    node by node: those nodes are told by their sequence numbers (the forward op's, on the
+    engine's ``evaluate_function`` range), left out, and the layer's backward replayed as one op
+    (``lstm_train_backward``)."""
     layers = {}
     for event in events:
         if event.name in WHOLE_LAYERS and _top_level_aten(event):
             layers[id(event)] = {d.sequence_nr for d in _descendants(event) if d.sequence_nr >= 0}
     if not layers:
-        return set(), []
-    recorded = set().union(*layers.values())
-    ran = {e.sequence_nr for e in events if e.name.startswith(ENGINE_NODE) and e.sequence_nr in recorded}
-    return {layer for layer, seqs in layers.items() if seqs & ran}, _backward_of(recorded, events)
+        return {}, []
+    backward = {}
+    for layer, numbers in layers.items():
+        ranges = _backward_of(numbers, events)
+        if ranges:
+            backward[layer] = (min(s for s, _ in ranges), max(e for _, e in ranges))
+    return backward, _backward_of(set().union(*layers.values()), events)
+
+
+def _in_engine(event) -> bool:
+    """Whether autograd's engine ran ``event`` (an op of a backward node)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(ENGINE_NODE):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def _backward_of(sequence_numbers: set[int], events: list) -> list[tuple[float, float]]:
@@ -189,214 +211,3 @@ NOT_MODEL_CALLERS = ("aten::", "prims::", "torch::autograd::AccumulateGrad", "Co
 def _top_level_aten(event) -> bool:
     parent = event.cpu_parent
     return event.name.startswith("aten::") and not (parent is not None and parent.name.startswith(NOT_MODEL_CALLERS))
-
-
-def _replay_whole_or_in_parts(graph: fx.Graph, event, cache: dict, with_backward: bool) -> tuple[int, list[str]]:
-    """(ops added to ``graph``, names of those not replayed): ``event``'s op; or, where it cannot
-    be replayed from its own record and is a composite op (``_composite``), the ATen ops it ran,
-    each likewise: ``_pad_packed_sequence`` copies a step's rows at a time, in ops whose shapes
-    the profiler records where its own output's size follows the lengths' values."""
-    if _replay_into(graph, event, cache, with_backward) or _host_read_into(graph, event):
-        return 1, []
-    parts = sorted((c for c in event.cpu_children if c.name.startswith("aten::")), key=lambda c: c.time_range.start)
-    if not parts or not _composite(event):
-        return 0, [event.name]
-    added, missed = 0, []
-    for part in parts:
-        part_added, part_missed = _replay_whole_or_in_parts(graph, part, cache, False)
-        added, missed = added + part_added, missed + part_missed
-    return added, (missed if added else [event.name])  # none of its parts: named as the op the model called
-
-
-def _host_read_into(graph: fx.Graph, event) -> bool:
-    """Add a host read of a device value (``HOST_READS``: ``.item()``, ``bool(tensor)``) to
-    ``graph`` as the copy of its first tensor to the host (``_local_scalar_dense``), after which
-    the lowering makes the host wait for the device; False for any other op. A meta tensor has
-    no value to read, so such an op is never replayed. The record does not tell a tensor that
-    stays on the host (a packed sequence's batch sizes) from a device tensor: every read waits,
-    an upper bound."""
-    if event.name not in HOST_READS or not event.input_dtypes or event.input_dtypes[0] not in DTYPES:
-        return False
-    read = graph.placeholder(f"eager_input_{len(graph.nodes)}")
-    read.meta["val"] = torch.empty(event.input_shapes[0], dtype=DTYPES[event.input_dtypes[0]], device="meta")
-    value = graph.call_function(torch.ops.aten._local_scalar_dense.default, (read,))
-    value.meta["val"] = read.meta["val"].dtype.is_floating_point and 0.0 or 0  # a Python number, as item gives
-    return True
-
-
-def _composite(event) -> bool:
-    """Whether ``event``'s op runs as other ATen ops on every device: each of its overloads that
-    takes the recorded number of arguments has a composite kernel and none of its own for a CPU
-    or a GPU (``aten::index`` has kernels of its own: its parts are not its work)."""
-    namespace, _, name = event.name.partition("::")
-    packet = getattr(getattr(torch.ops, namespace, None), name, None)
-    if packet is None:
-        return False
-    names = [event.overload_name] if event.overload_name else packet.overloads()
-    qualified = [f"{event.name}.{n}" if n != "default" else event.name for n in names
-                 if hasattr(packet, n) and len(getattr(packet, n)._schema.arguments) == len(event.input_shapes)]
-
-    def has(op: str, key: str) -> bool:
-        try:
-            return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
-        except RuntimeError:  # an overload only TorchScript holds (``index_put.hacked_twin``): no kernel
-            return False
-    return bool(qualified) and all(
-        (has(op, "CompositeImplicitAutograd") or has(op, "CompositeExplicitAutograd"))
-        and not (has(op, "CPU") or has(op, "CUDA")) for op in qualified)
-
-
-def _replay_into(graph: fx.Graph, event, cache: dict, with_backward: bool = False) -> bool:
-    """Add ``event``'s op, as make_fx splits it on meta tensors, to ``graph`` (``with_backward``:
-    and its backward); False where it cannot be replayed."""
-    traced = _traced(event, cache, with_backward)
-    if traced is None:
-        return False
-    env = {}
-    for node in traced.graph.nodes:
-        if node.op == "placeholder" or (with_backward and node.target in REPLAY_HARNESS):
-            env[node] = graph.placeholder(f"eager_input_{len(graph.nodes)}")
-            env[node].meta.update(node.meta)
-        elif node.op == "call_function":
-            env[node] = graph.node_copy(node, lambda n: env[n])
-        elif node.op == "get_attr":  # a constant make_fx kept: the op's input all the same
-            env[node] = graph.placeholder(f"eager_constant_{len(graph.nodes)}")
-            env[node].meta["val"] = getattr(traced, node.target)
-    return True
-
-
-@dataclasses.dataclass(frozen=True)
-class StandIn:
-    """A recorded op in the form another op's replay takes: the profiler's fields, rewritten."""
-    name: str
-    overload_name: str
-    input_shapes: list
-    input_dtypes: list
-    concrete_inputs: list
-    structured_input_shapes: list
-
-
-def packed_layer_stand_in(event):
-    """``event``, or for an RNN layer over a packed sequence (``lstm.data``: ``data`` [N, F] and
-    ``batch_sizes`` [T], from ``nn.utils.rnn.pack_padded_sequence``) a stand-in of the same
-    work: the layer over a padded input of T steps of ceil(N / T) rows, with its states that
-    wide. It runs T sequential steps over N rows in all; its own replay cannot run on meta
-    tensors, as its steps' sizes follow the values of ``batch_sizes``."""
-    dtypes = list(event.input_dtypes)
-    is_packed = len(dtypes) == 9 and dtypes[1] == "long int" and len(event.input_shapes[1]) == 1
-    if event.name not in WHOLE_LAYERS or not is_packed:
-        return event
-    lists = list(getattr(event, "structured_input_shapes", None) or [None] * len(dtypes))
-    (rows, features), (steps,) = event.input_shapes[0], event.input_shapes[1]
-    width = -(-rows // max(steps, 1))
-    widened = lambda shape: [shape[0], width, *shape[2:]]  # noqa: E731  (layers x directions, batch, hidden)
-    states = [widened(s) for s in lists[2]] if dtypes[2] == "TensorList" else widened(event.input_shapes[2])
-    shapes = [[steps, width, features]] + [[] if dtypes[2] == "TensorList" else states] + event.input_shapes[3:] + [[]]
-    return StandIn(event.name, "input", shapes, [dtypes[0]] + dtypes[2:] + ["Scalar"],
-                   [None] + list(event.concrete_inputs[2:]) + [False],
-                   [shapes[0], states] + lists[3:] + [[]])
-
-
-def _traced(event, cache: dict, with_backward: bool = False) -> fx.GraphModule | None:
-    """``event``'s op traced by make_fx on meta tensors (``cache``: by the recorded call, as an
-    eager loop repeats the same calls): its recorded overload, or (the profiler leaves the name
-    empty) the first of the op's overloads whose schema takes the recorded arguments; None
-    where none does. An RNN layer (``_VF.lstm``, ``gru``, ``rnn_tanh``, ``rnn_relu``) is one op,
-    as in a captured graph (``keep_ops_whole``), not the per-step ops its meta kernel runs."""
-    key = (event.name, event.overload_name, repr(event.input_shapes), repr(event.input_dtypes),
-           repr(event.concrete_inputs), repr(getattr(event, "structured_input_shapes", None)), with_backward)
-    if key not in cache:
-        cache[key] = _trace(packed_layer_stand_in(event), with_backward)
-    return cache[key]
-
-
-def _trace(event, with_backward: bool) -> fx.GraphModule | None:
-    namespace, _, name = event.name.partition("::")
-    packet = getattr(getattr(torch.ops, namespace, None), name, None)
-    if packet is None:
-        return None
-    names = [event.overload_name] if event.overload_name else sorted(packet.overloads(), key=lambda n: n != "default")
-    for overload in names:
-        op = getattr(packet, overload, None)
-        if op is None or len(op._schema.arguments) != len(event.input_shapes):
-            continue
-        try:
-            args, kwargs, tensors = _arguments(op, event)
-            whole = WHOLE_LAYERS.get(event.name) if overload == "input" else None
-            call = whole or op
-
-            def run(*ts):
-                outputs = call(*_filled(args, ts), **dict(zip(kwargs, _filled(kwargs.values(), ts))))
-                if with_backward:  # the layer's gradients for its input and weights
-                    leaves = [t for t in ts if t.requires_grad]
-                    outs = [o for o in torch.utils._pytree.tree_leaves(outputs) if o.requires_grad]
-                    return torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
-                return outputs
-            if with_backward:
-                tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
-            with keep_ops_whole() if whole else contextlib.nullcontext(), torch.set_grad_enabled(with_backward):
-                return make_fx(run)(*tensors)
-        except Exception:  # an argument this overload takes otherwise, or the profiler does not record
-            continue
-    return None
-
-
-class _Tensor:
-    """A tensor argument's place in the list make_fx traces over."""
-
-    def __init__(self, position: int):
-        self.position = position
-
-
-def _arguments(op, event) -> tuple[list, dict, list]:
-    """(positional arguments and keyword-only ones, with ``_Tensor`` places, and the meta tensors
-    for them) rebuilt from the profiler's shapes, dtypes and values along ``op``'s schema. The
-    tensors of a tensor list (``cat``'s, an RNN's weights) have recorded shapes but no dtype:
-    they take the first single tensor's (float32 where there is none)."""
-    list_dtype = next((DTYPES[d] for d in event.input_dtypes if d in DTYPES), torch.float32)
-    lists = getattr(event, "structured_input_shapes", None) or [None] * len(event.input_shapes)
-    args, kwargs, tensors = [], {}, []
-    for argument, shape, dtype, value, listed in zip(op._schema.arguments, event.input_shapes, event.input_dtypes,
-                                                     event.concrete_inputs, lists):
-        if dtype == "TensorList" and str(argument.type) == "List[Tensor]" and isinstance(listed, list):
-            rebuilt = [_tensor(s, list_dtype, tensors) for s in listed]
-        else:
-            rebuilt = _argument(argument.type, shape, dtype, value, tensors)
-        if argument.kwarg_only:
-            kwargs[argument.name] = rebuilt
-        else:
-            args.append(rebuilt)
-    return args, kwargs, tensors
-
-
-def _tensor(shape, dtype: torch.dtype, tensors: list) -> _Tensor:
-    tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
-    return _Tensor(len(tensors) - 1)
-
-
-def _argument(schema_type, shape, dtype: str, value, tensors: list):
-    """One argument of ``schema_type``; a tensor is appended to ``tensors``."""
-    optional = isinstance(schema_type, torch.OptionalType)
-    kind = str(schema_type.getElementType() if optional else schema_type)
-    if dtype in DTYPES and kind == "Tensor":
-        return _tensor(shape, DTYPES[dtype], tensors)
-    if "Tensor" in kind:
-        if optional and value is None and dtype == "":
-            return None
-        raise ValueError(f"a {kind} argument recorded as {dtype!r} is not replayed")
-    if dtype in DTYPES:
-        raise ValueError(f"a tensor recorded where the schema takes {kind}")
-    if "ScalarType" in kind:
-        return SCALAR_TYPES[value] if value is not None else None
-    if "Device" in kind:
-        return torch.device("meta")
-    if "Layout" in kind or "MemoryFormat" in kind:
-        return None  # the defaults: strided, contiguous
-    return value
-
-
-def _filled(args, tensors) -> list:
-    """``args`` with each ``_Tensor`` place (also inside a list) replaced by its tensor."""
-    return [tensors[a.position] if isinstance(a, _Tensor) else
-            [tensors[t.position] for t in a] if isinstance(a, list) and a and isinstance(a[0], _Tensor) else a
-            for a in args]

@@ -46,9 +46,10 @@ class StepCalls:
     end_us: float
     measured: bool = True
     input_storages: frozenset[int] = frozenset()
-    # where not measured: the eager ATen ops run before call k (key k; END: after the last) as a
-    # graph, and the ops that could not be replayed by name (fxdream.capturing.eager_ops)
-    eager_before: Mapping[object, fx.GraphModule] = field(default_factory=dict)
+    # where not measured: the eager ATen ops run before call k (key k; END: after the last) as
+    # (phase, graph) pairs in the order they ran, and the ops that could not be replayed by name
+    # (fxdream.capturing.eager_ops)
+    eager_before: Mapping[object, tuple[tuple[str, fx.GraphModule], ...]] = field(default_factory=dict)
     eager_skipped: Mapping[str, int] = field(default_factory=dict)
 
     @property

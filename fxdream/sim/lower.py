@@ -392,14 +392,13 @@ def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None =
 
 def _as_called(by_label: dict, step: StepCalls) -> tuple[list, dict]:
     """(label, graph) per call of ``step`` (calls of graphs not captured here are skipped), each
-    preceded by the graph of the eager ops recorded before it ("eager3.fw", ``eager_before``),
+    preceded by the graphs of the eager ops recorded before it ("eager3.fw", ``eager_before``),
     and the host gaps by those labels."""
     forwards = collections.Counter(label.rsplit(".", 1)[0] for label in step.calls if label.endswith(".fw"))
     seen: collections.Counter = collections.Counter()
     used, ordered, gaps = set(), [], {END: step.end_us}
     for position, (label, gap_us) in enumerate(zip(step.calls, step.gaps_us)):
-        if position in step.eager_before:
-            ordered.append((f"{EAGER}{position}.{label.rsplit('.', 1)[1]}", step.eager_before[position]))
+        ordered.extend(_eager_graphs(step, position))
         if label not in by_label:
             gaps[END] += gap_us
             continue
@@ -415,7 +414,16 @@ def _as_called(by_label: dict, step: StepCalls) -> tuple[list, dict]:
         used.add(name)
         ordered.append((name, by_label[label]))
         gaps[name] = gap_us
-    if END in step.eager_before:
-        ordered.append((f"{EAGER}_{END}.{ordered[-1][0].rsplit('.', 1)[1] if ordered else 'fw'}",
-                        step.eager_before[END]))
+    ordered.extend(_eager_graphs(step, END))
     return ordered, gaps
+
+
+def _eager_graphs(step: StepCalls, position) -> list[tuple[str, fx.GraphModule]]:
+    """(label, graph) of each phase's eager ops recorded before call ``position`` (``END``: after
+    the last), in the order they ran: "eager3.fw", "eager3.bw" (a phase again: "eager3_2.fw")."""
+    where = f"_{END}" if position == END else str(position)
+    labels, seen = [], collections.Counter()
+    for phase, gm in step.eager_before.get(position, ()):
+        seen[phase] += 1
+        labels.append((f"{EAGER}{where}" + (f"_{seen[phase]}" if seen[phase] > 1 else "") + f".{phase}", gm))
+    return labels
