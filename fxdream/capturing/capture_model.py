@@ -72,8 +72,10 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
         else:  # the whole step is one measured host task
             notes = (f"{nothing}; the whole step ran as eager code, predicted from its time measured here "
                      f"({step.total_us / 1e3:.3f} ms per step)",)
-    elif order is not None:
+    elif order is not None and (captured or order.eager_before):
         step, notes = order, notes + describe_calls(order)
+        if not captured:
+            notes = (f"{nothing}; the whole step ran as eager code, predicted from its ATen ops",) + notes
     if not captured and step is None:  # no graph to cost, and no time measured
         raise CaptureError(nothing if measure else f"{nothing}; fxdream.simulate for this machine with real inputs "
                                                    f"(cost='auto') measures the step as eager code instead")
@@ -84,7 +86,7 @@ def _call_order(runner, model, inputs: tuple, training: bool, session: CaptureSe
     """``record_model_calls`` where the graph broke (the order of the graph calls and how many
     are not known from the graphs alone), else None; None too where recording fails: the
     prediction then costs each graph once."""
-    if not session.captured() or (len(session.captured()) == 1 and not new_graph_breaks(breaks_before)):
+    if len(session.captured()) == 1 and not new_graph_breaks(breaks_before):
         return None
     meta = on_meta(model, inputs)
     try:
