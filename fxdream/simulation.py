@@ -7,6 +7,7 @@ import warnings
 
 import torch
 import torch.fx.experimental._config as meta_config  # private; the only switch of the meta nonzero kernel
+from torch.utils._pytree import tree_leaves
 
 from fxdream.build import cost_model_for
 from fxdream.capturing.capture_model import capture_with_host_gaps
@@ -94,6 +95,10 @@ def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inpu
             raise CaptureError(f"{error}\n{hint}") from error
         if measure or model is original[0] or on_meta(*original):
             raise
+        lengths_moved = all(t.is_meta for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor))
+        if LENGTHS_ON_CPU in str(error) and lengths_moved:
+            model, example_inputs, _ = meta_copy(*original, lengths_on_cpu=True)
+            return capture_for_prediction(original, model, example_inputs, training, measure)
         model, example_inputs = original
         captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
         fallback = (f"captured on the example's data here, not on the meta device, where its capture failed "
@@ -126,6 +131,11 @@ def state_outside_graphs(model: torch.nn.Module, captured, training: bool,
         static += storage.nbytes() * (1 + (state_copies if learned else 0))
         gradients += storage.nbytes() if learned else 0
     return static, gradients
+
+
+# torch's pack_padded_sequence takes its lengths on the CPU on any device: a meta copy that moved
+# them to the meta device is made again with them left there (``meta_copy(lengths_on_cpu=True)``)
+LENGTHS_ON_CPU = "'lengths' argument should be a 1D CPU int64 tensor"
 
 
 # A model the user built on the meta device has no data to count a mask's true elements in

@@ -215,3 +215,41 @@ def test_a_host_read_between_graphs_makes_the_host_wait_for_the_device():
     after = [t.name for t in tasks[[t.name for t in tasks].index(sync) + 1:] if t.kind == "cpu"]
     assert after and min(times[name][0] for name in after) >= times[sync][1]
     assert "not replayed" not in prediction.notes[-1]
+
+
+class _LayerDrop(nn.Module):
+    """Skips its second layer at random, as Hugging Face's LayerDrop: a CPU scalar read on the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        h = self.first(x)
+        if torch.rand([]) < 2.0:  # always taken
+            h = self.second(h)
+        return h.relu()
+
+
+def test_a_host_read_of_a_cpu_tensor_does_not_wait_for_the_device():
+    """Captured on the meta device, a value that can be read is a CPU tensor's: a random draw,
+    a packed sequence's lengths (the meta copy leaves 1-d integer inputs on the CPU where
+    pack_padded_sequence refuses them on the meta device)."""
+    def syncs_and_notes(model, inputs):
+        prediction = fxdream.simulate(model, inputs, device="h100")
+        return sum(t.kind == "sync" for t in prediction.task_graph.tasks), prediction.notes
+    syncs, notes = syncs_and_notes(_LayerDrop(), (torch.randn(64, 256),))
+    assert syncs == 0 and "the eager code where the graph broke" in notes[0]
+    syncs, notes = syncs_and_notes(_PackedTagger(), (torch.randn(4, 16, 32), torch.tensor([16, 12, 9, 3])))
+    assert syncs == 0 and not any("captured on the example's data" in note for note in notes)
+    assert syncs_and_notes(_ReadsAValue(), (torch.randn(64, 256),))[0] == 1  # a device value read: one wait
+
+
+class _PackedTagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        return nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True)[0]

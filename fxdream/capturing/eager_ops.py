@@ -37,6 +37,7 @@ from fxdream.capturing.host_gaps import (
     SubgraphClock,
     measure_model_gaps,
 )
+from fxdream.capturing.meta import on_meta
 from fxdream.capturing.op_replay import ALL, BACKWARD, FORWARD, WHOLE_LAYERS, replay
 from fxdream.capturing.steps import LOSS_RANGE
 
@@ -49,7 +50,8 @@ def record_model_calls(call: Callable, model, inputs: tuple, training: bool,
     """The order of the graph calls of one step of ``call`` (as ``measure_model_gaps`` runs it),
     without times (``StepCalls.measured`` False, gaps zero), with the eager ops between them
     (``StepCalls.eager_before``) and the storages the calls took; None where every step
-    compiled. For a prediction that measures nothing here."""
+    compiled. For a prediction that measures nothing here. On the meta device a value read on
+    the host is a CPU tensor's (a meta tensor has none to read): no wait for the device."""
     clock.mark_calls = True
     try:
         with profiled() as events:
@@ -58,7 +60,7 @@ def record_model_calls(call: Callable, model, inputs: tuple, training: bool,
         clock.mark_calls = False
     if step is None:
         return None
-    before, skipped = eager_ops(events, len(step.calls))
+    before, skipped = eager_ops(events, len(step.calls), reads_wait=not on_meta(model, inputs))
     return dataclasses.replace(step, gaps_us=(0.0,) * len(step.calls), end_us=0.0, measured=False,
                                eager_before=before, eager_skipped=skipped)
 
@@ -84,12 +86,13 @@ def profiled():
     events.extend(profile.events())
 
 
-def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
+def eager_ops(events: list, calls: int, reads_wait: bool = True) -> tuple[dict, dict[str, int]]:
     """(position k → the eager ops run before graph call k, ``END`` → after the last, as
     (phase, graph) pairs in the order they ran; op name → ops not replayed) of a profiled step
     (the last ``STEP_RANGE``, where there is one) whose ``calls`` graph calls were ranges named
     ``GRAPH_CALL_PREFIX`` + label. Where the ranges do not match the calls (a step that
-    compiled), every eager op is put at the end."""
+    compiled), every eager op is put at the end. ``reads_wait``: a value read on the host is a
+    device tensor's, for which the host waits (``op_replay.replay``)."""
     skipped: collections.Counter = collections.Counter()
     before, replayed, cache = {}, 0, {}
     for key, ran in _eager_events(events, calls).items():
@@ -100,7 +103,7 @@ def eager_ops(events: list, calls: int) -> tuple[dict, dict[str, int]]:
             if replayed >= MAX_OPS:
                 skipped[op.event.name] += 1
                 continue
-            added, missed = replay(segments[-1][1], op.event, cache, op.part)
+            added, missed = replay(segments[-1][1], op.event, cache, op.part, reads_wait)
             replayed += added
             skipped.update(missed)
         kept = tuple((phase, _module(graph)) for phase, graph in segments

@@ -21,11 +21,16 @@ def on_meta(model: torch.nn.Module, inputs=(), kwargs=None) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
 
 
-def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None):
+def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None, lengths_on_cpu: bool = False):
     """(the model, inputs, kwargs) with every parameter, buffer and input tensor on the meta
     device: the model is deep-copied with its tensors replaced by meta ones (no data copied),
-    the original is left as it was."""
+    the original is left as it was. ``lengths_on_cpu``: 1-d integer input tensors stay as they
+    are, as ``pack_padded_sequence`` takes its lengths on the CPU whatever the model's device."""
     memo: dict[int, torch.Tensor] = {}
+    if lengths_on_cpu:
+        memo.update((id(t), t) for t in tree_leaves((inputs, kwargs or {}))
+                    if isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point()
+                    and not t.is_complex() and t.device.type == "cpu")
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if id(tensor) not in memo:
             meta = tensor.detach().to("meta")

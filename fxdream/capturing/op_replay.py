@@ -44,13 +44,17 @@ WHOLE_LAYERS = {"aten::lstm": torch._VF.lstm, "aten::gru": torch._VF.gru, "aten:
 ALL, FORWARD, BACKWARD = "all", "forward", "backward"
 
 
-def replay(graph: fx.Graph, event, cache: dict, part: str = ALL) -> tuple[int, list[str]]:
+def replay(graph: fx.Graph, event, cache: dict, part: str = ALL, reads_wait: bool = True) -> tuple[int, list[str]]:
     """(ops added to ``graph``, names of those not replayed): ``event``'s op (``part``: ``ALL``,
     or ``FORWARD``/``BACKWARD`` of an RNN layer whose backward ran); or, where it cannot be
     replayed from its own record and is a composite op (``_composite``), the ATen ops it ran,
     each likewise: ``_pad_packed_sequence`` copies a step's rows at a time, in ops whose shapes
     the profiler records where its own output's size follows the lengths' values. ``cache``
-    keeps each recorded call's trace, as an eager loop repeats the same calls."""
+    keeps each recorded call's trace, as an eager loop repeats the same calls. ``reads_wait``:
+    a value read on the host is a device tensor's (``_host_read_into``); else a CPU tensor's,
+    which costs the device nothing."""
+    if event.name in HOST_READS and not reads_wait:
+        return 0, []
     if _replay_into(graph, event, cache, part) or _host_read_into(graph, event):
         return 1, []
     parts = sorted((c for c in event.cpu_children if c.name.startswith("aten::")), key=lambda c: c.time_range.start)
@@ -58,7 +62,7 @@ def replay(graph: fx.Graph, event, cache: dict, part: str = ALL) -> tuple[int, l
         return 0, [event.name]
     added, missed = 0, []
     for child in parts:
-        child_added, child_missed = replay(graph, child, cache)
+        child_added, child_missed = replay(graph, child, cache, reads_wait=reads_wait)
         added, missed = added + child_added, missed + child_missed
     return added, (missed if added else [event.name])  # none of its parts: named as the op the model called
 
@@ -67,9 +71,9 @@ def _host_read_into(graph: fx.Graph, event) -> bool:
     """Add a host read of a device value (``HOST_READS``: ``.item()``, ``bool(tensor)``) to
     ``graph`` as the copy of its first tensor to the host (``_local_scalar_dense``), after which
     the lowering makes the host wait for the device; False for any other op. A meta tensor has
-    no value to read, so such an op is never replayed. The record does not tell a tensor that
-    stays on the host (a packed sequence's batch sizes) from a device tensor: every read waits,
-    an upper bound."""
+    no value to read, so such an op is never replayed. A step recorded on real data does not
+    tell a tensor that stays on the host (a packed sequence's batch sizes) from a device tensor:
+    every read waits, an upper bound; on the meta device only a CPU tensor can be read."""
     if event.name not in HOST_READS or not event.input_dtypes or event.input_dtypes[0] not in DTYPES:
         return False
     read = graph.placeholder(f"eager_input_{len(graph.nodes)}")
