@@ -97,6 +97,33 @@ def test_an_eager_rnn_layer_is_one_op_as_in_a_graph_not_its_per_step_ops():
     assert not [t for t in trained.task_graph.tasks if t.name.startswith("eager_end") and t.op == "aten.detach"]
 
 
+class _CellLoop(nn.Module):
+    """An LSTM cell stepped over the sequence in Python, eagerly where ``eager``, then a linear layer."""
+
+    def __init__(self, eager: bool):
+        super().__init__()
+        self.cell, self.out = nn.LSTMCell(16, 32), nn.Linear(32, 8)
+        self.loop = torch.compiler.disable(self._loop) if eager else self._loop
+
+    def _loop(self, x):
+        h = c = x.new_zeros(x.shape[0], 32)
+        for t in range(x.shape[1]):
+            h, c = self.cell(x[:, t], (h, c))
+        return h
+
+    def forward(self, x):
+        return self.out(self.loop(x))
+
+
+def test_an_eager_rnn_cell_is_one_op_as_in_an_inference_graph():
+    x = torch.randn(4, 6, 16)
+    eager = fxdream.simulate(_CellLoop(eager=True), (x,), device="h100")
+    compiled = fxdream.simulate(_CellLoop(eager=False), (x,), device="h100")
+    cells = [t for t in eager.task_graph.tasks if t.op == "fxdream.rnn_cell_inference" and t.kind == "cpu"]
+    assert len(cells) == 6 and all(t.name.startswith("eager") for t in cells)  # not ~20 ops a step
+    assert eager.time_ms == pytest.approx(compiled.time_ms, rel=1e-6)  # the same cells and views, costed alike
+
+
 class _PrintsBetween(nn.Module):
     def __init__(self):
         super().__init__()

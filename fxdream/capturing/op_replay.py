@@ -7,6 +7,7 @@ records no data flow). Three kinds of op need more than their record:
 
 * An RNN layer (``WHOLE_LAYERS``) is the one op a captured graph holds (``keep_ops_whole``),
   not its per-step ops; over a packed sequence, the padded layer of the same steps and rows.
+  An RNN cell (``WHOLE_CELLS``) is one op in inference, as in an inference graph.
   Where its backward ran it is traced with it, and the forward and backward parts are added
   where each ran (``part``).
 * A composite op whose output's size follows values (packing a sequence) is replayed as the
@@ -40,6 +41,10 @@ HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "at
 # RNN layers replayed as the torch function nn.RNNBase calls, which keep_ops_whole keeps one op
 WHOLE_LAYERS = {"aten::lstm": torch._VF.lstm, "aten::gru": torch._VF.gru, "aten::rnn_tanh": torch._VF.rnn_tanh,
                 "aten::rnn_relu": torch._VF.rnn_relu}
+# RNN cells replayed as the torch function nn's cells call, which keep_ops_whole keeps one op in
+# inference (``rnn_cell_inference``), as a captured inference graph holds a cell
+WHOLE_CELLS = {f"aten::{name}": getattr(torch._VF, name) for name in
+               ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")}
 # which of an op's replay to add: all of it; or of a layer traced with its backward, either part
 ALL, FORWARD, BACKWARD = "all", "forward", "backward"
 
@@ -190,7 +195,7 @@ def _trace(event, with_backward: bool) -> fx.GraphModule | None:
             continue
         try:
             args, kwargs, tensors = _arguments(op, event)
-            whole = WHOLE_LAYERS.get(event.name) if overload == "input" else None
+            whole = WHOLE_LAYERS.get(event.name) if overload == "input" else WHOLE_CELLS.get(event.name)
             call = whole or op
 
             def run(*ts):
@@ -202,7 +207,8 @@ def _trace(event, with_backward: bool) -> fx.GraphModule | None:
                 return outputs
             if with_backward:
                 tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
-            with keep_ops_whole() if whole else contextlib.nullcontext(), torch.set_grad_enabled(with_backward):
+            # grad mode first: keep_ops_whole reads it to tell a training trace from an inference one
+            with torch.set_grad_enabled(with_backward), keep_ops_whole() if whole else contextlib.nullcontext():
                 return make_fx(run)(*tensors)
         except Exception:  # an argument this overload takes otherwise, or the profiler does not record
             continue
