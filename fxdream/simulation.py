@@ -163,6 +163,13 @@ META_VALUE_HINT = ("hint: the model reads a tensor's value (.item(), a branch on
                    "or make the forward not depend on values")
 
 
+# An op torch has no meta kernel for (``masked_select``) cannot run on a model on the meta device.
+META_KERNEL_MISSING = "no fake impl or Meta kernel registered"
+META_KERNEL_HINT = ("hint: the model calls an op torch cannot run on the meta device (no meta kernel; "
+                    "masked_select's output size is its mask's values): build the model on the CPU with real "
+                    "example inputs (simulate then captures on their data, nothing runs on the predicted device)")
+
+
 def meta_hint(error: Exception) -> str | None:
     """What to do about a capture of a meta model that failed, where the error says why."""
     text = str(error)
@@ -170,6 +177,8 @@ def meta_hint(error: Exception) -> str | None:
         return META_CONSTANT_HINT
     if any(words in text for words in META_VALUE_ERRORS):
         return META_VALUE_HINT
+    if META_KERNEL_MISSING in text:
+        return META_KERNEL_HINT
     return None
 
 

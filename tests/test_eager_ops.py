@@ -280,3 +280,33 @@ class _PackedTagger(nn.Module):
     def forward(self, x, lengths):
         packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
         return nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True)[0]
+
+
+class _Selects(nn.Module):
+    """Keeps the rows (``nonzero``) or elements (``masked_select``) a device value picks: the
+    graph breaks there (an output size that follows values)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.first, self.second, self.how = nn.Linear(64, 64), nn.Linear(64, 64), how
+
+    def forward(self, x):
+        h = self.first(x)
+        if self.how == "nonzero":
+            return self.second(h.index_select(0, torch.nonzero(h[:, 0] > 0).squeeze(-1))).sum()
+        return self.second(torch.masked_select(h, h > 0).reshape(-1, 1).expand(-1, 64)).sum()
+
+
+@pytest.mark.parametrize("how", ["nonzero", "masked_select"])
+def test_an_eager_op_whose_size_follows_values_waits_for_the_device(how):
+    """Replayed keeping every element (an upper bound), with the host's wait for the count."""
+    x = torch.randn(32, 64)
+    on_data = fxdream.simulate(_Selects(how), (x,), device="h100")
+    assert sum(t.kind == "sync" for t in on_data.task_graph.tasks) == 1
+    with torch.device("meta"):
+        model = _Selects(how)
+    if how == "nonzero":  # a model built on the meta device: the same, nonzero keeping every element there too
+        assert fxdream.simulate(model, (x.to("meta"),), device="h100").time_ms == pytest.approx(on_data.time_ms)
+    else:
+        with pytest.raises(fxdream.CaptureError, match="no meta kernel"):
+            fxdream.simulate(model, (x.to("meta"),), device="h100")

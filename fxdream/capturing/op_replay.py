@@ -22,6 +22,7 @@ import dataclasses
 
 import torch
 import torch.fx as fx
+import torch.fx.experimental._config as meta_config  # private; the only switch of the meta nonzero kernel
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxdream.ops.keep_whole import keep_ops_whole
@@ -170,6 +171,17 @@ def packed_layer_stand_in(event):
                    [shapes[0], states] + lists[3:] + [[]])
 
 
+def stand_in(event):
+    """``event``, or the op that stands in for it where its own replay cannot run on meta tensors:
+    an RNN layer over a packed sequence (``packed_layer_stand_in``); ``masked_select`` (no meta
+    kernel) as the ``nonzero`` of its mask, the read of the mask and the host's wait for the
+    elements kept, whose copy it leaves out."""
+    if event.name == "aten::masked_select" and len(event.input_shapes) == 2:
+        return StandIn("aten::nonzero", "", [event.input_shapes[1]], [event.input_dtypes[1]], [None],
+                       [event.input_shapes[1]])
+    return packed_layer_stand_in(event)
+
+
 def _traced(event, cache: dict, with_backward: bool = False) -> fx.GraphModule | None:
     """``event``'s op traced by make_fx on meta tensors (``cache``: by the recorded call, as an
     eager loop repeats the same calls): its recorded overload, or (the profiler leaves the name
@@ -179,7 +191,7 @@ def _traced(event, cache: dict, with_backward: bool = False) -> fx.GraphModule |
     key = (event.name, event.overload_name, repr(event.input_shapes), repr(event.input_dtypes),
            repr(event.concrete_inputs), repr(getattr(event, "structured_input_shapes", None)), with_backward)
     if key not in cache:
-        cache[key] = _trace(packed_layer_stand_in(event), with_backward)
+        cache[key] = _trace(stand_in(event), with_backward)
     return cache[key]
 
 
@@ -207,8 +219,10 @@ def _trace(event, with_backward: bool) -> fx.GraphModule | None:
                 return outputs
             if with_backward:
                 tensors = [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
-            # grad mode first: keep_ops_whole reads it to tell a training trace from an inference one
-            with torch.set_grad_enabled(with_backward), keep_ops_whole() if whole else contextlib.nullcontext():
+            # grad mode first: keep_ops_whole reads it to tell a training trace from an inference one;
+            # nonzero keeps every element (no values on meta tensors: sizes after it are upper bounds)
+            with torch.set_grad_enabled(with_backward), keep_ops_whole() if whole else contextlib.nullcontext(), \
+                    meta_config.patch(meta_nonzero_assume_all_nonzero=True):
                 return make_fx(run)(*tensors)
         except Exception:  # an argument this overload takes otherwise, or the profiler does not record
             continue
