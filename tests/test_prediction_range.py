@@ -7,7 +7,7 @@ from fxdream.report import Report
 from fxdream.sim.cost import Analytic, Profiled, get_device
 from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.lower import lower
-from fxdream.sim.prediction import Prediction, iteration_us
+from fxdream.sim.prediction import Prediction, iteration_us, repeated
 from fxdream.sim.profile.op_keys import profile_key
 from fxdream.sim.simulate import simulate
 from fxdream.sim.task import DepKind, Task, TaskKind
@@ -168,3 +168,21 @@ def test_inference_calls_back_to_back_cost_their_busiest_resource(kernel_us, syn
     assert one_call.time_ms == pytest.approx(timeline.makespan_us / 1e3)
     assert one_call.time_ms >= back_to_back.time_ms
     assert iteration_us(get_device("cpu"), graph, timeline) == timeline.makespan_us  # a CPU runs both
+
+
+def test_calls_back_to_back_overlap_the_work_before_a_wait_with_the_call_before():
+    """A launches a 100 µs kernel, the host waits for it (a read), B launches a 50 µs kernel. One
+    call: A 0-10, K1 10-110, wait, B 110-120, K2 120-170. The next call's A (120-130) runs while
+    K2 does; its K1 starts when K2 ends (170-270), its B at 270, its K2 ends at 330: 160 µs a
+    call, not one call's 170."""
+    graph = TaskGraph()
+    graph.append(Task.cpu("A", 10.0, op="aten.mm"))
+    graph.append(Task.gpu("K1", 100.0, op="aten.mm"), deps=["A"])
+    graph.append(Task("S", TaskKind.SYNC, 0.0, "cpu:0"), deps=[("K1", DepKind.SYNC)])
+    graph.append(Task.cpu("B", 10.0, op="aten.mm"))
+    graph.append(Task.gpu("K2", 50.0, op="aten.mm"), deps=["B"])
+    timeline = simulate(graph)
+    assert timeline.makespan_us == pytest.approx(170.0)
+    assert iteration_us(get_device("h100"), graph, timeline) == pytest.approx(160.0)
+    two = repeated(graph, 2)
+    assert len(two) == 2 * len(graph) and simulate(two).end("1|K2") == pytest.approx(330.0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +39,10 @@ class Prediction:
     # with its gradients and optimizer state in training: in the peak beside the timeline's memory
     outside_state_bytes: int = 0
 
-    @property
+    @functools.cached_property
     def time_ms(self) -> float:
         """Time per iteration: one iteration's makespan, or with ``back_to_back`` the time per
-        call of calls run back to back (``iteration_us``)."""
+        call of calls run back to back (``iteration_us``; kept: it may simulate two calls)."""
         if not self.back_to_back:
             return self.timeline.makespan_us / 1e3
         return iteration_us(self.device, self.task_graph, self.timeline) / 1e3
@@ -93,11 +94,38 @@ def iteration_us(device: DeviceSpec, graph: TaskGraph | None, timeline: Timeline
     """Time per iteration of iterations run back to back, as a loop over calls runs them and as
     fxdream times them. On a CPU the host runs the kernels: one iteration's makespan. On a GPU
     the host launches the next iteration while the device runs this one, so an iteration costs
-    its busiest resource (the host's launches or a stream's kernels), unless the host waits for
-    the device within it (a SYNC task: ``.item()``), which serializes them."""
-    if device.kind != "cuda" or graph is None or any(t.kind is TaskKind.SYNC for t in graph.tasks):
+    its busiest resource (the host's launches or a stream's kernels); where the host waits for
+    the device within it (a SYNC task: ``.item()``), the next iteration's work before its wait
+    overlaps only this one's device work after it: two iterations are simulated back to back
+    (with contention, as predictions are by default) and the second's added time is one's."""
+    if device.kind != "cuda" or graph is None:
         return timeline.makespan_us
+    if any(t.kind is TaskKind.SYNC for t in graph.tasks):
+        return simulate_graph(repeated(graph, 2), Contention()).makespan_us - timeline.makespan_us
     return min(timeline.makespan_us, max(timeline.busy_us.values(), default=0.0))
+
+
+def repeated(graph: TaskGraph, times: int) -> TaskGraph:
+    """``graph`` run ``times`` times back to back: copy k's tasks named "k|name" (copy 0 keeps
+    the names), each resource's first task in copy k after its last in copy k - 1 (a host
+    thread or a stream runs its work in program order, call after call)."""
+    tasks = graph.tasks
+    first, last = {}, {}
+    for t in tasks:
+        first.setdefault(t.resource, t.name)
+        last[t.resource] = t.name
+    out = TaskGraph()
+    for k in range(times):
+        name = (lambda n: n) if k == 0 else (lambda n, k=k: f"{k}|{n}")  # noqa: E731
+        before = (lambda n: n) if k == 1 else (lambda n, k=k: f"{k - 1}|{n}")  # noqa: E731
+        for t in tasks:
+            out.add_task(dataclasses.replace(t, name=name(t.name)))
+        for dep in graph.deps:
+            out.add_dep(name(dep.src), name(dep.dst), dep.kind)
+        if k:
+            for resource, head in first.items():
+                out.add_dep(before(last[resource]), name(head))
+    return out
 
 
 def this_machine_device(device: torch.device | str = "cpu") -> str:
