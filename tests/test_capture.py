@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -296,3 +298,18 @@ def test_torchs_fast_path_attention_counts_its_projections_and_both_products():
     node = next(n for n in gm.graph.nodes if op_name(n) == "aten._native_multi_head_attention")
     assert node_flops(node) == (2 * width * width * (2 * batch * queries + 2 * batch * keys)
                                 + 2 * 2 * batch * queries * keys * width)
+
+
+def test_dynamos_warning_that_a_capture_failed_on_a_graph_is_not_shown_for_fxdreams_own():
+    """A data-dependent op fails every capture on its graph, dynamo breaks the graph there and
+    warns, advising a report to the backend's authors; fxdream's report lists the break instead."""
+    dynamo_log = logging.getLogger("torch._dynamo.exc")
+
+    def record(backend: str) -> logging.LogRecord:
+        message = (f"Graph break in user code\n  Graph break under GenericContextWrappingVariable\n"
+                   f"  Explanation: Backend compiler `{backend}` failed with aten.nonzero.default. "
+                   f"Adding a graph break.\n  Hint: Report an issue to the backend compiler repo.\n\n"
+                   f"  Developer debug context: Backend: {backend}\n gb_type: Backend compiler exception")
+        return logging.LogRecord("torch._dynamo.exc", logging.WARNING, __file__, 1, message, None, None)
+    assert not dynamo_log.filter(record("<fxdream.capturing.session.CaptureSession object at 0x7f>"))
+    assert dynamo_log.filter(record("inductor"))  # another backend's failure is shown as dynamo shows it

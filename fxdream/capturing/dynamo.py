@@ -5,11 +5,27 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import re
 from typing import Callable
 
 import torch
+
+
+class _CaptureFallbackWarnings(logging.Filter):
+    """Drops dynamo's warning that a capture backend of fxdream's failed on a graph, to which
+    dynamo answers with a graph break ("Backend compiler exception"): an op whose output size
+    follows values (``nonzero`` under a boolean-mask assignment) fails every capture so, the
+    break is in the build's report with its reason, and the warning's advice (report an issue
+    to the backend's authors) is not for the user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Backend compiler exception" in message and "fxdream.capturing" in message)
+
+
+logging.getLogger("torch._dynamo.exc").addFilter(_CaptureFallbackWarnings())
 
 
 def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
