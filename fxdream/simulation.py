@@ -53,8 +53,12 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
     model, captured, step, notes = capture_for_prediction(original, model, example_inputs, training,
                                                           measure=isinstance(model_cost, Profiled))
     optimizer_model = OPTIMIZERS.get(optimizer)
-    outside_static, outside_gradients = state_outside_graphs(model, captured, training, optimizer_model,
-                                                             step.input_storages if step is not None else ())
+    called_with = step.input_storages if step is not None else ()
+    outside_static, outside_gradients = state_outside_graphs(model, captured, training, optimizer_model, called_with)
+    if training and optimizer_model is not None and outside_gradients:  # eager code's parameters: updated too
+        optimizer_model = dataclasses.replace(optimizer_model, outside_gradients=tuple(
+            (t.untyped_storage().nbytes(), t.numel()) for t in tensors_outside_graphs(model, captured, called_with)
+            if t.requires_grad))
     if outside_static + outside_gradients >= 2**20:
         notes += (f"{(outside_static + outside_gradients) / 2**20:.1f} MiB of the model's parameters and buffers"
                   f"{' (with their gradients and optimizer state)' if training else ''} are inputs of no captured "
@@ -67,7 +71,8 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
     else:
         prediction = predict(captured, model_cost, training, optimizer_model, contention=contention, step=step)
     return dataclasses.replace(prediction, notes=notes, static_bytes=prediction.static_bytes + outside_static,
-                               outside_state_bytes=outside_static + outside_gradients)
+                               outside_state_bytes=outside_static + outside_gradients,
+                               outside_gradient_bytes=outside_gradients)
 
 
 def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inputs: tuple, training: bool,
@@ -109,28 +114,37 @@ def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inpu
 def state_outside_graphs(model: torch.nn.Module, captured, training: bool,
                          optimizer: OptimizerModel | None = None, called_with=()) -> tuple[int, int]:
     """(static bytes, gradient bytes) of the model's parameters and buffers no captured graph
-    takes as an input: code run eagerly between the graphs uses them (an RNN in training, code
-    after a graph break), or nothing does, so no graph's memory holds them. Static: the tensors
-    and, in training, ``optimizer``'s state for each parameter; gradient: in training, each
-    parameter's gradient. Tensors are told apart by their storage (a graph's input is a detached
-    view of the parameter; on the meta device every data pointer is 0). ``called_with``: the
-    storages a step's graph calls took (``StepCalls.input_storages``): a graph called once per
-    layer holds each layer's parameters on its own call, which the lowering counts."""
+    takes as an input (``tensors_outside_graphs``): code run eagerly between the graphs uses
+    them (an RNN in training, code after a graph break), or nothing does, so no graph's memory
+    holds them. Static: the tensors and, in training, ``optimizer``'s state for each parameter;
+    gradient: in training, each parameter's gradient."""
+    state_copies = optimizer.state_copies if training and optimizer is not None else 0
+    static = gradients = 0
+    for tensor in tensors_outside_graphs(model, captured, called_with):
+        learned = training and tensor.requires_grad
+        nbytes = tensor.untyped_storage().nbytes()
+        static += nbytes * (1 + (state_copies if learned else 0))
+        gradients += nbytes if learned else 0
+    return static, gradients
+
+
+def tensors_outside_graphs(model: torch.nn.Module, captured, called_with=()) -> list[torch.Tensor]:
+    """The model's parameters and buffers no captured graph takes as an input, one per storage.
+    Tensors are told apart by their storage (a graph's input is a detached view of the
+    parameter; on the meta device every data pointer is 0). ``called_with``: the storages a
+    step's graph calls took (``StepCalls.input_storages``): a graph called once per layer holds
+    each layer's parameters on its own call, which the lowering counts."""
     parts = captured if isinstance(captured, tuple) else (captured,)
     # a storage's _cdata (its C++ object's address; private, isolated): equal for views of one storage
     seen = {x.untyped_storage()._cdata for part in parts for position, x in enumerate(part.example_inputs)
             if position in part.state_positions and isinstance(x, torch.Tensor)} | set(called_with)
-    state_copies = optimizer.state_copies if training and optimizer is not None else 0
-    static = gradients = 0
+    outside = []
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()
-        if storage._cdata in seen:
-            continue
-        seen.add(storage._cdata)
-        learned = training and tensor.requires_grad
-        static += storage.nbytes() * (1 + (state_copies if learned else 0))
-        gradients += storage.nbytes() if learned else 0
-    return static, gradients
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            outside.append(tensor)
+    return outside
 
 
 # torch's pack_padded_sequence takes its lengths on the CPU on any device: a meta copy that moved

@@ -56,6 +56,27 @@ def test_eager_backward_ops_are_costed_in_training():
     assert "not replayed" not in note and not any(t.name.startswith("eager0.") for t in prediction.task_graph.tasks)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_optimizer_step_updates_parameters_only_eager_code_uses(optimizer):
+    """``w`` is an input of no graph where the middle runs eagerly: it is updated all the same,
+    as the same step captured whole updates it (and the fused what-if moves its state too)."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 256)
+
+    def optimizer_tasks(eager: bool):
+        prediction = fxdream.simulate(_WithEagerPart(eager=eager), (x,), device="h100", training=True,
+                                      optimizer=optimizer)
+        tasks = [t for t in prediction.task_graph.tasks if t.phase == "optim"]
+        return prediction, len(tasks), sum(t.duration_us for t in tasks)
+    (eager, *eager_tasks), (captured, *captured_tasks) = optimizer_tasks(True), optimizer_tasks(False)
+    assert eager_tasks == pytest.approx(captured_tasks, rel=1e-9) and eager_tasks[0] > 0
+    assert eager.outside_gradient_bytes == 256 * 256 * 4 and captured.outside_gradient_bytes == 0
+    fused = [fxdream.whatif.fused_optimizer(p, captured=c) for p, c in
+             ((eager, fxdream.capture(_WithEagerPart(eager=True), (x,), training=True)),
+              (captured, fxdream.capture(_WithEagerPart(eager=False), (x,), training=True)))]
+    assert fused[0].details["fused.bytes"] == fused[1].details["fused.bytes"]
+
+
 def test_ops_that_cannot_be_replayed_are_named():
     a, b = torch.randn(4, 8, device="meta"), torch.randn(2, 8, device="meta")
     index = torch.zeros(2, dtype=torch.long, device="meta")

@@ -73,6 +73,9 @@ class OptimizerModel:
     state_copies: int = 1
     foreach_ops: int = 3
     foreach: bool = True
+    # (bytes, elements) of each gradient of a parameter no captured graph takes (eager code's),
+    # which the step updates beside the graphs' gradients
+    outside_gradients: tuple[tuple[int, int], ...] = ()
 
 
 SGD = OptimizerModel("sgd", 5.0, 2, state_copies=1, foreach_ops=3)
@@ -324,10 +327,11 @@ def gradient_outputs(bw: fx.GraphModule) -> list[tuple[int, fx.Node]]:
 
 def _lower_optimizer(tg: TaskGraph, backwards: list[fx.GraphModule], cost: CostModel, optimizer: OptimizerModel,
                      on_gpu: bool) -> None:
-    """The update of every gradient the backward graphs return (every subgraph's), after the last one."""
+    """The update of every gradient the backward graphs return (every subgraph's) and of those
+    eager code made (``OptimizerModel.outside_gradients``), after the last backward."""
     grads = [g for bw in backwards for g in gradient_values(bw)]
-    append_optimizer_step(tg, [(tensor_bytes(g), size_hint(g.numel())) for g in grads], cost.device, optimizer,
-                          on_gpu)
+    append_optimizer_step(tg, [(tensor_bytes(g), size_hint(g.numel())) for g in grads] + list(
+        optimizer.outside_gradients), cost.device, optimizer, on_gpu)
 
 
 def append_optimizer_step(tg: TaskGraph, gradients: list[tuple[int, int]], device, optimizer: OptimizerModel,

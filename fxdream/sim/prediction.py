@@ -38,6 +38,8 @@ class Prediction:
     # the model's state no captured graph takes as input (eager code's, e.g. an RNN in training),
     # with its gradients and optimizer state in training: in the peak beside the timeline's memory
     outside_state_bytes: int = 0
+    # of which gradients, in training: the optimizer step updates them too (what-ifs on it need them)
+    outside_gradient_bytes: int = 0
 
     @functools.cached_property
     def time_ms(self) -> float:

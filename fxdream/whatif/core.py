@@ -144,7 +144,8 @@ def _prediction(like: Prediction, tg: TaskGraph, contention: bool, *, device: De
                 static_bytes: int | None = None) -> Prediction:
     static = like.static_bytes if static_bytes is None else static_bytes
     return Prediction(device or like.device, like.training, tg, _simulate(tg, contention, static), static,
-                      back_to_back=like.back_to_back)
+                      back_to_back=like.back_to_back, outside_state_bytes=like.outside_state_bytes,
+                      outside_gradient_bytes=like.outside_gradient_bytes)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ def fused_optimizer(x, *, captured=None, graphs=None, device=None,
     ``kernels_per_param`` kernels per parameter (``foreach_ops`` multi-tensor ops on a GPU)?
     One launch, one kernel moving the summed bytes: one pass over the state
     (``OptimizerModel.bytes_per_grad_byte``, whatever the implementation moved) × the gradients
-    of the captured backwards; without ``captured`` they are read back from the optimizer's
+    of the captured backwards (and of the parameters only eager code uses,
+    ``Prediction.outside_gradient_bytes``); without ``captured`` they are read back from the optimizer's
     kernel times (bytes = time × bandwidth; kernels at the device's floor count 0: a lower bound)."""
     s = _start(x, device, captured, graphs, contention)
     tg = s.current.task_graph
@@ -36,9 +37,9 @@ def fused_optimizer(x, *, captured=None, graphs=None, device=None,
         # the lowering's optimizer updates the gradients of every backward call (a graph called
         # per layer computes each layer's gradients)
         calls = {f"g{index}.bw": len(scopes) for index, scopes in call_scopes(tg).items()}
-        nbytes = model.bytes_per_grad_byte * sum(calls.get(label, 1) * tensor_bytes(g)
-                                                 for label, gm in bw_graphs for g in gradient_values(gm))
-        source = "captured gradients"
+        nbytes = model.bytes_per_grad_byte * (sum(calls.get(label, 1) * tensor_bytes(g) for label, gm in bw_graphs
+                                                  for g in gradient_values(gm)) + s.current.outside_gradient_bytes)
+        source = "captured gradients" + (" and eager code's" if s.current.outside_gradient_bytes else "")
     else:
         times = [tg.task(n).duration_us for n in kernels] if on_gpu else \
                 [max(tg.task(n).duration_us - per_param * launch, 0.0) for n in host]
