@@ -172,12 +172,16 @@ def _rnn_layers_trained(events: list) -> tuple[dict[int, tuple[float, float]], l
             layers[id(event)] = {d.sequence_nr for d in _descendants(event) if d.sequence_nr >= 0}
     if not layers:
         return {}, []
+    nodes_by_number = collections.defaultdict(list)  # the engine's node ranges by forward op
+    for e in events:
+        if e.name.startswith(ENGINE_NODE):
+            nodes_by_number[e.sequence_nr].append((e.time_range.start, e.time_range.end))
     backward = {}
     for layer, numbers in layers.items():
-        ranges = _backward_of(numbers, events)
+        ranges = [r for number in numbers for r in nodes_by_number.get(number, ())]
         if ranges:
             backward[layer] = (min(s for s, _ in ranges), max(e for _, e in ranges))
-    return backward, _backward_of(set().union(*layers.values()), events)
+    return backward, [r for number in set().union(*layers.values()) for r in nodes_by_number.get(number, ())]
 
 
 def _in_engine(event) -> bool:

@@ -85,7 +85,7 @@ def _host_read_into(graph: fx.Graph, event) -> bool:
     read = graph.placeholder(f"eager_input_{len(graph.nodes)}")
     read.meta["val"] = torch.empty(event.input_shapes[0], dtype=DTYPES[event.input_dtypes[0]], device="meta")
     value = graph.call_function(torch.ops.aten._local_scalar_dense.default, (read,))
-    value.meta["val"] = read.meta["val"].dtype.is_floating_point and 0.0 or 0  # a Python number, as item gives
+    value.meta["val"] = 0.0 if read.meta["val"].dtype.is_floating_point else 0  # a Python number, as item gives
     return True
 
 
