@@ -145,19 +145,33 @@ def test_an_eager_rnn_cell_is_one_op_as_in_an_inference_graph():
     assert eager.time_ms == pytest.approx(compiled.time_ms, rel=1e-6)  # the same cells and views, costed alike
 
 
-class _PrintsBetween(nn.Module):
-    def __init__(self):
+class _Between(nn.Module):
+    """Two linear layers with ``between``, a function of the first one's output, run between them:
+    dynamo breaks the graph there."""
+
+    def __init__(self, between, width: int = 256):
         super().__init__()
-        self.first, self.second = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.first, self.second, self.between = nn.Linear(width, width), nn.Linear(width, width), between
 
     def forward(self, x):
-        h = self.first(x)
-        print("", end="")  # a graph break with no op of its own
-        return self.second(h)
+        return self.second(self.between(self.first(x)))
+
+
+def _prints(h):
+    print("", end="")  # a graph break with no op of its own
+    return h
+
+
+def _reads_a_value(h):
+    return h.relu() if h.mean().item() > -1e9 else h  # a device value read on the host; always taken
+
+
+def _draws_on_the_host(h):
+    return h.relu() if torch.rand([]) < 2.0 else h  # a CPU scalar read on the host, as Hugging Face's LayerDrop
 
 
 def test_the_loss_a_training_step_backpropagates_is_not_costed_as_the_models_eager_ops():
-    prediction = fxdream.simulate(_PrintsBetween(), (torch.randn(2, 16, 32),), device="h100", training=True)
+    prediction = fxdream.simulate(_Between(_prints, 32), (torch.randn(2, 16, 32),), device="h100", training=True)
     # fxdream's scalar (a sum), its seed and its backward are not the model's (a model with no
     # break runs them too, uncosted), nor are aot's runtime wrapper's views and copies around
     # each graph (the graph's call costs them): the print runs no ATen op
@@ -239,22 +253,8 @@ def test_eager_forward_and_backward_ops_with_no_graph_call_between_are_in_their_
         "eager1.bw"]
 
 
-class _ReadsAValue(nn.Module):
-    """A branch on a value the device computed (``.item()``): dynamo breaks the graph there."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(256, 256), nn.Linear(256, 256)
-
-    def forward(self, x):
-        h = self.first(x)
-        if h.mean().item() > -1e9:  # always taken
-            h = h.relu()
-        return self.second(h)
-
-
 def test_a_host_read_between_graphs_makes_the_host_wait_for_the_device():
-    prediction = fxdream.simulate(_ReadsAValue(), (torch.randn(64, 256),), device="h100")
+    prediction = fxdream.simulate(_Between(_reads_a_value), (torch.randn(64, 256),), device="h100")
     tasks, times = prediction.task_graph.tasks, prediction.timeline.times
     (sync,) = [t.name for t in tasks if t.kind == "sync"]
     at = times[sync][0]
@@ -265,20 +265,6 @@ def test_a_host_read_between_graphs_makes_the_host_wait_for_the_device():
     assert "not replayed" not in prediction.notes[-1]
 
 
-class _LayerDrop(nn.Module):
-    """Skips its second layer at random, as Hugging Face's LayerDrop: a CPU scalar read on the host."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(256, 256), nn.Linear(256, 256)
-
-    def forward(self, x):
-        h = self.first(x)
-        if torch.rand([]) < 2.0:  # always taken
-            h = self.second(h)
-        return h.relu()
-
-
 def test_a_host_read_of_a_cpu_tensor_does_not_wait_for_the_device():
     """Captured on the meta device, a value that can be read is a CPU tensor's: a random draw,
     a packed sequence's lengths (the meta copy leaves 1-d integer inputs on the CPU where
@@ -286,11 +272,11 @@ def test_a_host_read_of_a_cpu_tensor_does_not_wait_for_the_device():
     def syncs_and_notes(model, inputs):
         prediction = fxdream.simulate(model, inputs, device="h100")
         return sum(t.kind == "sync" for t in prediction.task_graph.tasks), prediction.notes
-    syncs, notes = syncs_and_notes(_LayerDrop(), (torch.randn(64, 256),))
+    syncs, notes = syncs_and_notes(_Between(_draws_on_the_host), (torch.randn(64, 256),))
     assert syncs == 0 and "the eager code where the graph broke" in notes[0]
     syncs, notes = syncs_and_notes(_PackedTagger(), (torch.randn(4, 16, 32), torch.tensor([16, 12, 9, 3])))
     assert syncs == 0 and not any("captured on the example's data" in note for note in notes)
-    assert syncs_and_notes(_ReadsAValue(), (torch.randn(64, 256),))[0] == 1  # a device value read: one wait
+    assert syncs_and_notes(_Between(_reads_a_value), (torch.randn(64, 256),))[0] == 1  # a device value read: one wait
 
 
 class _PackedTagger(nn.Module):
