@@ -7,9 +7,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from fxdream.capturing.steps import cut_from_callers_graph
+from fxdream.capturing.steps import cut_from_callers_graph, output_leaves
 
 
 def _leaf_diff(actual, expected) -> float:
@@ -21,7 +20,7 @@ def _leaf_diff(actual, expected) -> float:
 
 
 def _default_loss(output) -> torch.Tensor:
-    return sum(t.float().sum() for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad)
+    return sum(t.float().sum() for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tuple, training: bool,
@@ -42,9 +41,10 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
     torch.manual_seed(0)
     with torch.set_grad_enabled(training):
         actual = optimized(*inputs)
-    diffs = [_leaf_diff(a, e) for a, e in zip(tree_leaves(actual), tree_leaves(expected))
+    actual_leaves, expected_leaves = output_leaves(actual), output_leaves(expected)
+    diffs = [_leaf_diff(a, e) for a, e in zip(actual_leaves, expected_leaves)
              if isinstance(a, torch.Tensor) and a.numel()]
-    if len(tree_leaves(actual)) != len(tree_leaves(expected)):
+    if len(actual_leaves) != len(expected_leaves):
         diffs.append(math.inf)
     losses = (loss_fn(expected), loss_fn(actual)) if training else ()
     if losses and all(isinstance(loss, torch.Tensor) and loss.requires_grad for loss in losses):
@@ -80,7 +80,7 @@ def deviation(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tuple)
     """``optimized``'s outputs against ``model``'s (float32, eager) on ``inputs``, under no_grad."""
     with torch.no_grad():
         expected, actual = model(*inputs), optimized(*inputs)
-    pairs = [(a.float(), e.float()) for a, e in zip(tree_leaves(actual), tree_leaves(expected))
+    pairs = [(a.float(), e.float()) for a, e in zip(output_leaves(actual), output_leaves(expected))
              if isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor) and e.is_floating_point()
              and a.shape == e.shape and e.numel()]
     if not pairs:

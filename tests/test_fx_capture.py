@@ -1,5 +1,7 @@
 """Inference capture through torch.fx.symbolic_trace (no dynamo), and its fallbacks to dynamo."""
 import collections
+import copy
+import dataclasses
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from conftest import ConvBnNet, assert_step_matches
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import trace_and_compile
 from fxdream.capturing.trace_check import one_sample
+from fxdream.numerics import max_abs_diff
 
 
 class IsinstanceBranch(nn.Module):
@@ -473,3 +476,43 @@ def test_one_sample_needs_a_batch_dimension_every_input_shares():
     assert one_sample((torch.randn(1, 3),)) is None  # already one sample
     assert one_sample((torch.randn(20, 4, 3), torch.randn(2, 4, 5))) is None  # sequence-first input, h0
     assert one_sample((torch.randn(4, 3), torch.tensor(2.0))) is None  # a scalar
+
+
+@dataclasses.dataclass
+class LogitsAndFeatures:
+    logits: torch.Tensor
+    features: torch.Tensor
+
+
+class DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        features = torch.relu(self.body(x))
+        return LogitsAndFeatures(self.head(features), features)
+
+
+def test_a_dataclass_output_is_trained_through_its_fields():
+    """pytree takes an unregistered dataclass for one leaf: its tensors are opened by field, so a
+    training step backpropagates through them (a prediction has its backward and optimizer step)
+    and a numerics check compares them."""
+    x = torch.randn(4, 8)
+    prediction = fxdream.simulate(DataclassOut(), (x,), device="h100", training=True, optimizer="adam")
+    assert {"fw", "bw", "optim"} <= {t.phase for t in prediction.task_graph.tasks}
+    model = DataclassOut()
+    optimized = fxdream.optimize(model, (x,), training=True, cost=None)
+    assert optimized.report.graphs[0].backward_ops
+    out, expected = optimized(x), model(x)
+    assert type(out) is LogitsAndFeatures
+    (out.logits.sum() + out.features.sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    (expected.logits.sum() + expected.features.sum()).backward()
+    for got, want in zip(grads, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(got, want)
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        changed.head.bias += 1.0  # only the logits field differs
+    assert max_abs_diff(model, changed, (x,), training=False) == pytest.approx(1.0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable
 
 import torch
@@ -11,10 +12,23 @@ from fxdream.capturing.meta import on_meta, traceable_on_meta
 from fxdream.capturing.model_state import preserved_inputs, preserved_state
 
 
+def output_leaves(output) -> list:
+    """The leaves of a model's output in order: pytree's (tuples, lists, dicts, named tuples,
+    registered types such as Hugging Face's ModelOutput), with a dataclass instance's fields
+    opened too (pytree takes an unregistered dataclass for one leaf, and its tensors would be
+    neither compared nor backpropagated)."""
+    leaves = []
+    for leaf in torch.utils._pytree.tree_leaves(output):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            leaves.extend(output_leaves([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+        else:
+            leaves.append(leaf)
+    return leaves
+
+
 def differentiable_scalar(output) -> torch.Tensor | None:
     """A scalar whose backward reaches every output that requires grad (to trigger bw compile)."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
-              if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         return None
     return sum(t.float().sum() for t in leaves)

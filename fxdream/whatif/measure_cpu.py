@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from fxdream.capturing.steps import cut_from_callers_graph
+from fxdream.capturing.steps import cut_from_callers_graph, output_leaves
 from fxdream.measure import time_interleaved
 from fxdream.whatif.core import Measured
 from fxdream.whatif.mixed_precision import _DTYPES
@@ -22,7 +21,7 @@ def _interleaved(runners: Mapping[str, Any], rounds: int, block: int) -> dict[st
 
 def _default_loss(out):
     """Sum of every output that needs a gradient: a scalar to call ``backward`` on."""
-    return sum(t.float().sum() for t in tree_leaves(out)
+    return sum(t.float().sum() for t in output_leaves(out)
                if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
