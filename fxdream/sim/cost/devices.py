@@ -209,18 +209,34 @@ def with_fit(spec: DeviceSpec, path: Path, source: str | None = None) -> DeviceS
 FIT_OF_SAME_SMS = {"h100": "h200"}
 
 
+# The host's part of a fit: what PyTorch's Python, ATen's dispatch and the CUDA driver cost on the
+# host per op, which is the host's and the software's, not the GPU's. A GPU with no fit of its own
+# takes it from a measured one (its kernels keep their datasheet model): a datasheet's 1.5 µs per
+# op would put a host-bound model 5-7x faster on a V100 than on a fitted H100.
+HOST_PARAMETERS = ("dispatch_overhead_us", "launch_overhead_us",
+                   *(f"host_factor.{c}" for c in KERNEL_CLASSES if c != "other"))
+HOST_FIT = "h200"  # the fit whose host part GPUs without a fit take
+
+
 def _fitted(spec: DeviceSpec) -> DeviceSpec:
     """The datasheet spec with the parameters of ``fits/<name>.json`` where that file exists
-    (written from measurements on that device), else of its ``FIT_OF_SAME_SMS`` sibling's."""
+    (written from measurements on that device), else of its ``FIT_OF_SAME_SMS`` sibling's, else
+    its datasheet kernels with the host part (``HOST_PARAMETERS``) of the ``HOST_FIT`` fit."""
     own = FITS_DIR / f"{spec.name}.json"
     if own.exists():
         return with_fit(spec, own)
     sibling = FITS_DIR / f"{FIT_OF_SAME_SMS[spec.name]}.json" if spec.name in FIT_OF_SAME_SMS else None
-    if sibling is None or not sibling.exists():
+    if sibling is not None and sibling.exists():
+        fitted = with_fit(spec, sibling)
+        return dataclasses.replace(fitted, source=f"{fitted.source}: the same SMs; {spec.name}'s own datasheet "
+                                                  f"peaks, bandwidth and memory")
+    host_fit = FITS_DIR / f"{HOST_FIT}.json"
+    if not host_fit.exists():
         return spec
-    fitted = with_fit(spec, sibling)
-    return dataclasses.replace(fitted, source=f"{fitted.source}: the same SMs; {spec.name}'s own datasheet "
-                                              f"peaks, bandwidth and memory")
+    fit = json.loads(host_fit.read_text())
+    host = {name: value for name, value in fit["parameters"].items() if name in HOST_PARAMETERS}
+    return with_parameters(spec, host, f"datasheet kernels; host costs per op fitted on the {HOST_FIT} lease's "
+                                       f"host ({host_fit.name})")
 
 
 def datasheet_device(name: str) -> DeviceSpec:
