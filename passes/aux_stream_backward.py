@@ -300,6 +300,9 @@ class AuxStreamBackward(PassBase):
         if forced:
             return PassResult(candidate, True, f"{what} (forced: predicted gain {gain_us:.1f} µs is not beyond "
                               f"noise, {noise:.1f} µs); {predicted}", tuple(notes))
+        if gain_us < 0:  # a loss is no noise to call
+            return PassResult(gm, False, f"predicted slower: {-gain_us:.1f} µs ({-pct:.1f} %) more; force it with "
+                              f"passes=['{self.name}'] ({predicted})", tuple(notes))
         return PassResult(gm, False, f"predicted gain {gain_us:.1f} µs ({pct:.1f} %) is not beyond noise "
                           f"(> {self.min_gain_pct:g} % and > {self.min_gain_us:g} µs); force it with "
                           f"passes=['{self.name}'] ({predicted})", tuple(notes))
