@@ -64,6 +64,7 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
                   f"{' (with their gradients and optimizer state)' if training else ''} are inputs of no captured "
                   f"graph (eager code between the graphs uses them, or nothing does): counted in the peak, while "
                   f"the activations of eager code are not",)
+    notes += _sparse_gradient_note(model, optimizer if training else None)
     if passes:
         planned = plan(model, captured, device, training, passes, model_cost, memory_budget, optimizer_model,
                        contention, step=step)
@@ -73,6 +74,19 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
     return dataclasses.replace(prediction, notes=notes, static_bytes=prediction.static_bytes + outside_static,
                                outside_state_bytes=outside_static + outside_gradients,
                                outside_gradient_bytes=outside_gradients)
+
+
+def _sparse_gradient_note(model: torch.nn.Module, optimizer: str | None) -> tuple[str, ...]:
+    """A note where an embedding makes sparse gradients (``sparse=True``) that ``optimizer``
+    refuses (torch's SGD takes them, its Adam raises: ``SparseAdam`` is the one for them); the
+    captured backward makes a dense gradient, and the prediction prices that."""
+    sparse = [name for name, m in model.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if not sparse or optimizer not in ("adam",):
+        return ()
+    where = ", ".join(repr(name) for name in sparse[:3]) + (" ..." if len(sparse) > 3 else "")
+    return (f"the embedding at {where} makes sparse gradients (sparse=True), which torch.optim.Adam refuses "
+            f"(torch.optim.SparseAdam takes them): predicted with dense gradients and Adam's dense state",)
 
 
 def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inputs: tuple, training: bool,

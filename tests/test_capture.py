@@ -177,7 +177,7 @@ def test_a_function_dynamo_gave_up_on_in_training_is_captured_in_a_later_inferen
     # in training only the head is captured (fxdream.blockwise); the forward and the GRU run eagerly
     assert trained.report.capture.startswith("dynamo per block") and len(trained.report.graphs) == 1
     assert trained.report.graph_breaks == ("Attempted to wrap RNN, GRU, or LSTM — Dynamo does not support RNN, "
-                                           "GRU, or LSTM. (dynamo ran that whole function eagerly)",)
+                                           "GRU, or LSTM. (dynamo ran the function it was tracing there eagerly)",)
     model = GRUHead().eval()
     inferred = fxdream.optimize(model, (x,), cost=None)
     assert not inferred.report.ran_eagerly and len(inferred.report.graphs) == 1

@@ -125,3 +125,13 @@ def test_a_captured_backward_frees_saved_activations_at_their_last_use():
     # 7 %: AccumulateGrad copies a gradient it cannot steal, which the prediction does not hold
     # (0.5 MiB here in some runs); the list held to the backward's end read 12 % over
     assert measured == pytest.approx(predicted.peak_memory_bytes - predicted.static_bytes, rel=0.07)
+
+
+def test_sparse_embedding_gradients_under_adam_are_noted():
+    """torch.optim.Adam raises on sparse gradients: the prediction, which prices dense ones, says so."""
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 16, sparse=True), torch.nn.Linear(16, 4))
+    tokens = torch.randint(0, 1000, (8, 5))
+    adam = fxdream.simulate(model, (tokens,), device="h100", training=True, optimizer="adam")
+    assert any(n.startswith("the embedding at '0' makes sparse gradients") for n in adam.notes), adam.notes
+    sgd = fxdream.simulate(model, (tokens,), device="h100", training=True, optimizer="sgd")  # SGD takes them
+    assert not any("sparse gradients" in n for n in sgd.notes)

@@ -25,6 +25,23 @@ def test_get_device_case_insensitive_and_datasheet_values():
         assert d.launch_overhead_us > 0 and d.kernel_min_us > 0 and d.memory_bytes > 0
 
 
+def test_float64_runs_at_each_devices_float64_rate():
+    """A float64 GEMM at the datasheet's FP64 rate: half the FP32 rate on a V100 (no FP64 tensor
+    cores), the FP64 tensor cores' on an A100 and an H100 (cuBLAS's DGEMM), the calibrated rate
+    on this CPU; not the float32 rate for all."""
+    assert get_device("v100").flops(torch.float64) == 7.8e12
+    assert get_device("a100").flops("float64") == 19.5e12 and get_device("h100").flops("float64") == 67e12
+    assert 0 < calibrate_cpu().flops("float64") < calibrate_cpu().flops("float32")
+    gemm = {}
+    for dtype in (torch.float32, torch.float64):
+        linear, x = torch.nn.Linear(4096, 4096, device="meta", dtype=dtype), torch.randn(4096, 4096, device="meta",
+                                                                                         dtype=dtype)
+        graph = capture(linear, (x,)).forward.graph
+        node = next(n for n in graph.nodes if n.op == "call_function" and "addmm" in str(n.target))
+        gemm[dtype] = Analytic(get_device("v100")).kernel_us(node)
+    assert gemm[torch.float64] == pytest.approx(2 * gemm[torch.float32], rel=0.05)  # compute-bound at this size
+
+
 def test_get_device_error_lists_valid_names():
     with pytest.raises(ValueError) as e:
         get_device("tpu-v4")

@@ -131,7 +131,7 @@ def _raise_recompile_limit(at_least: int = 64) -> int:
 
 
 _SKIPPED = "\0skipped\0"  # marks a reason dynamo gave for running a whole function eagerly
-WHOLE_FUNCTION = " (dynamo ran that whole function eagerly)"
+WHOLE_FUNCTION = " (dynamo ran the function it was tracing there eagerly)"
 
 
 def graph_break_counts() -> dict[str, int]:

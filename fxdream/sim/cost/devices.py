@@ -123,8 +123,8 @@ def dtype_name(dtype) -> str:
     return _DTYPE_ALIASES.get(key, key)
 
 
-def _gpu(name, fp32, tf32, fp16, bf16, bw, sms, mem_gib, launch=5.0, dispatch=1.5, kmin=1.2):
-    peaks = {"float32": fp32, "float16": fp16}
+def _gpu(name, fp32, tf32, fp16, bf16, fp64, bw, sms, mem_gib, launch=5.0, dispatch=1.5, kmin=1.2):
+    peaks = {"float32": fp32, "float16": fp16, "float64": fp64}
     if tf32:
         peaks["tf32"] = tf32
     if bf16:
@@ -141,22 +141,22 @@ ACCUMULATE_GRAD_US = 4.0
 
 T = 1e12
 _DATASHEET = {
-    # NVIDIA Tesla V100 GPU Accelerator datasheet (SXM2 32 GB, 2018): FP32 15.7 TFLOPS,
+    # NVIDIA Tesla V100 GPU Accelerator datasheet (SXM2 32 GB, 2018): FP64 7.8, FP32 15.7 TFLOPS,
     # Tensor (FP16) 125 TFLOPS, HBM2 900 GB/s, 32 GB; 80 SMs (Volta V100 whitepaper).  No
     # TF32/BF16 (bf16 falls back to fp32 in DeviceSpec.flops).
-    "v100": _gpu("v100", 15.7 * T, None, 125 * T, None, 900e9, 80, 32, kmin=2.5),
-    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80 GB, 2021): FP32 19.5, TF32 156,
-    # BF16/FP16 312 TFLOPS (dense; 312/624 are the sparsity figures), HBM2e 2,039 GB/s,
-    # 80 GB; 108 SMs (Ampere GA100 whitepaper).
-    "a100": _gpu("a100", 19.5 * T, 156 * T, 312 * T, 312 * T, 2039e9, 108, 80, kmin=2.0),
-    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM5 80 GB): FP32 67 TFLOPS; TF32 989,
-    # BF16/FP16 1,979 TFLOPS are with sparsity -> dense 494.7 / 989.4 (Hopper whitepaper
-    # table); HBM3 3.35 TB/s, 80 GB; 132 SMs.
-    "h100": _gpu("h100", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 3.35e12, 132, 80),
+    "v100": _gpu("v100", 15.7 * T, None, 125 * T, None, 7.8 * T, 900e9, 80, 32, kmin=2.5),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80 GB, 2021): FP64 Tensor Core 19.5 (FP64 9.7;
+    # cuBLAS's DGEMM runs on the tensor cores), FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS (dense;
+    # 312/624 are the sparsity figures), HBM2e 2,039 GB/s, 80 GB; 108 SMs (Ampere GA100 whitepaper).
+    "a100": _gpu("a100", 19.5 * T, 156 * T, 312 * T, 312 * T, 19.5 * T, 2039e9, 108, 80, kmin=2.0),
+    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM5 80 GB): FP64 Tensor Core 67 (FP64 34), FP32
+    # 67 TFLOPS; TF32 989, BF16/FP16 1,979 TFLOPS are with sparsity -> dense 494.7 / 989.4 (Hopper
+    # whitepaper table); HBM3 3.35 TB/s, 80 GB; 132 SMs.
+    "h100": _gpu("h100", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 67 * T, 3.35e12, 132, 80),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM, 2024): same compute as H100 SXM
-    # (FP32 67, TF32 989*, BF16/FP16 1,979* TFLOPS, * = with sparsity -> halved), HBM3e
-    # 4.8 TB/s, 141 GB; 132 SMs.
-    "h200": _gpu("h200", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 4.8e12, 132, 141),
+    # (FP64 Tensor Core 67, FP32 67, TF32 989*, BF16/FP16 1,979* TFLOPS, * = with sparsity ->
+    # halved), HBM3e 4.8 TB/s, 141 GB; 132 SMs.
+    "h200": _gpu("h200", 67 * T, 494.7 * T, 989.4 * T, 989.4 * T, 67 * T, 4.8e12, 132, 141),
 }
 
 FITS_DIR = Path(__file__).parent / "fits"  # <device>.json: parameters fitted to measurements
@@ -253,16 +253,16 @@ _CPU_CACHE: dict[str, DeviceSpec] = {}  # the one global mutable: calibration, o
 
 
 def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
-    """Measure this host: fp32 matmul FLOP/s (and bf16's, on a CPU with native bf16), copy
+    """Measure this host: fp32 and fp64 matmul FLOP/s (and bf16's, on a CPU with native bf16), copy
     bandwidth, per-op dispatch overhead, and autograd's engine costs (per node, per AccumulateGrad).
 
-    About ``seconds`` in total (split between the seven or eight timings), cached for the process unless
+    About ``seconds`` in total (split between the eight or nine timings), cached for the process unless
     ``refresh``.  Best-of-N timings: the peak is what the roofline needs.  The host's spec in
     ``DEVICES`` calls it when one of its numbers is first read (analytic costs, what-ifs);
     the default is short because a longer calibration gives the same peaks within a few %."""
     if "cpu" in _CPU_CACHE and not refresh:
         return _CPU_CACHE["cpu"]
-    dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)
+    dtypes = (torch.float32, torch.float64) + ((torch.bfloat16,) if native_bf16() else ())
     budget = max(0.05, float(seconds)) / (len(dtypes) + 6)  # a matmul per dtype, copy, dispatch, 4 autograd
 
     def best(fn, min_reps=3):
