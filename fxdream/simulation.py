@@ -120,8 +120,11 @@ def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inpu
             return capture_for_prediction(original, model, example_inputs, training, measure)
         model, example_inputs = original
         captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
+        reads_values = any(words in str(error) for words in META_VALUE_ERRORS)
         fallback = (f"captured on the example's data here, not on the meta device, where its capture failed "
-                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})",)
+                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+                    + ("; the forward reads tensor values, and the prediction follows the path (branches, sizes) "
+                       "the example's values took: other inputs may take another" if reads_values else ""),)
         return model, captured, step, fallback + tuple(notes)
 
 

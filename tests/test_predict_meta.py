@@ -73,6 +73,9 @@ def test_a_model_that_reads_tensor_values_is_captured_on_its_data_and_the_predic
     assert prediction.time_ms > 0
     assert prediction.notes[0].startswith("captured on the example's data here, not on the meta device, where its "
                                           "capture failed (RuntimeError: Tensor.item() cannot be called on meta")
+    # the branch taken is the example's: the note says the prediction holds for that path
+    assert prediction.notes[0].endswith("the prediction follows the path (branches, sizes) the example's values "
+                                        "took: other inputs may take another")
 
 
 def test_the_predicted_peak_is_said_to_fit_or_not_in_the_devices_memory():
