@@ -165,15 +165,44 @@ class Flagged(nn.Module):
         return (y, y.relu()) if kwargs.get("both") else y
 
 
-def test_keywords_without_a_position_are_split_off_and_tensors_among_them_refused():
+def test_keywords_without_a_position_are_split_off():
     signature = inspect.signature(Flagged().forward)
     x, mask, _ = _inputs()
-    assert keyword_split(signature, {"mask": mask, "double": True, "both": True}) == (
-        {"mask": mask}, {"double": True, "both": True})
-    with pytest.raises(TypeError, match=r"'other' hold tensors and reach forward's keyword-only or \*\*kwargs"):
-        keyword_split(signature, {"other": x})
+    assert keyword_split(signature, {"mask": mask, "double": True, "both": True, "other": x}) == (
+        {"mask": mask}, {"double": True, "both": True, "other": x})
     with pytest.raises(TypeError, match=r"'flag' are not parameters of forward \(x, mask, scale, bias\)"):
         keyword_split(inspect.signature(Masked().forward), {"flag": True})
+
+
+class KeywordOnlyTensors(nn.Module):
+    """Tensors by keyword only (``forward(x, *, mask, scale)``), and one through ``**kwargs``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, *, mask, scale, **kwargs):
+        y = self.proj(x).masked_fill(~mask, 0.0) * scale
+        return y + kwargs["bias"] if "bias" in kwargs else y
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_tensors_given_by_keyword_only_are_inputs_of_the_capture(training):
+    x, mask, _ = _inputs()
+    scale, bias = torch.full((8,), 0.5), torch.randn(8)
+    model = KeywordOnlyTensors().train(training)
+    kwargs = {"mask": mask, "scale": scale, "bias": bias}
+    optimized = fxdream.optimize(model, (x,), example_kwargs=kwargs, training=training, cost=None)
+    assert optimized.report.fallback_reason is None and "mask=<tensor>, scale=<tensor>" in optimized.report.notes[0]
+    assert len(optimized.report.graphs) == 1  # one graph: x and the three keyword tensors its inputs
+    with torch.set_grad_enabled(training):
+        got, want = optimized(x, **kwargs), model(x, **kwargs)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        other = {"mask": ~mask, "scale": scale * 2, "bias": bias}  # other values: the same build
+        torch.testing.assert_close(optimized(x, **other), model(x, **other), rtol=0, atol=0)
+        torch.testing.assert_close(optimized(x, mask=mask, scale=scale), model(x, mask=mask, scale=scale))  # eager
+    prediction = fxdream.simulate(model, (x,), example_kwargs=kwargs, device="h100", training=training)
+    assert prediction.time_ms > 0 and not prediction.notes
 
 
 def test_flags_without_a_position_are_bound_and_a_call_without_them_runs_eagerly():

@@ -52,7 +52,7 @@ def check_call(example_inputs, example_kwargs: Mapping | None = None,
                                 "torch.Tensors (or Python numbers, strings, bools, None), possibly "
                                 "in tuples, lists or dicts")
             leaves.append(leaf)
-    if not any(isinstance(v, torch.Tensor) for v in leaves):
+    if not any(isinstance(v, torch.Tensor) for v in leaves) and not any(map(holds_tensors, unplaced.values())):
         raise TypeError("example_inputs holds no torch.Tensor; pass the model's tensor arguments")
     return inputs, unplaced
 
@@ -66,9 +66,9 @@ def _signature(forward: Callable) -> inspect.Signature:
 
 def keyword_split(signature: inspect.Signature, kwargs: Mapping) -> tuple[dict, dict]:
     """(the keywords forward takes at a position, the keywords it takes without one: keyword-only
-    parameters and ``**kwargs``). Raises TypeError for a keyword forward does not take at all, and
-    for a tensor among the second (a capture's inputs are positional; a flag such as
-    ``output_hidden_states=True`` is a constant of the call, ``fxdream.capturing.keywords``)."""
+    parameters and ``**kwargs``). Raises TypeError for a keyword forward does not take at all.
+    Those without a position reach the capture through ``fxdream.capturing.keywords``: a flag
+    such as ``output_hidden_states=True`` as a constant of the call, a tensor as an input."""
     parameters = signature.parameters.values()
     positional = {p.name for p in parameters
                   if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
@@ -79,13 +79,12 @@ def keyword_split(signature: inspect.Signature, kwargs: Mapping) -> tuple[dict, 
         raise TypeError(f"keyword input(s) {', '.join(map(repr, unknown))} are not parameters of forward "
                         f"({', '.join(signature.parameters) or 'none'})")
     unplaced = {k: v for k, v in kwargs.items() if k not in positional}
-    tensors = [k for k, v in unplaced.items()
-               if any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(v))]
-    if tensors:
-        raise TypeError(f"keyword input(s) {', '.join(map(repr, tensors))} hold tensors and reach forward's "
-                        "keyword-only or **kwargs parameters, which have no position: a capture takes tensors "
-                        "positionally (wrap the model in a module whose forward names them)")
     return {k: v for k, v in kwargs.items() if k in positional}, unplaced
+
+
+def holds_tensors(value) -> bool:
+    """Whether ``value`` is a tensor or a container holding one."""
+    return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value))
 
 
 def positional_call(forward: Callable, args: tuple, kwargs: Mapping,

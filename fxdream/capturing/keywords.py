@@ -4,8 +4,10 @@ A capture takes the call as one positional tuple (``arguments.positional_call`` 
 at its parameter's position). Hugging Face models take flags through ``**kwargs``
 (``output_hidden_states=True``, ``output_attentions=True``): such a keyword has no position.
 When its value holds no tensor it is a constant of the call, as dynamo treats it (it guards on
-it): ``WithKeywords`` is the model with those constants bound, called positionally, and a later
-call is run through the build when it passes the same constants (eagerly otherwise).
+it); when it holds tensors (``forward(x, *, mask)``) it is an input. ``WithKeywords`` is the
+model with the constants bound and the tensor keywords taken after the positional arguments,
+called positionally; a later call is run through the build when it passes the same constants
+and the same tensor keywords (eagerly otherwise).
 """
 from __future__ import annotations
 
@@ -14,22 +16,24 @@ from typing import Mapping
 
 import torch
 
-from fxdream.capturing.arguments import check_call, keyword_split, positional_call
+from fxdream.capturing.arguments import check_call, holds_tensors, keyword_split, positional_call
 
 
 class WithKeywords(torch.nn.Module):
     """``model(*args, **constants)``. Its state dict is the model's own (same keys), so
     ``optimized.model.state_dict()`` saves what the model would."""
 
-    def __init__(self, model: torch.nn.Module, constants: Mapping):
+    def __init__(self, model: torch.nn.Module, constants: Mapping, tensor_keywords: tuple[str, ...] = ()):
         super().__init__()
         self.model = model
         self.training = model.training  # the model's mode: a build compares its own flag with it
         self.constants = dict(constants)
+        self.tensor_keywords = tuple(tensor_keywords)  # their values come last in a call's arguments
         self.__dict__["_signature"] = inspect.signature(model.forward)
 
     def forward(self, *args):
-        return self.model(*args, **self.constants)
+        split = len(args) - len(self.tensor_keywords)
+        return self.model(*args[:split], **dict(zip(self.tensor_keywords, args[split:])), **self.constants)
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)
@@ -38,18 +42,23 @@ class WithKeywords(torch.nn.Module):
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def describe(self) -> str:
-        """The report's line: the constants, and what a call without them does."""
-        given = ", ".join(f"{k}={v!r}" for k, v in self.constants.items())
+        """The report's line: the constants and tensor keywords, and what a call without them does."""
+        given = ", ".join([f"{k}={v!r}" for k, v in self.constants.items()] +
+                          [f"{k}=<tensor>" for k in self.tensor_keywords])
         return (f"built for calls with {given} (keywords {type(self.model).__name__}.forward takes without a "
-                f"position, bound as constants); a call without them, or with other values, runs eagerly")
+                f"position: flags bound as constants, tensors taken as inputs); a call without them, or with "
+                f"other flags, runs eagerly")
 
     def place(self, args: tuple, kwargs: Mapping) -> tuple | None:
         """A call's arguments as the positional tuple ``forward`` takes, or None when its keywords
-        without a position are not the constants this was built with (``kwargs`` by value)."""
+        without a position are not the constants (by value) and tensor keywords (by name) this
+        was built with."""
         placed, unplaced = keyword_split(self._signature, kwargs)
-        if unplaced != self.constants:
+        constants = {k: v for k, v in unplaced.items() if not holds_tensors(v)}
+        if constants != self.constants or set(unplaced) - set(constants) != set(self.tensor_keywords):
             return None
-        return positional_call(self.model.forward, args, placed, self._signature)
+        return positional_call(self.model.forward, args, placed, self._signature) + tuple(
+            unplaced[name] for name in self.tensor_keywords)
 
 
 def user_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -59,6 +68,11 @@ def user_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def bind_keywords(model: torch.nn.Module, example_inputs, example_kwargs: Mapping | None) -> tuple:
     """(model, positional example inputs): keywords with a position put there, those without
-    one (keyword-only, ``**kwargs``; no tensors in them) bound by ``WithKeywords``."""
+    one (keyword-only, ``**kwargs``) bound by ``WithKeywords``: flags as constants, tensors as
+    inputs after the positional ones."""
     inputs, unplaced = check_call(example_inputs, example_kwargs, model)
-    return (WithKeywords(model, unplaced) if unplaced else model), inputs
+    if not unplaced:
+        return model, inputs
+    tensor_keywords = tuple(k for k, v in unplaced.items() if holds_tensors(v))
+    constants = {k: v for k, v in unplaced.items() if k not in tensor_keywords}
+    return WithKeywords(model, constants, tensor_keywords), inputs + tuple(unplaced[k] for k in tensor_keywords)
