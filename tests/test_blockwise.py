@@ -52,6 +52,17 @@ def test_inference_captures_each_block_and_equals_eager():
     assert _no_compiled_slots(model)
 
 
+def test_each_blocks_layers_are_named_as_in_the_model():
+    """A block compiled on its own sits at its qualified name inside fxdream's wrapper: its ops'
+    layers are the model's ("blocks.1.0", a block's convolution), not the wrapper's."""
+    model, x = EarlyExit().eval(), torch.randn(2, 3, 16, 16)
+    captured = fxdream.capture(model, (x,))
+    layers = [{n.meta["layer"] for n in c.forward.graph.nodes if n.op == "call_function"} for c in captured]
+    assert layers[0] == {"stem.0", "stem.1", "stem.2"} and layers[-1] == {"head"}
+    assert {"blocks.1.0", "blocks.1.1", "blocks.1.2"} <= layers[2]
+    assert not any("block_" in layer or layer.startswith("block.") for group in layers for layer in group)
+
+
 def test_training_steps_equal_eager_with_hooks_still_called():
     torch.manual_seed(0)
     model, x = EarlyExit().train(), torch.randn(2, 3, 16, 16)

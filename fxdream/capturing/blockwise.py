@@ -49,7 +49,9 @@ class BlockwiseRunner:
     def __init__(self, model: torch.nn.Module, session: CaptureSession, blocks: list[torch.nn.Module]):
         self._model = model
         self._blocks = blocks
-        self._compiled = [_compiled_call(b, i, session) for i, b in enumerate(self._blocks)]
+        names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self._compiled = [_compiled_call(b, i, session, names.get(id(b)) or f"block_{i}")
+                          for i, b in enumerate(self._blocks)]
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -68,17 +70,27 @@ class _Call(torch.nn.Module):
     """``block(...)`` as the forward of a module of fxdream's own: dynamo traces the call whole,
     hooks included (compiling ``block`` itself runs its forward without its hooks; compiling
     ``block._call_impl``, as ``nn.Module.compile`` does, captures nothing for ``nn.Sequential``:
-    dynamo skips frames in torch.nn's own files)."""
+    dynamo skips frames in torch.nn's own files). The block sits at its own qualified name in
+    the model (``path``: "ex.0" under a module "ex"), so the graph's module paths, and the
+    layers named from them, are the model's."""
 
-    def __init__(self, block: torch.nn.Module):
+    def __init__(self, block: torch.nn.Module, path: str):
         super().__init__()
-        self.block = block
+        self.path = tuple(path.split("."))
+        holder = self
+        for part in self.path[:-1]:
+            holder.add_module(part, torch.nn.Module())
+            holder = getattr(holder, part)
+        holder.add_module(self.path[-1], block)
 
     def forward(self, *args, **kwargs):
-        return self.block(*args, **kwargs)
+        target = self
+        for part in self.path:
+            target = getattr(target, part)
+        return target(*args, **kwargs)
 
 
-def _own_call(block: torch.nn.Module, index: int) -> _Call:
+def _own_call(block: torch.nn.Module, index: int, path: str) -> _Call:
     """A ``_Call`` whose forward has a code object of its own: dynamo keeps its compiled graphs
     per code object and does not guard on hooks, so with a shared code object, blocks of one class
     would share the graph of the first one traced, and a forward hook on another block would never run.
@@ -88,13 +100,13 @@ def _own_call(block: torch.nn.Module, index: int) -> _Call:
     names = {"co_name": f"block_{index}"} | ({"co_qualname": f"block_{index}"} if hasattr(code, "co_qualname") else {})
     code = code.replace(**names)  # co_qualname: Python 3.11 and later
     forward = types.FunctionType(code, _Call.forward.__globals__, code.co_name)
-    return type(f"_Call{index}", (_Call,), {"forward": forward})(block)
+    return type(f"_Call{index}", (_Call,), {"forward": forward})(block, path)
 
 
-def _compiled_call(block: torch.nn.Module, index: int, session: CaptureSession):
+def _compiled_call(block: torch.nn.Module, index: int, session: CaptureSession, path: str):
     """``block``'s call through dynamo with ``session``, for ``block._compiled_call_impl``; while
     it runs the slot is empty, so that the block's own ``__call__`` does not come back here."""
-    compiled = torch.compile(_own_call(block, index), backend=session, dynamic=False)
+    compiled = torch.compile(_own_call(block, index, path), backend=session, dynamic=False)
 
     def call(*args, **kwargs):
         block._compiled_call_impl = None

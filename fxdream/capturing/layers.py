@@ -20,11 +20,16 @@ from fxdream.ir.nodes import LAYER, PHASE, is_compute
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _MODULES_ITEM = re.compile(r"_(?:modules|parameters|buffers)\['([^']*)'\]")
 _INDEX_ITEM = re.compile(r"\[(\d+)\]")
+_GETATTR = re.compile(r"getattr\(([^()]*?), '([^']*)'\)")
 
 
 def qualified_name(dynamo_path: str) -> str:
-    """``"L['self'].layer1._modules['0'].conv1"`` → ``"layer1.0.conv1"``."""
-    path = _SOURCE_PREFIX.sub("", dynamo_path)
+    """``"L['self'].layer1._modules['0'].conv1"`` → ``"layer1.0.conv1"``; a getattr dynamo wrote
+    out (``"getattr(L['self'].ex, '0')"``) is read as the attribute."""
+    path = dynamo_path
+    while _GETATTR.search(path):
+        path = _GETATTR.sub(r"\1.\2", path)
+    path = _SOURCE_PREFIX.sub("", path)
     path = _MODULES_ITEM.sub(r"\1", path)
     path = _INDEX_ITEM.sub(r".\1", path)
     return re.sub(r"\.+", ".", path).strip(".")
