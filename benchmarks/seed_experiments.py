@@ -37,7 +37,7 @@ from fxdream import models
 from fxdream.capturing.capture_model import capture
 from fxdream.plan import plan
 from fxdream.sim.cost.analytic import Analytic
-from fxdream.sim.cost.devices import FITS_DIR, DeviceSpec, datasheet_device, get_device, with_fit, with_parameters
+from fxdream.sim.cost.devices import FITS_DIR, DeviceSpec, datasheet_device, with_fit, with_parameters
 from fxdream.sim.cost.occupancy import OccupancyAware
 from fxdream.sim.prediction import predict
 from fxdream.sim.taskgraph import TaskKind
@@ -54,11 +54,10 @@ def log(message: str) -> None:
 
 
 def specs(device: str) -> dict[str, DeviceSpec]:
-    """The datasheet spec; what ``simulate(device=...)`` takes (the datasheet's kernels with the
-    fitted host costs per op, for a GPU without a fit of its own); and the datasheet with all of
-    the H200 fit's parameters carried over."""
+    """The datasheet spec, and the same with the H200 fit's parameters carried over (what
+    ``simulate(device=...)`` takes for a GPU without a fit of its own)."""
     datasheet = datasheet_device(device)
-    return {"datasheet": datasheet, "default (fitted host)": get_device(device),
+    return {"datasheet": datasheet,
             "h200 fit": with_fit(datasheet, FITS_DIR / "h200.json", f"{device} datasheet + the h200 fit's")}
 
 

@@ -204,39 +204,35 @@ def with_fit(spec: DeviceSpec, path: Path, source: str | None = None) -> DeviceS
 # A GPU without a fit of its own takes the fit of one with the same SMs (count, clocks, tensor
 # cores) and the same software, with its own datasheet peaks, bandwidth and memory: the H100 SXM
 # and H200 are one Hopper GH100 die (132 SMs, the same FLOP/s) with HBM3 3.35 against HBM3e
-# 4.8 TB/s. Not across generations: the H200's startups and shares put a V100's ResNet-50 bs1
-# kernels at 0.63x and its bs128 ones at 1.34x the seed's times (docs/simulator.md).
+# 4.8 TB/s. Across generations it is a default, not a measurement (``DEFAULT_FIT``): the H200's
+# startups and shares put a V100's ResNet-50 bs1 kernels at 0.63x and its bs128 ones at 1.34x
+# the seed's times, where the datasheet's put them at 0.40x and 0.71x (docs/simulator.md).
 FIT_OF_SAME_SMS = {"h100": "h200"}
 
 
-# The host's part of a fit: what PyTorch's Python, ATen's dispatch and the CUDA driver cost on the
-# host per op, which is the host's and the software's, not the GPU's. A GPU with no fit of its own
-# takes it from a measured one (its kernels keep their datasheet model): a datasheet's 1.5 µs per
-# op would put a host-bound model 5-7x faster on a V100 than on a fitted H100.
-HOST_PARAMETERS = ("dispatch_overhead_us", "launch_overhead_us",
-                   *(f"host_factor.{c}" for c in KERNEL_CLASSES if c != "other"))
-HOST_FIT = "h200"  # the fit whose host part GPUs without a fit take
+# A GPU with no fit of its own (nor a sibling's) takes a measured fit's parameters with its own
+# datasheet peaks, bandwidth and memory: the host's costs per op are PyTorch's and the driver's on
+# the host, not the GPU's, and the kernels' startups and shares of the roofline are cuDNN's and
+# cuBLAS's efficiency, which a datasheet's 100 % of the peak overstates on any GPU. With the
+# datasheet's figures a host-bound model read 5-7x faster on a V100 than on the fitted H100, and
+# an A100's convolutions ran at the roofline while the H100's ran at a third of it.
+DEFAULT_FIT = "h200"
 
 
 def _fitted(spec: DeviceSpec) -> DeviceSpec:
     """The datasheet spec with the parameters of ``fits/<name>.json`` where that file exists
     (written from measurements on that device), else of its ``FIT_OF_SAME_SMS`` sibling's, else
-    its datasheet kernels with the host part (``HOST_PARAMETERS``) of the ``HOST_FIT`` fit."""
+    of the ``DEFAULT_FIT`` device's."""
     own = FITS_DIR / f"{spec.name}.json"
     if own.exists():
         return with_fit(spec, own)
-    sibling = FITS_DIR / f"{FIT_OF_SAME_SMS[spec.name]}.json" if spec.name in FIT_OF_SAME_SMS else None
-    if sibling is not None and sibling.exists():
-        fitted = with_fit(spec, sibling)
-        return dataclasses.replace(fitted, source=f"{fitted.source}: the same SMs; {spec.name}'s own datasheet "
-                                                  f"peaks, bandwidth and memory")
-    host_fit = FITS_DIR / f"{HOST_FIT}.json"
-    if not host_fit.exists():
+    sibling = FITS_DIR / f"{FIT_OF_SAME_SMS.get(spec.name, DEFAULT_FIT)}.json"
+    if not sibling.exists():
         return spec
-    fit = json.loads(host_fit.read_text())
-    host = {name: value for name, value in fit["parameters"].items() if name in HOST_PARAMETERS}
-    return with_parameters(spec, host, f"datasheet kernels; host costs per op fitted on the {HOST_FIT} lease's "
-                                       f"host ({host_fit.name})")
+    fitted = with_fit(spec, sibling)
+    why = "the same SMs" if spec.name in FIT_OF_SAME_SMS else "not measured on this GPU"
+    return dataclasses.replace(fitted, source=f"{fitted.source}: {why}; {spec.name}'s own datasheet "
+                                              f"peaks, bandwidth and memory")
 
 
 def datasheet_device(name: str) -> DeviceSpec:
