@@ -114,3 +114,31 @@ def test_the_blocks_are_the_modules_the_forward_calls_not_just_its_children():
     assert len(optimized.report.graphs) == 5 and _no_compiled_slots(model)
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+class _Block(nn.Module):
+    def __init__(s):  # ``s``, not ``self``: dynamo's sources name the frame's locals as written
+        super().__init__()
+        s.fc, s.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(s, x):
+        return x + s.fc(s.ln(x)).relu()
+
+
+class _BreaksBetweenBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if float(x.mean()) > 1e9:  # dynamo gives up on this frame and compiles each block's forward
+                break
+        return x
+
+
+def test_a_blocks_frame_is_named_by_its_parameters_whatever_its_self_is_called():
+    captured = fxdream.capture(_BreaksBetweenBlocks().eval(), (torch.randn(4, 8),))
+    layers = {n.meta["layer"] for n in captured.forward.graph.nodes if n.op == "call_function"}
+    assert layers == {"blocks.0.ln", "blocks.0.fc", "blocks.0"}  # the first block's call named the graph

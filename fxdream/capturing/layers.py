@@ -21,6 +21,8 @@ _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _MODULES_ITEM = re.compile(r"_(?:modules|parameters|buffers)\['([^']*)'\]")
 _INDEX_ITEM = re.compile(r"\[(\d+)\]")
 _GETATTR = re.compile(r"getattr\(([^()]*?), '([^']*)'\)")
+# a parameter or buffer of the frame's ``self``, whatever the method names it (``def forward(s, x)``)
+_STATE_OF_A_LOCAL = re.compile(r"^L\['[^']*'\]\._(?:modules|parameters|buffers)\[|^L\['self'\]\.")
 
 
 def qualified_name(dynamo_path: str) -> str:
@@ -69,7 +71,7 @@ def frame_prefix(dynamo_graph: fx.GraphModule, example_inputs, state_names: Mapp
         grapharg = node.meta.get("grapharg")
         source = getattr(getattr(grapharg, "source", None), "name", None)
         full = state_names.get(id(value))
-        if not source or full is None or not source.startswith("L['self']"):
+        if not source or full is None or not _STATE_OF_A_LOCAL.match(source):  # the frame's ``self``, by any name
             continue
         relative = qualified_name(source)
         if full == relative:
