@@ -49,7 +49,7 @@ class BlockwiseRunner:
     def __init__(self, model: torch.nn.Module, session: CaptureSession, blocks: list[torch.nn.Module]):
         self._model = model
         self._blocks = blocks
-        names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        names = {id(m): name for name, m in model.named_modules()}  # a module's first name, as torch gives it
         self._compiled = [_compiled_call(b, i, session, names.get(id(b)) or f"block_{i}")
                           for i, b in enumerate(self._blocks)]
 
