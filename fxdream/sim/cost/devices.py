@@ -213,9 +213,9 @@ FIT_OF_SAME_SMS = {"h100": "h200"}
 # A GPU with no fit of its own (nor a sibling's) takes a measured fit's parameters with its own
 # datasheet peaks, bandwidth and memory: the host's costs per op are PyTorch's and the driver's on
 # the host, not the GPU's, and the kernels' startups and shares of the roofline are cuDNN's and
-# cuBLAS's efficiency, which a datasheet's 100 % of the peak overstates on any GPU. With the
-# datasheet's figures a host-bound model read 5-7x faster on a V100 than on the fitted H100, and
-# an A100's convolutions ran at the roofline while the H100's ran at a third of it.
+# cuBLAS's efficiency, which a datasheet's 100 % of the peak overstates on any GPU. Datasheet
+# figures would put a host-bound model 5-7x faster on a V100 than on the fitted H100, and an
+# A100's convolutions at the roofline where the H100's run at a third of it.
 DEFAULT_FIT = "h200"
 
 
