@@ -91,7 +91,8 @@ def _call_order(runner, model, inputs: tuple, training: bool, session: CaptureSe
     meta = on_meta(model, inputs)
     try:
         with traceable_on_meta(meta), tracing_config(training, meta):  # as the capture's step ran
-            return record_model_calls(runner, model, inputs, training, session.clock)
+            return record_model_calls(runner, model, inputs, training, session.clock,
+                                      {r.index: r.anchor for r in session.records if r.anchor})
     except Exception:  # a step that ran once may fail again (a model that changes itself): order unknown
         return None
 

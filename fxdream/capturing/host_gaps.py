@@ -46,6 +46,9 @@ class StepCalls:
     end_us: float
     measured: bool = True
     input_storages: frozenset[int] = frozenset()
+    # where recorded (``record_model_calls``): each call's (old, new) layer prefix, where the call
+    # ran a graph shared by instances of one block for another instance than it was named for
+    call_layers: tuple = ()
     # where not measured: the eager ATen ops run before call k (key k; END: after the last) as
     # (phase, graph) pairs in the order they ran, and the ops that could not be replayed by name
     # (fxdream.capturing.eager_ops)
@@ -87,6 +90,7 @@ class SubgraphClock:
         self.events: list[tuple[str, float, float]] | None = None
         self.compilations = 0
         self.input_storages: set[int] | None = None  # a set: the storages of every call's tensors go in
+        self.call_storages: list[frozenset[int]] | None = None  # a list: each call's storages, in order
         self.mark_calls = False  # each call and step a profiler range (GRAPH_CALL_PREFIX + label, STEP_RANGE)
 
     def wrap(self, boxed: Callable, label: str) -> Callable:
@@ -99,6 +103,9 @@ class SubgraphClock:
             if self.input_storages is not None:  # inside the call's time: the gaps stay the model's own
                 # _cdata: the storage's C++ object's address (private): equal for views of one storage
                 self.input_storages.update(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
+            if self.call_storages is not None:
+                self.call_storages.append(frozenset(a.untyped_storage()._cdata for a in args
+                                                    if isinstance(a, torch.Tensor)))
             try:
                 if self.mark_calls:
                     with torch.autograd.profiler.record_function(GRAPH_CALL_PREFIX + label):

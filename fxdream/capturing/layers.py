@@ -58,13 +58,16 @@ def without_root(name: str, root: str) -> str:
     return name[len(root) + 1:] if name.startswith(root + ".") else name
 
 
-def frame_prefix(dynamo_graph: fx.GraphModule, example_inputs, state_names: Mapping[int, str]) -> str:
-    """Where the compiled frame's ``self`` sits in the model.
+def frame_anchor(dynamo_graph: fx.GraphModule, example_inputs,
+                 state_names: Mapping[int, str]) -> tuple[str, str] | None:
+    """(where the compiled frame's ``self`` sits in the model, the path of a parameter of it
+    below ``self``), or None where no lifted parameter tells.
 
     After a graph break dynamo compiles a submodule's forward as its own frame, and
     its module paths are relative to that submodule. A lifted parameter tells where it is:
     ``L['self']._modules['linear_q']._parameters['weight']`` is the model's
-    ``decoder.attn.linear_q.weight``, so the frame is ``decoder.attn``.
+    ``decoder.attn.linear_q.weight``, so the frame is ``decoder.attn`` (and the parameter
+    ``linear_q.weight`` below it, by which a later call on another instance is placed).
     """
     placeholders = [n for n in dynamo_graph.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
@@ -75,10 +78,17 @@ def frame_prefix(dynamo_graph: fx.GraphModule, example_inputs, state_names: Mapp
             continue
         relative = qualified_name(source)
         if full == relative:
-            return ""
+            return "", relative
         if full.endswith("." + relative):
-            return full[: -len(relative) - 1]
-    return ""
+            return full[: -len(relative) - 1], relative
+    return None
+
+
+def renamed_layer(layer: str, old: str, new: str) -> str:
+    """``layer`` of a block named ``old`` as the same layer of the block named ``new``."""
+    if layer == old:
+        return new
+    return new + layer[len(old):] if old and layer.startswith(old + ".") else layer
 
 
 def annotate_forward(gm: fx.GraphModule, prefix: str = "", root: str = "") -> dict[int, str]:

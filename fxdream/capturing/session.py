@@ -24,7 +24,7 @@ from fxdream.capturing.dynamo import compiling_code
 from fxdream.capturing.host_gaps import SubgraphClock
 from fxdream.capturing.inference_trace import boxed_caller, inference_graph
 from fxdream.capturing.keywords import WithKeywords
-from fxdream.capturing.layers import annotate_backward, annotate_forward, frame_prefix, qualified_name
+from fxdream.capturing.layers import annotate_backward, annotate_forward, frame_anchor, qualified_name
 from fxdream.ir.nodes import PARAMETER_GRADIENTS
 from fxdream.ir.tensors import size_hint
 from fxdream.ops.keep_whole import keep_ops_whole, outside_keep_ops_whole
@@ -52,6 +52,8 @@ class _SubgraphRecord:
     example_inputs: tuple = ()
     state_positions: frozenset = frozenset()
     code: object = None  # the function dynamo compiled this graph from (None: not through dynamo)
+    # (the frame's place in the model, a parameter's path below it: ``layers.frame_anchor``)
+    anchor: tuple[str, str] | None = None
 
     def freeze(self) -> Captured:
         return Captured(self.index, self.forward, self.backward, self.torch_graph,
@@ -109,7 +111,8 @@ class CaptureSession:
         self._note_recompilation(record)
         self.records.append(record)
         names = self.state_names or _state_names_from_sources(gm, example_inputs)
-        prefix = frame_prefix(gm, example_inputs, names)
+        record.anchor = frame_anchor(gm, example_inputs, names)
+        prefix = record.anchor[0] if record.anchor else ""
         # aot_module_simplified puts gm's own parameters and buffers (a graph traced by torch.fx
         # holds them; dynamo lifts them to inputs) before the inputs
         own = [*dict(gm.named_parameters(remove_duplicate=False)).values(),

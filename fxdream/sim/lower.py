@@ -24,7 +24,6 @@ are ignored (there are no CUDA graphs).
 """
 from __future__ import annotations
 
-import collections
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -34,8 +33,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from fxdream.capturing.host_gaps import END, StepCalls
+from fxdream.capturing.layers import renamed_layer
 from fxdream.ir.nodes import LAYER, PARAMETER_GRADIENTS, is_view, op_name
 from fxdream.ir.tensors import size_hint, tensor_bytes
+from fxdream.sim.call_order import EAGER, as_called
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph_regions, inline_cuda_graph_runners
 from fxdream.sim.liveness import Buffers
@@ -43,7 +44,6 @@ from fxdream.sim.profile.op_keys import HOST_SYNC_OPS
 from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
 from fxdream.sim.workspaces import workspace_bytes
 
-EAGER = "eager"  # label prefix of the graph of eager ops recorded between two graph calls
 STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on
 # Host cost of one graph launch beyond the CUDA launch itself: the runner's Python (shape key,
 # pointer check, replay call) as framework dispatches, and the driver's per-node work.
@@ -93,11 +93,14 @@ class Lowered:
 
 
 def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
-          optimizer: OptimizerModel | None = None, host_gaps: Mapping[str, float] | None = None) -> Lowered:
+          optimizer: OptimizerModel | None = None, host_gaps: Mapping[str, float] | None = None,
+          layer_renames: Mapping[str, tuple[str, str]] | None = None) -> Lowered:
     """``graphs`` are (label, GraphModule) in execution order, e.g. [("g0.fw", fw), ("g0.bw", bw)].
 
     ``host_gaps``: µs of host work outside the graphs, measured (``fxdream.capturing.host_gaps``), by
-    the label of the graph it precedes or ``END``: one host task each, before that graph's call."""
+    the label of the graph it precedes or ``END``: one host task each, before that graph's call.
+    ``layer_renames``: by a call's scope ("g0#2"), the block its graph's layers are named for and
+    the block that call ran on (``StepCalls.call_layers``): its tasks are that block's layers."""
     gaps = dict(host_gaps or {})
     lowering = _Lowering(cost)
     saved = {label.rsplit(".", 1)[0]: saved_inputs(gm) for label, gm in graphs if label.endswith(".bw")}
@@ -106,7 +109,8 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
         engine = host_gaps is None and label.endswith(".bw") and not label.startswith(EAGER)
         if engine:
             _append_autograd(lowering.tg, f"{label}:autograd", cost.device.autograd_node_us)
-        lowering.graph(graph_index, label, gm, gaps.pop(label, 0.0), saved.get(label.rsplit(".", 1)[0]))
+        lowering.graph(graph_index, label, gm, gaps.pop(label, 0.0), saved.get(label.rsplit(".", 1)[0]),
+                       (layer_renames or {}).get(label.rsplit(".", 1)[0]))
         if engine:
             _append_autograd(lowering.tg, f"{label}:accumulate_grad",
                              len(gradient_outputs(gm)) * cost.device.accumulate_grad_us)
@@ -137,10 +141,11 @@ class _Lowering:
         self.static = 0
 
     def graph(self, graph_index: int, label: str, gm: fx.GraphModule, gap_us: float,
-              saved: int | None = None) -> None:
+              saved: int | None = None, rename: tuple[str, str] | None = None) -> None:
         """Append one graph's tasks: the host gap before it, its call, then node by node.
         ``saved``: of a forward's outputs, how many its backward reads (the last ones, as
-        aot_autograd orders them); those before go to the caller (``Buffers.output``)."""
+        aot_autograd orders them); those before go to the caller (``Buffers.output``).
+        ``rename``: (the block the graph's layers name, the block this call ran on)."""
         gm = inline_cuda_graph_runners(gm)
         regions = cuda_graph_regions(gm) if self.on_gpu else {}
         self.static += sum(r.pool_bytes for r in regions.values())
@@ -166,7 +171,9 @@ class _Lowering:
             if node.op != "call_function":
                 continue
             name = f"{label}:{node.name}"
-            common = dict(layer=node.meta.get(LAYER, ""), op=op_name(node), fx_node=node.name, phase=phase)
+            layer = node.meta.get(LAYER, "")
+            common = dict(layer=renamed_layer(layer, *rename) if rename else layer, op=op_name(node),
+                          fx_node=node.name, phase=phase)
             region = node.meta.get(CUDA_GRAPH_REGION) if regions else None
             if region is None and current is not None and not is_view(node):
                 current = None  # a kernel outside the region ends it (a view does not)
@@ -390,44 +397,5 @@ def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None =
         # all forwards run before all backwards (backward visits subgraphs in reverse)
         ordered = [p for p in pairs if p[0].endswith("fw")] + [p for p in reversed(pairs) if p[0].endswith("bw")]
         return lower(ordered, cost, optimizer)
-    ordered, gaps = _as_called(dict(pairs), step)
-    return lower(ordered, cost, optimizer, gaps if step.measured else None)
-
-
-def _as_called(by_label: dict, step: StepCalls) -> tuple[list, dict]:
-    """(label, graph) per call of ``step`` (calls of graphs not captured here are skipped), each
-    preceded by the graphs of the eager ops recorded before it ("eager3.fw", ``eager_before``),
-    and the host gaps by those labels."""
-    forwards = collections.Counter(label.rsplit(".", 1)[0] for label in step.calls if label.endswith(".fw"))
-    seen: collections.Counter = collections.Counter()
-    used, ordered, gaps = set(), [], {END: step.end_us}
-    for position, (label, gap_us) in enumerate(zip(step.calls, step.gaps_us)):
-        ordered.extend(_eager_graphs(step, position))
-        if label not in by_label:
-            gaps[END] += gap_us
-            continue
-        scope, phase = label.rsplit(".", 1)
-        k = seen[label]
-        seen[label] += 1
-        if phase == "bw" and forwards[scope]:
-            k = max(0, forwards[scope] - 1 - k)  # backward runs its forwards' calls in reverse
-        name = label if k == 0 else f"{scope}#{k}.{phase}"
-        while name in used:  # more backward than forward calls: never reuse a label
-            k += 1
-            name = f"{scope}#{k}.{phase}"
-        used.add(name)
-        ordered.append((name, by_label[label]))
-        gaps[name] = gap_us
-    ordered.extend(_eager_graphs(step, END))
-    return ordered, gaps
-
-
-def _eager_graphs(step: StepCalls, position) -> list[tuple[str, fx.GraphModule]]:
-    """(label, graph) of each phase's eager ops recorded before call ``position`` (``END``: after
-    the last), in the order they ran: "eager3.fw", "eager3.bw" (a phase again: "eager3_2.fw")."""
-    where = f"_{END}" if position == END else str(position)
-    labels, seen = [], collections.Counter()
-    for phase, gm in step.eager_before.get(position, ()):
-        seen[phase] += 1
-        labels.append((f"{EAGER}{where}" + (f"_{seen[phase]}" if seen[phase] > 1 else "") + f".{phase}", gm))
-    return labels
+    ordered, gaps, renames = as_called(dict(pairs), step)
+    return lower(ordered, cost, optimizer, gaps if step.measured else None, renames)

@@ -1,0 +1,53 @@
+"""The graphs of a recorded step in the order it called them, each call once, with the eager
+ops recorded between them (``StepCalls``), as the lowering takes them."""
+from __future__ import annotations
+
+import collections
+
+import torch.fx as fx
+
+from fxdream.capturing.host_gaps import END, StepCalls
+
+EAGER = "eager"  # label prefix of the graph of eager ops recorded between two graph calls
+
+
+def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict]:
+    """(label, graph) per call of ``step`` (calls of graphs not captured here are skipped), each
+    preceded by the graphs of the eager ops recorded before it ("eager3.fw", ``eager_before``);
+    the host gaps by those labels; and by a call's scope ("g0#2"), its layers' renaming
+    (``StepCalls.call_layers``, set on its forward and taken by its backward, which pairs with it)."""
+    forwards = collections.Counter(label.rsplit(".", 1)[0] for label in step.calls if label.endswith(".fw"))
+    seen: collections.Counter = collections.Counter()
+    used, ordered, gaps, renames = set(), [], {END: step.end_us}, {}
+    for position, (label, gap_us) in enumerate(zip(step.calls, step.gaps_us)):
+        ordered.extend(eager_graphs(step, position))
+        if label not in by_label:
+            gaps[END] += gap_us
+            continue
+        scope, phase = label.rsplit(".", 1)
+        k = seen[label]
+        seen[label] += 1
+        if phase == "bw" and forwards[scope]:
+            k = max(0, forwards[scope] - 1 - k)  # backward runs its forwards' calls in reverse
+        name = label if k == 0 else f"{scope}#{k}.{phase}"
+        while name in used:  # more backward than forward calls: never reuse a label
+            k += 1
+            name = f"{scope}#{k}.{phase}"
+        used.add(name)
+        ordered.append((name, by_label[label]))
+        gaps[name] = gap_us
+        if phase == "fw" and position < len(step.call_layers) and step.call_layers[position]:
+            renames[name.rsplit(".", 1)[0]] = step.call_layers[position]
+    ordered.extend(eager_graphs(step, END))
+    return ordered, gaps, renames
+
+
+def eager_graphs(step: StepCalls, position) -> list[tuple[str, fx.GraphModule]]:
+    """(label, graph) of each phase's eager ops recorded before call ``position`` (``END``: after
+    the last), in the order they ran: "eager3.fw", "eager3.bw" (a phase again: "eager3_2.fw")."""
+    where = f"_{END}" if position == END else str(position)
+    labels, seen = [], collections.Counter()
+    for phase, gm in step.eager_before.get(position, ()):
+        seen[phase] += 1
+        labels.append((f"{EAGER}{where}" + (f"_{seen[phase]}" if seen[phase] > 1 else "") + f".{phase}", gm))
+    return labels
