@@ -53,12 +53,11 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
     model, captured, step, notes = capture_for_prediction(original, model, example_inputs, training,
                                                           measure=isinstance(model_cost, Profiled))
     optimizer_model = OPTIMIZERS.get(optimizer)
-    called_with = step.input_storages if step is not None else ()
-    outside_static, outside_gradients = state_outside_graphs(model, captured, training, optimizer_model, called_with)
+    outside = tensors_outside_graphs(model, captured, step.input_storages if step is not None else ())
+    outside_static, outside_gradients = _state_of(outside, training, optimizer_model)
     if training and optimizer_model is not None and outside_gradients:  # eager code's parameters: updated too
         optimizer_model = dataclasses.replace(optimizer_model, outside_gradients=tuple(
-            (t.untyped_storage().nbytes(), t.numel()) for t in tensors_outside_graphs(model, captured, called_with)
-            if t.requires_grad))
+            (t.untyped_storage().nbytes(), t.numel()) for t in outside if t.requires_grad))
     if outside_static + outside_gradients >= 2**20:
         notes += (f"{(outside_static + outside_gradients) / 2**20:.1f} MiB of the model's parameters and buffers"
                   f"{' (with their gradients and optimizer state)' if training else ''} are inputs of no captured "
@@ -135,9 +134,14 @@ def state_outside_graphs(model: torch.nn.Module, captured, training: bool,
     them (an RNN in training, code after a graph break), or nothing does, so no graph's memory
     holds them. Static: the tensors and, in training, ``optimizer``'s state for each parameter;
     gradient: in training, each parameter's gradient."""
+    return _state_of(tensors_outside_graphs(model, captured, called_with), training, optimizer)
+
+
+def _state_of(tensors: list[torch.Tensor], training: bool, optimizer: OptimizerModel | None) -> tuple[int, int]:
+    """(static bytes, gradient bytes) of ``tensors`` (``state_outside_graphs``)."""
     state_copies = optimizer.state_copies if training and optimizer is not None else 0
     static = gradients = 0
-    for tensor in tensors_outside_graphs(model, captured, called_with):
+    for tensor in tensors:
         learned = training and tensor.requires_grad
         nbytes = tensor.untyped_storage().nbytes()
         static += nbytes * (1 + (state_copies if learned else 0))

@@ -100,12 +100,14 @@ class SubgraphClock:
             if events is None:
                 return boxed(args)
             started = time.perf_counter()
-            if self.input_storages is not None:  # inside the call's time: the gaps stay the model's own
-                # _cdata: the storage's C++ object's address (private): equal for views of one storage
-                self.input_storages.update(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
-            if self.call_storages is not None:
-                self.call_storages.append(frozenset(a.untyped_storage()._cdata for a in args
-                                                    if isinstance(a, torch.Tensor)))
+            if self.input_storages is not None or self.call_storages is not None:  # inside the call's time:
+                # the gaps stay the model's own. _cdata: the storage's C++ object's address (private):
+                # equal for views of one storage
+                taken = frozenset(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
+                if self.input_storages is not None:
+                    self.input_storages.update(taken)
+                if self.call_storages is not None:
+                    self.call_storages.append(taken)
             try:
                 if self.mark_calls:
                     with torch.autograd.profiler.record_function(GRAPH_CALL_PREFIX + label):
