@@ -54,12 +54,13 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
                                                           measure=isinstance(model_cost, Profiled))
     optimizer_model = OPTIMIZERS.get(optimizer)
     outside = tensors_outside_graphs(model, captured, step.input_storages if step is not None else ())
-    outside_static, outside_gradients = _state_of(outside, training, optimizer_model)
-    if training and optimizer_model is not None and outside_gradients:  # eager code's parameters: updated too
+    outside_static, outside_gradient_bytes = _state_of(outside, training, optimizer_model)
+    learned = [t for t in outside if training and t.requires_grad]  # eager code's parameters: updated too
+    if optimizer_model is not None and learned:
         optimizer_model = dataclasses.replace(optimizer_model, outside_gradients=tuple(
-            (t.untyped_storage().nbytes(), t.numel()) for t in outside if t.requires_grad))
-    if outside_static + outside_gradients >= 2**20:
-        notes += (f"{(outside_static + outside_gradients) / 2**20:.1f} MiB of the model's parameters and buffers"
+            (t.untyped_storage().nbytes(), t.numel()) for t in learned))
+    if outside_static + outside_gradient_bytes >= 2**20:
+        notes += (f"{(outside_static + outside_gradient_bytes) / 2**20:.1f} MiB of the model's parameters and buffers"
                   f"{' (with their gradients and optimizer state)' if training else ''} are inputs of no captured "
                   f"graph (eager code between the graphs uses them, or nothing does): counted in the peak, while "
                   f"the activations of eager code are not",)
@@ -71,8 +72,8 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
     else:
         prediction = predict(captured, model_cost, training, optimizer_model, contention=contention, step=step)
     return dataclasses.replace(prediction, notes=notes, static_bytes=prediction.static_bytes + outside_static,
-                               outside_state_bytes=outside_static + outside_gradients,
-                               outside_gradient_bytes=outside_gradients)
+                               outside_state_bytes=outside_static + outside_gradient_bytes,
+                               outside_gradients=tuple(t.untyped_storage().nbytes() for t in learned))
 
 
 def _sparse_gradient_note(model: torch.nn.Module, optimizer: str | None) -> tuple[str, ...]:

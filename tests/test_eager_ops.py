@@ -5,6 +5,7 @@ import torch.nn as nn
 
 import fxdream
 from fxdream.capturing.eager_ops import eager_ops, profiled
+from fxdream.whatif.gradients import outside_gradients
 
 
 def _norm_and_project(h, w):
@@ -75,6 +76,30 @@ def test_the_optimizer_step_updates_parameters_only_eager_code_uses(optimizer):
              ((eager, fxdream.capture(_WithEagerPart(eager=True), (x,), training=True)),
               (captured, fxdream.capture(_WithEagerPart(eager=False), (x,), training=True)))]
     assert fused[0].details["fused.bytes"] == fused[1].details["fused.bytes"]
+
+
+def test_data_parallel_steps_reduce_gradients_only_eager_code_makes():
+    """DDP all-reduces ``w``'s gradient, and P3 sends it, whether the code using ``w`` runs
+    eagerly or captured; its all-reduce starts once the backward has ended."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 256)
+    cluster = fxdream.whatif.Cluster(machines=2, gpus_per_machine=1, network_gbps=10)
+    results = {}
+    for eager in (True, False):
+        model = _WithEagerPart(eager=eager)
+        prediction = fxdream.simulate(model, (x,), device="h100", training=True, optimizer="sgd")
+        captured = fxdream.capture(model, (x,), training=True)
+        results[eager] = (fxdream.whatif.ddp(prediction, cluster, captured=captured),
+                          fxdream.whatif.p3(prediction, cluster, captured=captured), prediction)
+    (ddp_eager, p3_eager, eager_prediction), (ddp_captured, p3_captured, _) = results[True], results[False]
+    assert eager_prediction.outside_gradients == (256 * 256 * 4,)
+    assert ddp_eager.details["ddp.gradient_MB"] == pytest.approx(ddp_captured.details["ddp.gradient_MB"], rel=1e-9)
+    assert ddp_eager.details["ddp.allreduce_ms_total"] > 0
+    assert p3_eager.details["p3.allreduce_ms_total"] == pytest.approx(p3_captured.details["p3.allreduce_ms_total"],
+                                                                       rel=1e-9)
+    (outside,) = outside_gradients(eager_prediction.outside_gradients, eager_prediction.task_graph, 0)
+    backward = eager_prediction.task_graph.select(phase="bw", kind="gpu")
+    assert outside.producer == backward[-1] and outside.nbytes == 256 * 256 * 4
 
 
 def test_ops_that_cannot_be_replayed_are_named():

@@ -388,7 +388,7 @@ def test_what_ifs_count_every_call_of_a_graph_called_per_layer():
     call with its own layer's parameters and gradients."""
     from test_host_gaps import _Blocks
     from fxdream.simulation import capture_for_prediction, prediction_inputs
-    from fxdream.whatif.data_parallel import gradients
+    from fxdream.whatif.gradients import gradients
     model, x = _Blocks(4), torch.randn(8, 32)
     to_capture, inputs, cost = prediction_inputs(model, (x,), "h100", "auto")
     _, captured, step, _ = capture_for_prediction((model, (x,)), to_capture, inputs, training=True)

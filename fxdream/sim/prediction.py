@@ -38,8 +38,9 @@ class Prediction:
     # the model's state no captured graph takes as input (eager code's, e.g. an RNN in training),
     # with its gradients and optimizer state in training: in the peak beside the timeline's memory
     outside_state_bytes: int = 0
-    # of which gradients, in training: the optimizer step updates them too (what-ifs on it need them)
-    outside_gradient_bytes: int = 0
+    # of which gradients, in training, bytes of each: the optimizer step updates them too, and a
+    # data-parallel step reduces them (what-ifs on either need them)
+    outside_gradients: tuple[int, ...] = ()
 
     @functools.cached_property
     def time_ms(self) -> float:
@@ -48,6 +49,10 @@ class Prediction:
         if not self.back_to_back:
             return self.timeline.makespan_us / 1e3
         return iteration_us(self.device, self.task_graph, self.timeline) / 1e3
+
+    @property
+    def outside_gradient_bytes(self) -> int:
+        return sum(self.outside_gradients)
 
     @property
     def time_ms_range(self) -> tuple[float, float]:

@@ -21,14 +21,13 @@ Module names differ from the function names so that ``fxdream.whatif.amp`` is th
 from fxdream.whatif.core import Measured, WhatIf, faster_gpu
 from fxdream.whatif.data_parallel import (
            Cluster,
-           Gradient,
            MiB,  # noqa: F401  (public in the single-module whatif.py)
            ddp,
            ddp_buckets,
            expected_max_of_normals,
-           gradients,
            ring_allreduce_us,
 )
+from fxdream.whatif.gradients import Gradient, gradients
 from fxdream.whatif.measure_cpu import measure_amp_cpu, measure_fused_adam_cpu
 from fxdream.whatif.mixed_precision import COMPUTE_OPS, FP32_OPS, amp, cpu_flops
 from fxdream.whatif.optimizer import fused_optimizer

@@ -145,7 +145,7 @@ def _prediction(like: Prediction, tg: TaskGraph, contention: bool, *, device: De
     static = like.static_bytes if static_bytes is None else static_bytes
     return Prediction(device or like.device, like.training, tg, _simulate(tg, contention, static), static,
                       back_to_back=like.back_to_back, outside_state_bytes=like.outside_state_bytes,
-                      outside_gradient_bytes=like.outside_gradient_bytes)
+                      outside_gradients=like.outside_gradients)
 
 
 @dataclass(frozen=True)

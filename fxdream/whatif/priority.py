@@ -23,7 +23,8 @@ from fxdream.sim.lower import append_optimizer_step, optimizer_in
 from fxdream.sim.prediction import Prediction
 from fxdream.sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _simulate, _Start, _start
-from fxdream.whatif.data_parallel import Cluster, Gradient, MiB, _comm_deps, _need_grads, _ready_times, ddp_buckets
+from fxdream.whatif.data_parallel import Cluster, MiB, _comm_deps, _ready_times, ddp_buckets
+from fxdream.whatif.gradients import Gradient, need_gradients
 
 
 def _slices(grads: Sequence[Gradient], order: Sequence[Gradient], slice_bytes: int) -> list:
@@ -172,7 +173,7 @@ def p3(x, cluster: Cluster, *, captured=None, graphs=None, slice_bytes: int = 4 
     pays 2(n-1) latencies, so larger slices are the default here)."""
     s = _start(x, None, captured, graphs, contention)
     tg = s.current.task_graph
-    grads = _need_grads(s, tg)
+    grads = need_gradients(s, tg)
     if not tg.select(phase="fw"):
         raise ValueError("P3 needs the forward's tasks (phase 'fw')")
     order_key = {}
@@ -206,7 +207,7 @@ def ddp_period(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb
     :func:`ddp` predicts one isolated iteration)."""
     s = _start(x, None, captured, graphs, contention)
     tg = s.current.task_graph
-    grads = _need_grads(s, tg)
+    grads = need_gradients(s, tg)
     buckets = _ddp_comms(s, grads, bucket_cap_mb, first_bucket_mb)
     static = s.current.static_bytes + sum(gr.nbytes for gr in grads)
     g, fw1 = _two_iterations(tg, grads, buckets, cluster, channel, priority=False)
