@@ -145,14 +145,17 @@ def test_a_blocks_frame_is_named_by_its_parameters_whatever_its_self_is_called()
 
 
 @pytest.mark.parametrize("training", [False, True])
-def test_each_call_of_a_graph_shared_by_blocks_is_costed_as_its_own_blocks_layers(training):
+@pytest.mark.parametrize("device", ["h100", "cpu"])
+def test_each_call_of_a_graph_shared_by_blocks_is_costed_as_its_own_blocks_layers(training, device):
     """Dynamo compiles the block class's forward once and calls it per block: a prediction places
-    each call at the block it ran on, by the parameters it took, forward and backward."""
-    prediction = fxdream.simulate(_BreaksBetweenBlocks().train(training), (torch.randn(4, 8),), device="h100",
+    each call at the block it ran on, by the parameters it took, forward and backward; for
+    another device (the step recorded) and for this machine (the step measured) alike."""
+    prediction = fxdream.simulate(_BreaksBetweenBlocks().train(training), (torch.randn(4, 8),), device=device,
                                   training=training)
     per_layer = prediction.timeline.per_layer_us
     assert {"blocks.0.fc", "blocks.1.fc", "blocks.0.ln", "blocks.1.ln"} <= set(per_layer)
-    assert per_layer["blocks.0.fc"] == pytest.approx(per_layer["blocks.1.fc"])  # the same work, each its own
+    if device != "cpu":  # measured costs vary call by call
+        assert per_layer["blocks.0.fc"] == pytest.approx(per_layer["blocks.1.fc"])  # the same work, each its own
     if training:
         backward = {t.layer for t in prediction.task_graph.tasks if t.phase == "bw" and t.layer}
         assert {"blocks.0.fc", "blocks.1.fc"} <= backward

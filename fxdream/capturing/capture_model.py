@@ -64,7 +64,7 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
     nothing = f"nothing was captured from {type(model).__name__}: {'; '.join(breaks) or 'dynamo produced no graph'}"
     step, notes = None, () if measure else _unmeasured_breaks(breaks, order) + mask_checks.note()
     if measure and worth_measuring(training, len(captured), len(breaks)):
-        step = measure_model_gaps(runner, model, inputs, training, session.clock)
+        step = measure_model_gaps(runner, model, inputs, training, session.clock, anchors=_anchors(session))
         if step is None:
             notes = ()
         elif captured:
@@ -91,10 +91,14 @@ def _call_order(runner, model, inputs: tuple, training: bool, session: CaptureSe
     meta = on_meta(model, inputs)
     try:
         with traceable_on_meta(meta), tracing_config(training, meta):  # as the capture's step ran
-            return record_model_calls(runner, model, inputs, training, session.clock,
-                                      {r.index: r.anchor for r in session.records if r.anchor})
+            return record_model_calls(runner, model, inputs, training, session.clock, _anchors(session))
     except Exception:  # a step that ran once may fail again (a model that changes itself): order unknown
         return None
+
+
+def _anchors(session: CaptureSession) -> dict[int, tuple[str, str]]:
+    """Graph index → where its frame sits in the model and a parameter's path below it."""
+    return {r.index: r.anchor for r in session.records if r.anchor}
 
 
 def _unmeasured_breaks(breaks: list[str], order: StepCalls | None) -> tuple[str, ...]:

@@ -55,38 +55,17 @@ def record_model_calls(call: Callable, model, inputs: tuple, training: bool, clo
     ``anchors``: graph index → where its frame sits in the model and a parameter's path below it
     (``layers.frame_anchor``), by which each call of a graph shared by the instances of a block
     is placed at its own block (``StepCalls.call_layers``)."""
-    clock.mark_calls, clock.call_storages = True, []
+    clock.mark_calls = True
     try:
         with profiled() as events:
-            step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0)
-        storages = tuple(clock.call_storages)
+            step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0, anchors=anchors)
     finally:
-        clock.mark_calls, clock.call_storages = False, None
+        clock.mark_calls = False
     if step is None:
         return None
     before, skipped = eager_ops(events, len(step.calls), reads_wait=not on_meta(model, inputs))
     return dataclasses.replace(step, gaps_us=(0.0,) * len(step.calls), end_us=0.0, measured=False,
-                               eager_before=before, eager_skipped=skipped,
-                               call_layers=_call_layers(step.calls, storages, model, anchors or {}))
-
-
-def _call_layers(calls: tuple[str, ...], storages: tuple, model, anchors: Mapping) -> tuple:
-    """Per forward call of ``calls`` ("g0.fw"), (the block its graph's layers are named for, the
-    block this call ran on) where they differ, else None: the parameter the graph was placed by
-    (``anchors``) is found, by its path below the block, among the storages the call took."""
-    if len(storages) != len(calls):
-        return ()
-    names = {t.untyped_storage()._cdata: name for name, t in [*model.named_parameters(), *model.named_buffers()]}
-    layers = []
-    for label, taken in zip(calls, storages):
-        anchor = anchors.get(int(label[1:].split(".")[0])) if label.endswith(".fw") else None
-        found = None
-        if anchor is not None:
-            block, below = anchor
-            found = next((names[s][: -len(below) - 1] for s in taken
-                          if s in names and names[s].endswith("." + below)), None)
-        layers.append((anchor[0], found) if found is not None and found != anchor[0] else None)
-    return tuple(layers)
+                               eager_before=before, eager_skipped=skipped)
 
 
 @contextlib.contextmanager

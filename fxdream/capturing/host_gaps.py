@@ -46,8 +46,8 @@ class StepCalls:
     end_us: float
     measured: bool = True
     input_storages: frozenset[int] = frozenset()
-    # where recorded (``record_model_calls``): each call's (old, new) layer prefix, where the call
-    # ran a graph shared by instances of one block for another instance than it was named for
+    # each call's (old, new) layer prefix, where the call ran a graph shared by instances of one
+    # block for another instance than it was named for (``call_layers``)
     call_layers: tuple = ()
     # where not measured: the eager ATen ops run before call k (key k; END: after the last) as
     # (phase, graph) pairs in the order they ran, and the ops that could not be replayed by name
@@ -177,11 +177,14 @@ def _cold_sample_will_do(sample: StepCalls, step_s: float, budget_s: float) -> b
 
 
 def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
-                       rounds: int = 3, warmup: int = 1) -> StepCalls | None:
+                       rounds: int = 3, warmup: int = 1,
+                       anchors: Mapping[int, tuple[str, str]] | None = None) -> StepCalls | None:
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
     gradients, buffers and RNG are left as they were. The result holds the storages the graph
-    calls took (``StepCalls.input_storages``)."""
+    calls took (``StepCalls.input_storages``) and, by ``anchors`` (graph index → where its frame
+    sits in the model and a parameter's path below it: ``layers.frame_anchor``), the block each
+    call of a graph shared by the instances of a block ran on (``StepCalls.call_layers``)."""
 
     def step():
         if training:
@@ -191,14 +194,37 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
         with torch.autograd.profiler.record_function(STEP_RANGE) if clock.mark_calls else contextlib.nullcontext():
             return one_step(call, inputs, training)
 
-    clock.input_storages = set()
+    clock.input_storages, clock.call_storages = set(), []
     try:
         with preserved_state(model):
             measured = measure_host_gaps(step, clock, rounds, warmup)
-        storages = frozenset(clock.input_storages)
+        storages, per_call = frozenset(clock.input_storages), tuple(clock.call_storages)
     finally:
-        clock.input_storages = None
-    return None if measured is None else dataclasses.replace(measured, input_storages=storages)
+        clock.input_storages = clock.call_storages = None
+    if measured is None:
+        return None
+    last_step = per_call[len(per_call) - len(measured.calls):] if len(per_call) >= len(measured.calls) else ()
+    return dataclasses.replace(measured, input_storages=storages,
+                               call_layers=call_layers(measured.calls, last_step, model, anchors or {}))
+
+
+def call_layers(calls: tuple[str, ...], storages: tuple, model, anchors: Mapping) -> tuple:
+    """Per forward call of ``calls`` ("g0.fw"), (the block its graph's layers are named for, the
+    block this call ran on) where they differ, else None: the parameter the graph was placed by
+    (``anchors``) is found, by its path below the block, among the storages the call took."""
+    if len(storages) != len(calls):
+        return ()
+    names = {t.untyped_storage()._cdata: name for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    layers = []
+    for label, taken in zip(calls, storages):
+        anchor = anchors.get(int(label[1:].split(".")[0])) if label.endswith(".fw") else None
+        found = None
+        if anchor is not None:
+            block, below = anchor
+            found = next((names[s][: -len(below) - 1] for s in taken
+                          if s in names and names[s].endswith("." + below)), None)
+        layers.append((anchor[0], found) if found is not None and found != anchor[0] else None)
+    return tuple(layers)
 
 
 def describe_gaps(step: StepCalls, subgraphs: int, training: bool, graph_breaks: int = 0) -> tuple[str, ...]:
