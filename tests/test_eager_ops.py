@@ -102,6 +102,34 @@ def test_data_parallel_steps_reduce_gradients_only_eager_code_makes():
     assert outside.producer == backward[-1] and outside.nbytes == 256 * 256 * 4
 
 
+class _EagerHead(nn.Module):
+    """A body dynamo captures, then a head it skips (``torch.compiler.disable``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self._head(self.body(x).relu())
+
+    @torch.compiler.disable
+    def _head(self, h):
+        return self.head(h)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_eager_ops_are_the_layers_of_the_modules_they_ran_in(training):
+    """The head's forward ops, and in training the backward ops autograd's engine ran for them,
+    are the head's layer, as they would be in a graph (``explain``'s per-layer table)."""
+    torch.manual_seed(0)
+    prediction = fxdream.simulate(_EagerHead().train(training), (torch.randn(16, 32),), device="h100",
+                                  training=training)
+    eager = [t for t in prediction.task_graph.tasks if t.name.startswith("eager") and not t.name.endswith(":k")]
+    assert {t.phase for t in eager} == ({"fw", "bw"} if training else {"fw"})
+    assert {t.layer for t in eager} == {"head"}
+    assert "head" in dict(prediction.top_layers())
+
+
 def test_ops_that_cannot_be_replayed_are_named():
     a, b = torch.randn(4, 8, device="meta"), torch.randn(2, 8, device="meta")
     index = torch.zeros(2, dtype=torch.long, device="meta")

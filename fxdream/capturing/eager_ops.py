@@ -40,9 +40,11 @@ from fxdream.capturing.host_gaps import (
 from fxdream.capturing.meta import on_meta
 from fxdream.capturing.op_replay import ALL, BACKWARD, FORWARD, WHOLE_LAYERS, replay
 from fxdream.capturing.steps import LOSS_RANGE
+from fxdream.ir.nodes import LAYER
 
 ENGINE_NODE = "autograd::engine::evaluate_function"  # the engine's range around running one node
 MAX_OPS = 5000  # a step that is mostly eager code: the first ops are replayed, the rest counted
+LAYER_RANGE = "fxdream.layer:"  # an eager module call's profiler range while eager ops are recorded: this + its name
 
 
 def record_model_calls(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
@@ -57,7 +59,7 @@ def record_model_calls(call: Callable, model, inputs: tuple, training: bool, clo
     is placed at its own block (``StepCalls.call_layers``)."""
     clock.mark_calls = True
     try:
-        with profiled() as events:
+        with profiled() as events, module_ranges(model):
             step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0, anchors=anchors)
     finally:
         clock.mark_calls = False
@@ -89,13 +91,50 @@ def profiled():
     events.extend(profile.events())
 
 
+@contextlib.contextmanager
+def module_ranges(model: torch.nn.Module):
+    """Each call of one of ``model``'s submodules that runs as Python (eagerly) a profiler range
+    named ``LAYER_RANGE`` + its qualified name, opened and closed by a profile function on this
+    thread's Python calls (``sys.setprofile``): module hooks would change what dynamo guards on,
+    and it would compile again. Nothing where a profile function is set already (a user's
+    profiler keeps it)."""
+    names = {id(m): name for name, m in model.named_modules() if name}
+    if sys.getprofile() is not None or not names:
+        yield
+        return
+    call_impl = torch.nn.Module._call_impl.__code__
+    # record_function's own ops (private, isolated here): a range opened in one call, closed in another
+    enter, leave = torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit
+    open_ranges: dict = {}
+
+    def profile(frame, event, arg):
+        if frame.f_code is not call_impl:
+            return
+        if event == "call":
+            name = names.get(id(frame.f_locals.get("self")))
+            if name is not None:
+                open_ranges[frame] = enter(LAYER_RANGE + name, None)
+        elif event == "return" and frame in open_ranges:
+            leave._RecordFunction(open_ranges.pop(frame))
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+        for handle in reversed(list(open_ranges.values())):  # a call the body left by raising
+            leave._RecordFunction(handle)
+
+
 def eager_ops(events: list, calls: int, reads_wait: bool = True) -> tuple[dict, dict[str, int]]:
     """(position k → the eager ops run before graph call k, ``END`` → after the last, as
     (phase, graph) pairs in the order they ran; op name → ops not replayed) of a profiled step
     (the last ``STEP_RANGE``, where there is one) whose ``calls`` graph calls were ranges named
     ``GRAPH_CALL_PREFIX`` + label. Where the ranges do not match the calls (a step that
     compiled), every eager op is put at the end. ``reads_wait``: a value read on the host is a
-    device tensor's, for which the host waits (``op_replay.replay``)."""
+    device tensor's, for which the host waits (``op_replay.replay``). Each op's nodes are the layer
+    of the innermost module range (``module_ranges``) it ran in; a backward op's, that of the
+    forward op whose node autograd's engine ran."""
     skipped: collections.Counter = collections.Counter()
     before, replayed, cache = {}, 0, {}
     for key, ran in _eager_events(events, calls).items():
@@ -106,7 +145,12 @@ def eager_ops(events: list, calls: int, reads_wait: bool = True) -> tuple[dict, 
             if replayed >= MAX_OPS:
                 skipped[op.event.name] += 1
                 continue
-            added, missed = replay(segments[-1][1], op.event, cache, op.part, reads_wait)
+            graph = segments[-1][1]
+            known = set(graph.nodes)
+            added, missed = replay(graph, op.event, cache, op.part, reads_wait)
+            for node in graph.nodes:
+                if node not in known and node.op == "call_function":
+                    node.meta[LAYER] = op.layer
             replayed += added
             skipped.update(missed)
         kept = tuple((phase, _module(graph)) for phase, graph in segments
@@ -128,13 +172,15 @@ class _EagerOp(NamedTuple):
     phase: str  # "fw", or "bw" for an op autograd's engine ran
     event: object
     part: str = ALL
+    layer: str = ""  # the module it ran in (a backward op: its forward op's); "" where none is known
 
 
 def _eager_events(events: list, calls: int) -> dict[object, list[_EagerOp]]:
     """The model's eager top-level ATen ops grouped by the graph call they precede, in the order
     they ran: inside the step, outside every graph call, the loss fxdream makes and the backward
     nodes of that loss; an RNN layer whose backward ran as its forward where it ran and its
-    backward where that began, in place of the per-step nodes the engine ran."""
+    backward where that began, in place of the per-step nodes the engine ran. Each with its
+    layer (``_layers``)."""
     steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE]
     first, last = max(steps) if steps else (float("-inf"), float("inf"))  # the last step: the one kept
     calls_ran = sorted(((e.time_range.start, e.time_range.end) for e in events
@@ -146,15 +192,16 @@ def _eager_events(events: list, calls: int) -> dict[object, list[_EagerOp]]:
     outside = calls_ran + layer_nodes + [(e.time_range.start, e.time_range.end) for e in loss] + \
         _backward_of(loss_numbers, events)
     ran = []
-    for event in events:
-        start, end = event.time_range.start, event.time_range.end
-        if not (_top_level_aten(event) and first <= start <= last) or any(s <= start < e for s, e in outside):
-            continue
+    kept = [e for e in events if _top_level_aten(e) and first <= e.time_range.start <= last
+            and not any(s <= e.time_range.start < end for s, end in outside)]
+    layer_of = _layers(kept)
+    for event in kept:
+        start, end, layer = event.time_range.start, event.time_range.end, layer_of.get(id(event), "")
         if id(event) not in layers_backward:
-            ran.append(_EagerOp(start, end, "bw" if _in_engine(event) else "fw", event))
+            ran.append(_EagerOp(start, end, "bw" if _engine_node(event) is not None else "fw", event, layer=layer))
             continue
-        ran.append(_EagerOp(start, end, "fw", event, FORWARD))
-        ran.append(_EagerOp(*layers_backward[id(event)], "bw", event, BACKWARD))
+        ran.append(_EagerOp(start, end, "fw", event, FORWARD, layer))
+        ran.append(_EagerOp(*layers_backward[id(event)], "bw", event, BACKWARD, layer))
     grouped: dict[object, list[_EagerOp]] = collections.defaultdict(list)
     for op in sorted(ran, key=lambda op: op.start):
         following = next((k for k, (s, _) in enumerate(calls_ran) if s >= op.end), None)
@@ -187,14 +234,36 @@ def _rnn_layers_trained(events: list) -> tuple[dict[int, tuple[float, float]], l
     return backward, [r for number in set().union(*layers.values()) for r in nodes_by_number.get(number, ())]
 
 
-def _in_engine(event) -> bool:
-    """Whether autograd's engine ran ``event`` (an op of a backward node)."""
+def _engine_node(event):
+    """The range of autograd's engine running the backward node ``event`` is an op of; None for
+    an op the engine did not run."""
     parent = event.cpu_parent
     while parent is not None:
         if parent.name.startswith(ENGINE_NODE):
-            return True
+            return parent
         parent = parent.cpu_parent
-    return False
+    return None
+
+
+def _layers(ops: list) -> dict[int, str]:
+    """id of each op of ``ops`` → the qualified name of the innermost module range it ran in
+    (``module_ranges``); an op autograd's engine ran takes the layer of the forward op that
+    recorded its node (the node's sequence number)."""
+    found, by_number = {}, {}
+    for op in ops:
+        parent = op.cpu_parent
+        while parent is not None and not parent.name.startswith(LAYER_RANGE):
+            parent = parent.cpu_parent
+        if parent is not None:
+            found[id(op)] = parent.name[len(LAYER_RANGE):]
+            for part in [op, *_descendants(op)]:
+                if part.sequence_nr >= 0:
+                    by_number[part.sequence_nr] = found[id(op)]
+    for op in ops:
+        node = _engine_node(op)
+        if node is not None and node.sequence_nr in by_number:
+            found[id(op)] = by_number[node.sequence_nr]
+    return found
 
 
 def _backward_of(sequence_numbers: set[int], events: list) -> list[tuple[float, float]]:
