@@ -21,7 +21,6 @@ from fxdream.explain import crossover
 from fxdream.measure import time_interleaved
 from fxdream.models import NAMES
 from fxdream.plan import plan
-from fxdream.sim.cost import Profiled
 from fxdream.sim.lower import OPTIMIZERS
 from fxdream.sim.prediction import predict
 from fxdream.sim.profile.store import PROFILE_DIR_ENV
@@ -150,8 +149,7 @@ def cmd_whatif(args) -> int:
     model, inputs, _ = build_model(args.model, args.batch, args.tiny, True)
     print(f"what-ifs for {args.model} batch {args.batch} training on {args.device} ({args.cost} costs) ...", flush=True)
     to_capture, capture_inputs, cost = prediction_inputs(model, inputs, args.device, args.cost)  # analytic: on meta
-    _, captured, step, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs, training=True,
-                                                      measure=isinstance(cost, Profiled))
+    _, captured, step, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs, True, cost)
     _print_notes(notes)
     base = predict(captured, cost, True, OPTIMIZERS[args.optimizer], step=step)
     on_gpu = base.device.kind == "cuda"
@@ -235,7 +233,7 @@ def cmd_explain(args) -> int:
           f"on {args.device} ...", flush=True)
     to_capture, capture_inputs, cost = prediction_inputs(model, inputs, args.device, "auto")  # elsewhere: on meta
     model, captured, step, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs,
-                                                          training=args.training, measure=isinstance(cost, Profiled))
+                                                          args.training, cost)
     _print_notes(notes)
     model.train(args.training)
     result = plan(model, captured, device=args.device, training=args.training,

@@ -14,8 +14,9 @@ from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.meta import meta_copy, on_meta
+from fxdream.ops.rnn_cell import cells_as_on
 from fxdream.plan import plan
-from fxdream.sim.cost import DeviceSpec, Profiled
+from fxdream.sim.cost import CostModel, DeviceSpec, Profiled
 from fxdream.sim.lower import OPTIMIZERS, OptimizerModel
 from fxdream.sim.prediction import Prediction, predict
 from fxdream.sim.profile.machine_load import watch_machine_load
@@ -50,8 +51,7 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
     """``simulate`` of ``model`` on ``example_inputs`` (``original``'s, or their meta copy) with
     ``model_cost``; a meta copy that cannot be captured (it reads tensor values, or makes tensors
     on a fixed device) is captured on ``original``'s data."""
-    model, captured, step, notes = capture_for_prediction(original, model, example_inputs, training,
-                                                          measure=isinstance(model_cost, Profiled))
+    model, captured, step, notes = capture_for_prediction(original, model, example_inputs, training, model_cost)
     optimizer_model = OPTIMIZERS.get(optimizer)
     outside = tensors_outside_graphs(model, captured, step.input_storages if step is not None else ())
     outside_static, outside_gradient_bytes = _state_of(outside, training, optimizer_model)
@@ -90,10 +90,19 @@ def _sparse_gradient_note(model: torch.nn.Module, optimizer: str | None) -> tupl
 
 
 def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inputs: tuple, training: bool,
-                           measure: bool = False) -> tuple:
-    """Capture ``model`` on ``example_inputs`` for a prediction: (the model captured, captured,
-    StepCalls or None, notes). ``model`` is ``original``'s (model, inputs) or their meta copy;
-    ``measure``: host time outside the graphs is measured (only for this machine, real inputs).
+                           cost: CostModel | None = None) -> tuple:
+    """Capture ``model`` on ``example_inputs`` for a prediction with ``cost`` (None: for a GPU,
+    nothing measured): (the model captured, captured, StepCalls or None, notes). ``model`` is
+    ``original``'s (model, inputs) or their meta copy. With measured costs (``Profiled``, this
+    machine, real inputs) the host time outside the graphs is measured too. On the meta device a
+    trained RNN cell is traced as ``cost``'s device runs it (``rnn_cell.cells_as_on``)."""
+    with cells_as_on(cost.device.kind if cost is not None else "cuda"):
+        return _capture_for_prediction(original, model, example_inputs, training, isinstance(cost, Profiled))
+
+
+def _capture_for_prediction(original: tuple, model: torch.nn.Module, example_inputs: tuple, training: bool,
+                            measure: bool) -> tuple:
+    """``capture_for_prediction``; ``measure``: host time outside the graphs is measured.
     A meta copy of a model built with data that cannot be captured on the meta device (it reads
     tensor values, or makes tensors on a fixed device) is captured on ``original``'s data, with
     a note saying so. A model the user built on the meta device has no data to fall back on:
@@ -106,8 +115,8 @@ def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inpu
     except Exception as error:
         if on_meta(*original) and NONZERO_ON_META in str(error) and not meta_config.meta_nonzero_assume_all_nonzero:
             with meta_config.patch(meta_nonzero_assume_all_nonzero=True):
-                model, captured, step, notes = capture_for_prediction(original, model, example_inputs, training,
-                                                                      measure)
+                model, captured, step, notes = _capture_for_prediction(original, model, example_inputs, training,
+                                                                       measure)
             return model, captured, step, (NONZERO_ASSUMED,) + notes
         hint = meta_hint(error) if on_meta(*original) else None
         if hint is not None:
@@ -117,7 +126,7 @@ def capture_for_prediction(original: tuple, model: torch.nn.Module, example_inpu
         lengths_moved = all(t.is_meta for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor))
         if LENGTHS_ON_CPU in str(error) and lengths_moved:
             model, example_inputs, _ = meta_copy(*original, lengths_on_cpu=True)
-            return capture_for_prediction(original, model, example_inputs, training, measure)
+            return _capture_for_prediction(original, model, example_inputs, training, measure)
         model, example_inputs = original
         captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
         reads_values = any(words in str(error) for words in META_VALUE_ERRORS)

@@ -78,3 +78,25 @@ def test_a_cells_flops_are_its_two_weight_matrices_over_its_batch(kind, gates):
     captured = fxdream.capture(Decoder(kind).eval(), (torch.randn(5, 3, 6),))
     cells = [n for n in captured.forward.graph.nodes if n.target is rnn_cell_inference]
     assert len(cells) == 3 and all(node_flops(n) == 2 * 5 * (gates * 8 * 6 + gates * 8 * 8) for n in cells)
+
+
+@pytest.mark.parametrize("kind, bias", [("lstm", True), ("gru", True), ("gru", False)])
+def test_a_trained_cell_is_predicted_for_a_gpu_as_a_gpu_runs_it(kind, bias):
+    """On a GPU, ATen runs an LSTM or GRU cell as its two gate products and one fused kernel
+    (forward and backward); on a CPU as ~10 pointwise ops forward and ~15 backward. A capture on
+    the meta device for a GPU takes the GPU's ops, one for a CPU the CPU's. (An LSTM cell without
+    biases stays split: torch's meta kernel of the fused cell needs them.)"""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 6)
+    fused = {"lstm": "aten._thnn_fused_lstm_cell", "gru": "aten._thnn_fused_gru_cell"}[kind]
+    backward = {"lstm": "aten._thnn_fused_lstm_cell_backward_impl", "gru": "aten._thnn_fused_gru_cell_backward"}[kind]
+
+    def ops(device, kind_of_task):  # a GPU's kernels; a CPU's tasks
+        prediction = fxdream.simulate(Decoder(kind, bias), (x,), device=device, cost="analytic", training=True)
+        return [t.op for t in prediction.task_graph.tasks if t.kind.value == kind_of_task], prediction
+    on_gpu, gpu_prediction = ops("h100", "gpu")
+    assert on_gpu.count(fused) == 3 and on_gpu.count(backward) == 3  # one per step
+    assert not {"aten.sigmoid", "aten.tanh", "aten.sigmoid_backward", "aten.tanh_backward"} & set(on_gpu)
+    on_cpu, _ = ops("cpu", "cpu")
+    assert fused not in on_cpu and "aten.sigmoid" in on_cpu
+    assert gpu_prediction.peak_memory_bytes > 0

@@ -33,7 +33,7 @@ _REDIRECTS = {**{f: functools.partial(redirect_rnn, mode) for mode, f in RNN_FUN
 # whole ops with a gradient formula (RNNs' and SDPA's on the meta device only: ``rnn.lstm_train``,
 # ``rnn.rnn_train``, ``sdpa.fused_on_meta``)
 _DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS, torch._VF.lstm, *RNN_FUNCTIONS.values(),
-                             F.scaled_dot_product_attention, F.multi_head_attention_forward})
+                             *CELL_FUNCTIONS, F.scaled_dot_product_attention, F.multi_head_attention_forward})
 
 
 class _KeepOpsWhole(TorchFunctionMode):
@@ -42,8 +42,8 @@ class _KeepOpsWhole(TorchFunctionMode):
     padding and 1-d max pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op),
     and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op); on the meta device SDPA to
     the fused kernel a GPU runs (``sdpa.fused_on_meta``). While a training graph is traced, only
-    what has a gradient formula: upsampling, and on the meta device RNNs (``lstm_train``, ``rnn_train``)
-    and SDPA."""
+    what has a gradient formula: upsampling, and on the meta device RNNs (``lstm_train``, ``rnn_train``),
+    LSTM and GRU cells (as a GPU runs them: ``rnn_cell``) and SDPA."""
 
     def __init__(self, training: bool = False):
         super().__init__()
@@ -70,9 +70,9 @@ def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
     """While tracing a graph: in inference GRU/RNN layers (and an LSTM on the meta device or with
     projections on a CPU), RNN cells, upsampling, circular padding and 1-d max pooling become one
     node each (and SDPA on a GPU one ``attention_inference``); in training upsampling (and on the
-    meta device RNNs and SDPA) only. On the meta device SDPA is the fused kernel. Given the graph about to
-    be traced, only if it may call one: the mode's Python hook on every torch call would slow
-    the capture of a graph that calls none."""
+    meta device RNNs, LSTM/GRU cells as a GPU's ops, and SDPA) only. On the meta device SDPA is
+    the fused kernel. Given the graph about to be traced, only if it may call one: the mode's
+    Python hook on every torch call would slow the capture of a graph that calls none."""
     training = torch.is_grad_enabled()
     if gm is not None and not may_call_whole_ops(gm, training):
         return contextlib.nullcontext()
@@ -92,7 +92,7 @@ _WHOLE_MODULES = (torch.nn.RNNBase, torch.nn.RNNCellBase, torch.nn.Upsample, tor
 def may_call_whole_ops(gm: torch.fx.GraphModule, training: bool = False) -> bool:
     """Whether ``gm`` calls a function kept whole (in ``training``, one with a gradient formula),
     directly or in a leaf module; True when unsure (a call into Python code that is not a torch op)."""
-    functions, modules = ((_DIFFERENTIABLE, (torch.nn.Upsample, torch.nn.RNNBase)) if training
+    functions, modules = ((_DIFFERENTIABLE, (torch.nn.Upsample, torch.nn.RNNBase, torch.nn.RNNCellBase)) if training
                           else (_WHOLE_FUNCTIONS, _WHOLE_MODULES))
     for node in gm.graph.nodes:
         if node.op == "call_function" and (node.target in functions or not _is_torch_callable(node.target)):
