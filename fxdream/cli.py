@@ -246,8 +246,9 @@ def cmd_explain(args) -> int:
         _print_crossover(captured, args)
     stem = args.out or f"fxdream_{file_safe(args.model)}_bs{args.batch}_{args.device}"
     write_chrome_trace(result.after.task_graph, result.after.timeline, stem + ".trace.json")
-    plot_comparison((result.before.task_graph, result.before.timeline), (result.after.task_graph, result.after.timeline),
-                    stem + ".png", labels=("without passes (predicted)", "with passes (predicted)"),
+    plot_comparison((result.before.task_graph, result.before.timeline),
+                    (result.after.task_graph, result.after.timeline), stem + ".png",
+                    labels=("without passes (predicted)", "with passes (predicted)"),
                     title=f"{args.model} bs{args.batch} on {args.device}")
     print(f"\ntrace: {stem}.trace.json (Perfetto), timeline: {stem}.png")
     return 0
@@ -317,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_measuring_commands(sub) -> None:
-    demo = sub.add_parser("demo", help="optimize ResNet-50 with passes=\"auto\", show the report, time it against eager")
+    demo = sub.add_parser("demo",
+                          help="optimize ResNet-50 with passes=\"auto\", show the report, time it against eager")
     demo.add_argument("--model", default="resnet50")
     demo.add_argument("--batch", type=positive_int, default=1)
     demo.add_argument("--tiny", action="store_true", help="use the tiny config (fast)")
