@@ -130,6 +130,37 @@ def test_eager_ops_are_the_layers_of_the_modules_they_ran_in(training):
     assert "head" in dict(prediction.top_layers())
 
 
+class _CopiesToHost(nn.Module):
+    """Reads a tensor on the host between two linear layers, by ``.tolist()`` or ``.cpu()``
+    (methods that run no ATen op of their own)."""
+
+    def __init__(self, method: str):
+        super().__init__()
+        self.first, self.last, self.method = nn.Linear(32, 32), nn.Linear(32, 4), method
+
+    def forward(self, x):
+        h = self.first(x).relu()
+        rows = len(getattr(_on_host, self.method)(h))
+        return self.last(h) * rows
+
+
+class _on_host:  # noqa: N801  (a namespace of the two reads)
+    tolist = staticmethod(lambda h: h.amax(dim=1).tolist())
+    cpu = staticmethod(torch.compiler.disable(lambda h: h.amax(dim=1).cpu()))
+
+
+@pytest.mark.parametrize("method", ["tolist", "cpu"])
+def test_a_copy_to_the_host_by_a_tensor_method_is_a_read_the_host_waits_for(method):
+    """On a GPU ``.tolist()`` and ``.cpu()`` copy the tensor to the host and wait for it, as
+    ``.item()`` does; the profiler records no op for either, so the recording marks them."""
+    torch.manual_seed(0)
+    prediction = fxdream.simulate(_CopiesToHost(method), (torch.randn(8, 32),), device="h100")
+    syncs = [t for t in prediction.task_graph.tasks if t.kind.value == "sync"]
+    assert len(syncs) == 1 and syncs[0].name.startswith("eager")
+    read = prediction.task_graph.task(syncs[0].name.removesuffix(":sync"))
+    assert read.op == "aten._local_scalar_dense"
+
+
 def test_ops_that_cannot_be_replayed_are_named():
     a, b = torch.randn(4, 8, device="meta"), torch.randn(2, 8, device="meta")
     index = torch.zeros(2, dtype=torch.long, device="meta")

@@ -38,13 +38,14 @@ from fxdream.capturing.host_gaps import (
     measure_model_gaps,
 )
 from fxdream.capturing.meta import on_meta
-from fxdream.capturing.op_replay import ALL, BACKWARD, FORWARD, WHOLE_LAYERS, replay
+from fxdream.capturing.op_replay import ALL, BACKWARD, FORWARD, HOST_READ_RANGE, WHOLE_LAYERS, replay
 from fxdream.capturing.steps import LOSS_RANGE
 from fxdream.ir.nodes import LAYER
 
 ENGINE_NODE = "autograd::engine::evaluate_function"  # the engine's range around running one node
 MAX_OPS = 5000  # a step that is mostly eager code: the first ops are replayed, the rest counted
 LAYER_RANGE = "fxdream.layer:"  # an eager module call's profiler range while eager ops are recorded: this + its name
+HOST_READ_METHODS = ("tolist", "cpu")  # tensor methods that copy it to the host without an ATen op of their own
 
 
 def record_model_calls(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
@@ -59,7 +60,7 @@ def record_model_calls(call: Callable, model, inputs: tuple, training: bool, clo
     is placed at its own block (``StepCalls.call_layers``)."""
     clock.mark_calls = True
     try:
-        with profiled() as events, module_ranges(model):
+        with profiled() as events, python_ranges(model):
             step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0, anchors=anchors)
     finally:
         clock.mark_calls = False
@@ -92,14 +93,17 @@ def profiled():
 
 
 @contextlib.contextmanager
-def module_ranges(model: torch.nn.Module):
-    """Each call of one of ``model``'s submodules that runs as Python (eagerly) a profiler range
-    named ``LAYER_RANGE`` + its qualified name, opened and closed by a profile function on this
-    thread's Python calls (``sys.setprofile``): module hooks would change what dynamo guards on,
-    and it would compile again. Nothing where a profile function is set already (a user's
-    profiler keeps it)."""
+def python_ranges(model: torch.nn.Module):
+    """What the profiler cannot see of the body's Python, as profiler ranges: each call of one
+    of ``model``'s submodules that runs as Python (eagerly) a range named ``LAYER_RANGE`` + its
+    qualified name; each copy of a tensor to the host by a method that records no op of its own
+    (``HOST_READ_METHODS``: ``.tolist()``, ``.cpu()``) a ``HOST_READ_RANGE`` around an alias
+    of the tensor (its shape and dtype). Opened and closed by a profile function on this thread's
+    Python calls (``sys.setprofile``): module hooks would change what dynamo guards on, and it
+    would compile again. Nothing where a profile function is set already (a user's profiler
+    keeps it)."""
     names = {id(m): name for name, m in model.named_modules() if name}
-    if sys.getprofile() is not None or not names:
+    if sys.getprofile() is not None:
         yield
         return
     call_impl = torch.nn.Module._call_impl.__code__
@@ -108,6 +112,13 @@ def module_ranges(model: torch.nn.Module):
     open_ranges: dict = {}
 
     def profile(frame, event, arg):
+        if event == "c_call":
+            tensor = getattr(arg, "__self__", None)
+            if getattr(arg, "__name__", None) in HOST_READ_METHODS and isinstance(tensor, torch.Tensor):
+                handle = enter(HOST_READ_RANGE, None)
+                torch.ops.aten.alias(tensor)  # recorded with the tensor's shape and dtype
+                leave._RecordFunction(handle)
+            return
         if frame.f_code is not call_impl:
             return
         if event == "call":
@@ -133,7 +144,7 @@ def eager_ops(events: list, calls: int, reads_wait: bool = True) -> tuple[dict, 
     ``GRAPH_CALL_PREFIX`` + label. Where the ranges do not match the calls (a step that
     compiled), every eager op is put at the end. ``reads_wait``: a value read on the host is a
     device tensor's, for which the host waits (``op_replay.replay``). Each op's nodes are the layer
-    of the innermost module range (``module_ranges``) it ran in; a backward op's, that of the
+    of the innermost module range (``python_ranges``) it ran in; a backward op's, that of the
     forward op whose node autograd's engine ran."""
     skipped: collections.Counter = collections.Counter()
     before, replayed, cache = {}, 0, {}
@@ -247,7 +258,7 @@ def _engine_node(event):
 
 def _layers(ops: list) -> dict[int, str]:
     """id of each op of ``ops`` → the qualified name of the innermost module range it ran in
-    (``module_ranges``); an op autograd's engine ran takes the layer of the forward op that
+    (``python_ranges``); an op autograd's engine ran takes the layer of the forward op that
     recorded its node (the node's sequence number)."""
     found, by_number = {}, {}
     for op in ops:

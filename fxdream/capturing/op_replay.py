@@ -39,6 +39,9 @@ SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4
 REPLAY_HARNESS = (torch.ops.aten.ones_like.default, torch.ops.aten.detach.default, torch.ops.aten.zeros.default)
 # ops that read a device tensor's value on the host: the host waits for the device there
 HOST_READS = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal")
+# the profiler's range around the ``aten::alias`` of a tensor a method that records no op of its
+# own copied to the host (``.tolist()``, ``.cpu()``: ``eager_ops.python_ranges``): a read too
+HOST_READ_RANGE = "fxdream.host_read"
 # RNN layers replayed as the torch function nn.RNNBase calls, which keep_ops_whole keeps one op
 WHOLE_LAYERS = {"aten::lstm": torch._VF.lstm, "aten::gru": torch._VF.gru, "aten::rnn_tanh": torch._VF.rnn_tanh,
                 "aten::rnn_relu": torch._VF.rnn_relu}
@@ -59,9 +62,12 @@ def replay(graph: fx.Graph, event, cache: dict, part: str = ALL, reads_wait: boo
     keeps each recorded call's trace, as an eager loop repeats the same calls. ``reads_wait``:
     a value read on the host is a device tensor's (``_host_read_into``); else a CPU tensor's,
     which costs the device nothing."""
-    if event.name in HOST_READS and not reads_wait:
-        return 0, []
-    if _replay_into(graph, event, cache, part) or _host_read_into(graph, event):
+    if _host_read(event):
+        if not reads_wait:
+            return 0, []
+        if _host_read_into(graph, event):
+            return 1, []
+    if _replay_into(graph, event, cache, part):
         return 1, []
     parts = sorted((c for c in event.cpu_children if c.name.startswith("aten::")), key=lambda c: c.time_range.start)
     if part != ALL or not parts or not _composite(event):
@@ -73,14 +79,21 @@ def replay(graph: fx.Graph, event, cache: dict, part: str = ALL, reads_wait: boo
     return added, (missed if added else [event.name])  # none of its parts: named as the op the model called
 
 
+def _host_read(event) -> bool:
+    """Whether ``event`` reads a tensor on the host: a ``HOST_READS`` op, or the alias marking a
+    copy to the host (``HOST_READ_RANGE``)."""
+    return event.name in HOST_READS or (event.cpu_parent is not None and event.cpu_parent.name == HOST_READ_RANGE)
+
+
 def _host_read_into(graph: fx.Graph, event) -> bool:
-    """Add a host read of a device value (``HOST_READS``: ``.item()``, ``bool(tensor)``) to
-    ``graph`` as the copy of its first tensor to the host (``_local_scalar_dense``), after which
-    the lowering makes the host wait for the device; False for any other op. A meta tensor has
-    no value to read, so such an op is never replayed. A step recorded on real data does not
-    tell a tensor that stays on the host (a packed sequence's batch sizes) from a device tensor:
-    every read waits, an upper bound; on the meta device only a CPU tensor can be read."""
-    if event.name not in HOST_READS or not event.input_dtypes or event.input_dtypes[0] not in DTYPES:
+    """Add a host read of a device value (``HOST_READS``: ``.item()``, ``bool(tensor)``; or a
+    ``HOST_READ_RANGE``'s: ``.tolist()``, ``.cpu()``) to ``graph`` as the copy of its first
+    tensor to the host (``_local_scalar_dense``), after which the lowering makes the host wait
+    for the device; False for any other op. A meta tensor has no value to read, so such an op is
+    never replayed. A step recorded on real data does not tell a tensor that stays on the host
+    (a packed sequence's batch sizes) from a device tensor: every read waits, an upper bound; on
+    the meta device only a CPU tensor can be read."""
+    if not _host_read(event) or not event.input_dtypes or event.input_dtypes[0] not in DTYPES:
         return False
     read = graph.placeholder(f"eager_input_{len(graph.nodes)}")
     read.meta["val"] = torch.empty(event.input_shapes[0], dtype=DTYPES[event.input_dtypes[0]], device="meta")
