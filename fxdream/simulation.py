@@ -73,7 +73,13 @@ def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, mo
         prediction = predict(captured, model_cost, training, optimizer_model, contention=contention, step=step)
     return dataclasses.replace(prediction, notes=notes, static_bytes=prediction.static_bytes + outside_static,
                                outside_state_bytes=outside_static + outside_gradient_bytes,
-                               outside_gradients=tuple(t.untyped_storage().nbytes() for t in learned))
+                               outside_gradients=_named(model, learned))
+
+
+def _named(model: torch.nn.Module, parameters: list[torch.Tensor]) -> tuple[tuple[str, int], ...]:
+    """(qualified name, bytes) of each of ``parameters`` (the model's), as ``named_parameters`` names it."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return tuple((names.get(id(p), ""), p.untyped_storage().nbytes()) for p in parameters)
 
 
 def _sparse_gradient_note(model: torch.nn.Module, optimizer: str | None) -> tuple[str, ...]:

@@ -92,7 +92,7 @@ def test_data_parallel_steps_reduce_gradients_only_eager_code_makes():
         results[eager] = (fxdream.whatif.ddp(prediction, cluster, captured=captured),
                           fxdream.whatif.p3(prediction, cluster, captured=captured), prediction)
     (ddp_eager, p3_eager, eager_prediction), (ddp_captured, p3_captured, _) = results[True], results[False]
-    assert eager_prediction.outside_gradients == (256 * 256 * 4,)
+    assert eager_prediction.outside_gradients == (("w", 256 * 256 * 4),)
     assert ddp_eager.details["ddp.gradient_MB"] == pytest.approx(ddp_captured.details["ddp.gradient_MB"], rel=1e-9)
     assert ddp_eager.details["ddp.allreduce_ms_total"] > 0
     assert p3_eager.details["p3.allreduce_ms_total"] == pytest.approx(p3_captured.details["p3.allreduce_ms_total"],
@@ -159,6 +159,22 @@ def test_a_copy_to_the_host_by_a_tensor_method_is_a_read_the_host_waits_for(meth
     assert len(syncs) == 1 and syncs[0].name.startswith("eager")
     read = prediction.task_graph.task(syncs[0].name.removesuffix(":sync"))
     assert read.op == "aten._local_scalar_dense"
+
+
+def test_a_gradient_only_eager_code_makes_is_ready_when_its_modules_backward_ends():
+    """The head runs eagerly: its gradients are all-reduced after the head's backward, before the
+    body's backward (the captured graph's), not when the whole backward ends."""
+    torch.manual_seed(0)
+    model, x = _EagerHead().train(), torch.randn(16, 32)
+    prediction = fxdream.simulate(model, (x,), device="h100", training=True)
+    assert [name for name, _ in prediction.outside_gradients] == ["head.weight", "head.bias"]
+    made = outside_gradients(prediction.outside_gradients, prediction.task_graph, 0)
+    backward = prediction.task_graph.select(phase="bw", kind="gpu")
+    for gradient in made:
+        assert prediction.task_graph.task(gradient.producer).layer == "head"
+        assert backward.index(gradient.producer) < len(backward) - 1  # the body's backward follows
+    ddp = fxdream.whatif.ddp(prediction, fxdream.whatif.Cluster(2, 1), captured=fxdream.capture(model, (x,), True))
+    assert ddp.details["ddp.gradient_MB"] * 1e6 == pytest.approx(sum(p.numel() * 4 for p in model.parameters()))
 
 
 def test_ops_that_cannot_be_replayed_are_named():

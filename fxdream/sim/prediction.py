@@ -38,9 +38,9 @@ class Prediction:
     # the model's state no captured graph takes as input (eager code's, e.g. an RNN in training),
     # with its gradients and optimizer state in training: in the peak beside the timeline's memory
     outside_state_bytes: int = 0
-    # of which gradients, in training, bytes of each: the optimizer step updates them too, and a
-    # data-parallel step reduces them (what-ifs on either need them)
-    outside_gradients: tuple[int, ...] = ()
+    # of which gradients, in training, (parameter's qualified name, bytes) of each: the optimizer
+    # step updates them too, and a data-parallel step reduces them (what-ifs on either need them)
+    outside_gradients: tuple[tuple[str, int], ...] = ()
 
     @functools.cached_property
     def time_ms(self) -> float:
@@ -52,7 +52,7 @@ class Prediction:
 
     @property
     def outside_gradient_bytes(self) -> int:
-        return sum(self.outside_gradients)
+        return sum(nbytes for _, nbytes in self.outside_gradients)
 
     @property
     def time_ms_range(self) -> tuple[float, float]:

@@ -94,17 +94,25 @@ def need_gradients(s: _Start, tg: TaskGraph) -> tuple[Gradient, ...]:
     return grads
 
 
-def outside_gradients(sizes: Sequence[int], tg: TaskGraph, first_index: int) -> tuple[Gradient, ...]:
-    """The gradients of parameters only eager code uses (``Prediction.outside_gradients``: bytes of
-    each), numbered after the captured ones as the optimizer step takes them. Which eager task
-    makes each is not recorded, so each is ready when the backward's last task ends: its
-    all-reduce starts no earlier than the real one."""
-    if not sizes:
-        return ()
+def outside_gradients(named: Sequence[tuple[str, int]], tg: TaskGraph, first_index: int) -> tuple[Gradient, ...]:
+    """The gradients of parameters only eager code uses (``Prediction.outside_gradients``: each
+    parameter's qualified name and bytes), numbered after the captured ones as the optimizer
+    step takes them. Each is ready when the last backward task of its module (its layer, or one
+    inside it) ends, where the backward names it; else when the backward's last task ends, an
+    all-reduce that starts no earlier than the real one."""
     backward = [tg.task(name) for name in tg.select(phase="bw")]
-    host = [t.name for t in backward if t.kind is not TaskKind.GPU]
-    kernels = [t.name for t in backward if t.kind is TaskKind.GPU]
+    return tuple(Gradient(first_index + i, nbytes, *_made_by(backward, name.rpartition(".")[0]), position=-1)
+                 for i, (name, nbytes) in enumerate(named))
+
+
+def _made_by(backward: list, module: str) -> tuple[str | None, str | None]:
+    """(producer, launcher) of a gradient of ``module``'s parameter: the last backward kernel (a
+    GPU's; on a CPU its last task) and last host task, which launched it, of the module where it
+    has backward tasks, else of the whole backward. The model's own parameters ("") have no
+    module of their own."""
+    inside = [t for t in backward if module and (t.layer == module or t.layer.startswith(module + "."))]
+    tasks = inside or backward
+    host = [t.name for t in tasks if t.kind is not TaskKind.GPU]
+    kernels = [t.name for t in tasks if t.kind is TaskKind.GPU]
     launcher = host[-1] if host else None
-    producer = kernels[-1] if kernels else launcher
-    return tuple(Gradient(first_index + i, nbytes, producer, launcher, position=-1)
-                 for i, nbytes in enumerate(sizes))
+    return (kernels[-1] if kernels else launcher), launcher
