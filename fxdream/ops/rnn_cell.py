@@ -54,17 +54,21 @@ rnn_cell_inference = torch.ops.fxdream.rnn_cell_inference.default
 
 # the GRU's fused kernels as ATen's CUDA ones shape their outputs: the new hidden state and a
 # workspace of 5 × hidden per row; the backward's gate, state and bias gradients
-@torch.library.register_fake("aten::_thnn_fused_gru_cell")
-def _(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+def _fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
     return hx.new_empty(hx.shape), hx.new_empty((hx.shape[0], 5 * hx.shape[1]))
 
 
-@torch.library.register_fake("aten::_thnn_fused_gru_cell_backward")
-def _(grad_hy, workspace, has_bias):
+def _fused_gru_cell_backward(grad_hy, workspace, has_bias):
     rows, hidden = grad_hy.shape
     gates = grad_hy.new_empty((rows, 3 * hidden))
     bias = grad_hy.new_empty((3 * hidden,) if has_bias else (0,))
     return gates, gates.new_empty(gates.shape), grad_hy.new_empty(grad_hy.shape), bias, bias.new_empty(bias.shape)
+
+
+for _op, _fake in (("aten::_thnn_fused_gru_cell", _fused_gru_cell),
+                   ("aten::_thnn_fused_gru_cell_backward", _fused_gru_cell_backward)):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(_op, "Meta"):  # a torch that has one keeps it
+        torch.library.register_fake(_op)(_fake)
 
 
 _CELLS_AS_ON_GPU = contextvars.ContextVar("fxdream_cells_as_on_gpu", default=True)
