@@ -106,3 +106,29 @@ def test_what_is_not_folded():
         before = _ops(gm)
         assert fold_input_free_values(gm) == []
         assert _ops(gm) == before
+
+
+class _ReturnsATable(torch.nn.Module):
+    """Returns a tensor it builds from no input beside its output (a trace makes it a constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(x)), torch.arange(8).float() * 2 + 1
+
+
+@pytest.mark.parametrize("passes", [[], ["reinplace"]])
+def test_a_returned_constant_is_fresh_memory_the_caller_may_write(passes):
+    """Eager builds the table on every call: a caller's in-place write to one call's output must
+    not change the next call's, as it did where the trace returned its constant itself."""
+    torch.manual_seed(0)
+    model, x = _ReturnsATable().eval(), torch.randn(3, 8)
+    optimized = fxdream.optimize(model, (x,), passes=passes)
+    assert optimized.report.capture.startswith("torch.fx")
+    _, first = optimized(x)
+    first.add_(100.0)
+    _, second = optimized(x)
+    with torch.no_grad():
+        torch.testing.assert_close(second, model(x)[1], rtol=0, atol=0)

@@ -27,11 +27,12 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from fxdream.ir.nodes import LAYER
+from fxdream.ir.nodes import LAYER, is_view
 
 MAX_CONSTANT_BYTES = 16 * 1024 * 1024
 _CLONE = torch.ops.aten.clone.default
 _PREFIX = "_fxdream_input_free_"
+TRACE_CONSTANT = "_tensor_constant"  # what torch.fx and make_fx name a tensor a trace made into a constant
 
 
 def fold_input_free_values(gm: fx.GraphModule) -> list[str]:
@@ -122,3 +123,31 @@ def _replace_by_constant(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor,
             reader.replace_input_with(node, fresh)
         else:
             reader.replace_input_with(node, constant)
+
+
+def copy_constant_outputs(gm: fx.GraphModule) -> int:
+    """Give each output of an inference graph that is a constant of the graph (``get_attr``), or
+    an ATen view of one, a copy per call (``aten.clone``), as eager returns fresh memory the
+    caller may write. torch.fx's trace makes a tensor the forward builds from no input
+    (``torch.arange(8) * 2``) a constant (``_tensor_constant0``); returned as it is, a caller's
+    in-place write to the output would change every later call's. Returns how many outputs were
+    copied."""
+    output = gm.graph.output_node()
+    copied = {}
+    for node in output.all_input_nodes:
+        source = node
+        while source.op == "call_function" and is_view(source) and source.args \
+                and isinstance(source.args[0], fx.Node):
+            source = source.args[0]
+        if source.op != "get_attr" or not source.target.rpartition(".")[2].startswith(TRACE_CONSTANT) \
+                or node in copied:
+            continue  # a parameter or buffer returned is the model's own tensor, in eager too
+        with gm.graph.inserting_before(output):
+            copied[node] = gm.graph.call_function(_CLONE, (node,))
+        copied[node].meta.update({k: v for k, v in node.meta.items() if k in (LAYER, "val", "tensor_meta")})
+    for node, fresh in copied.items():
+        output.replace_input_with(node, fresh)
+    if copied:
+        gm.recompile()
+    return len(copied)
+

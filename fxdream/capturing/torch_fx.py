@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from fxdream.capturing.constants import copy_constant_outputs
 from fxdream.capturing.dynamo import compile_with, graph_break_counts, new_graph_breaks
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.session import CaptureSession
@@ -133,6 +134,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
             return None, "the torch.fx trace's output differs from eager on the example" + (
                 " (its first sample)" if runs.on_one_sample else "")
         out_spec = pytree.tree_flatten(runs.expected)[1]  # only the containers differ: return eager's
+    copy_constant_outputs(traced)  # a trace-made constant returned: fresh memory per call, as eager's
     try:
         compiled = session(traced, list(inputs), one_trace=True)
     except Exception as error:
