@@ -27,10 +27,13 @@ def test_calls_after_the_build_run_the_rewritten_graphs():
     assert optimized.report.passes[0].applied and not _changed(optimized.report)
 
 
-@pytest.mark.parametrize("change", ["optimizer step", "load_state_dict", "batchnorm statistics in train mode"])
+@pytest.mark.parametrize("change", ["optimizer step", "load_state_dict", "batchnorm statistics in train mode",
+                                    "weight.data reassigned"])
 def test_weights_changed_in_place_are_seen(change):
     model, x, optimized = _built()
-    if change == "optimizer step":
+    if change == "weight.data reassigned":  # new memory, the same version counter
+        model.conv.weight.data = model.conv.weight.data * 2
+    elif change == "optimizer step":
         model.conv.weight.grad = torch.ones_like(model.conv.weight)
         torch.optim.SGD(model.parameters(), lr=0.1).step()
     elif change == "load_state_dict":

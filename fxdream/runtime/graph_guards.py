@@ -33,16 +33,18 @@ def same_state_or(rewritten: Callable, original: Callable, state: list, own: int
 
 def weights_as_built_or(rewritten: Callable, original: Callable, state: list, changed: Callable) -> Callable:
     """Run ``rewritten`` while the model tensors it may hold as constants (BatchNorm folded,
-    weights packed) are as they were built from; once one was updated in place, ``original``
-    (the graph as captured, which reads them at every call), and ``changed()`` says so.
-    Asking every tensor's version costs host time on every call, in proportion to their number."""
+    weights packed) are as they were built from; once one was updated in place, or given other
+    memory (``module.half()``, ``.to()``, ``param.data = ...``, which keep the version),
+    ``original`` (the graph as captured, which reads them at every call), and ``changed()`` says
+    so. Asking every tensor's version and address costs host time on every call, in proportion
+    to their number."""
     watched = [t for t in state if t is not None and tensor_version(t) is not None]
-    built_from = [t._version for t in watched]
+    built_from = [(t._version, t.data_ptr()) for t in watched]
     stale = []
 
     def run(*args):
         if not stale:
-            if [t._version for t in watched] == built_from:
+            if [(t._version, t.data_ptr()) for t in watched] == built_from:
                 return rewritten(*args)
             stale.append(True)
             changed()
