@@ -68,3 +68,23 @@ def test_batchnorm_statistics_updated_by_eager_train_mode_calls_are_seen(cls):
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
     assert _changed(optimized.report)
+
+
+@pytest.mark.parametrize("change", ["a submodule replaced", "load_state_dict(assign=True)",
+                                    "buffers rebound by half().float()"])
+def test_a_model_whose_tensors_or_modules_were_replaced_runs_as_it_now_is(change):
+    """The torch.fx trace read the model's parameters, buffers and submodules once; a model that
+    replaced one since is captured again (through dynamo), not run as traced."""
+    model, x, optimized = _built()
+    assert optimized.report.capture.startswith("torch.fx")
+    if change == "a submodule replaced":
+        model.conv = torch.nn.Conv2d(model.conv.in_channels, model.conv.out_channels, model.conv.kernel_size,
+                                     padding=model.conv.padding)
+    elif change == "load_state_dict(assign=True)":
+        state = {k: (v + 0.25 if v.is_floating_point() else v).clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)
+    else:  # rounds every weight through float16 and gives each buffer a new tensor
+        model.half().float()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+

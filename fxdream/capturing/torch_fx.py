@@ -58,16 +58,21 @@ class TracedRunner:
         # the same tensor (``opt(x, x)``); the graph, traced with two tensors, does not
         self._shared = _shared_storage(example) if mutates_inputs else None
         self._modules = tuple(model.modules())  # walked once: walking the tree on every call costs host time
-        self._modes = self._module_modes()
+        self._holders = tuple(d for m in self._modules for d in (m._parameters, m._buffers, m._modules) if d)
+        self._as_traced = self._module_state()
         self._session = session
         self._fallback: Callable | None = None
 
-    def _module_modes(self) -> tuple:
-        return tuple(m.training for m in self._modules)
+    def _module_state(self) -> list:
+        """Each module's train/eval flag and the objects it holds: its parameters, buffers and
+        submodules. The trace read them once; a model that replaced one since (a submodule
+        swapped, ``load_state_dict(assign=True)``, a buffer rebound by ``.half()``) is no longer
+        the one traced, and runs through dynamo, which captures it as it is."""
+        return [m.training for m in self._modules] + [id(v) for held in self._holders for v in held.values()]
 
     def __call__(self, *args, **kwargs):
         if (not kwargs and torch.is_grad_enabled() == self._grad_enabled and _signature(args) == self._signature
-                and self._module_modes() == self._modes and not autocast_enabled()
+                and self._module_state() == self._as_traced and not autocast_enabled()
                 and (self._shared is None or _shared_storage(args) == self._shared)):
             return pytree.tree_unflatten(list(self._compiled(*args)), self._out_spec)
         if self._fallback is None:
