@@ -13,6 +13,11 @@ def tensor_version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
+def _address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s data starts; None for a layout without one (a sparse tensor's)."""
+    return t.data_ptr() if t.layout is torch.strided else None
+
+
 def same_state_or(rewritten: Callable, original: Callable, state: list, own: int) -> Callable:
     """Run ``rewritten`` while the model state dynamo passes in is what it was rewritten for.
 
@@ -39,12 +44,12 @@ def weights_as_built_or(rewritten: Callable, original: Callable, state: list, ch
     so. Asking every tensor's version and address costs host time on every call, in proportion
     to their number."""
     watched = [t for t in state if t is not None and tensor_version(t) is not None]
-    built_from = [(t._version, t.data_ptr()) for t in watched]
+    built_from = [(t._version, _address(t)) for t in watched]
     stale = []
 
     def run(*args):
         if not stale:
-            if [(t._version, t.data_ptr()) for t in watched] == built_from:
+            if [(t._version, _address(t)) for t in watched] == built_from:
                 return rewritten(*args)
             stale.append(True)
             changed()
