@@ -88,3 +88,16 @@ def test_a_model_whose_tensors_or_modules_were_replaced_runs_as_it_now_is(change
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
 
+
+
+def test_a_model_made_under_inference_mode_builds_and_says_what_it_cannot_watch():
+    """Its buffers are inference tensors: a build's throw-away step restores them inside
+    inference mode (outside it torch refuses the write), and, with no version counters, the
+    report says a later in-place change is not seen."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model, x = ConvBnNet().eval(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"])
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+    assert any("torch.inference_mode()" in note and "not seen" in note for note in optimized.report.notes)

@@ -75,7 +75,9 @@ def preserved_state(model: torch.nn.Module):
             with torch.no_grad():
                 for buffer, version, saved in buffers:  # only those changed (an inference module
                     if _changed(buffer, version, saved):  # watches the versions of the others)
-                        buffer.copy_(saved)
+                        # a tensor made under inference_mode is written only inside it
+                        with torch.inference_mode() if buffer.is_inference() else contextlib.nullcontext():
+                            buffer.copy_(saved)
             for p, saved in grads.items():
                 p.grad = saved
             _refresh_rnn_weights(model)

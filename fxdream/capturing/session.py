@@ -148,6 +148,10 @@ class CaptureSession:
                     f"graph {record.index}: the model's weights changed in place after the build (load_state_dict, "
                     f"an optimizer step, BatchNorm statistics from a call in train mode): it runs as captured from "
                     f"then on, reading them as they are; rebuild to fold and pack them again"))
+                if any(isinstance(t, torch.Tensor) and t.is_inference() for t in state):
+                    self.notes.append(f"graph {record.index}: the model's tensors were made under "
+                                      f"torch.inference_mode(), which keeps no version counters: a weight "
+                                      f"changed in place after the build is not seen; rebuild after changing one")
                 run = captured_if_rewrite_raises(run, fw.forward, lambda error: self._rewrite_failed(record, error))
             return self.clock.wrap(make_boxed_func(run), f"g{record.index}.fw")
 
