@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxdream.capturing.steps import cut_from_callers_graph, output_leaves
+from fxdream.capturing.steps import cut_from_callers_graph, differentiable_scalar, output_leaves
 
 
 def _leaf_diff(actual, expected) -> float:
@@ -17,10 +17,6 @@ def _leaf_diff(actual, expected) -> float:
     if not isinstance(expected, torch.Tensor) or actual.shape != expected.shape:
         return math.inf
     return (actual.float() - expected.float()).abs().max().item()
-
-
-def _default_loss(output) -> torch.Tensor:
-    return sum(t.float().sum() for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tuple, training: bool,
@@ -32,7 +28,7 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
     optimized module's gradients cleared.
     """
     reference = copy.deepcopy(model)
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or differentiable_scalar  # every output that needs a gradient, summed
     if training:
         inputs = cut_from_callers_graph(inputs)
     torch.manual_seed(0)

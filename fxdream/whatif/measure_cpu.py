@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fxdream.capturing.steps import cut_from_callers_graph, output_leaves
+from fxdream.capturing.steps import cut_from_callers_graph, differentiable_scalar
 from fxdream.measure import time_interleaved
 from fxdream.whatif.core import Measured
 from fxdream.whatif.mixed_precision import _DTYPES
@@ -19,18 +19,12 @@ def _interleaved(runners: Mapping[str, Any], rounds: int, block: int) -> dict[st
     return {k: v.median_ms for k, v in res.items()}
 
 
-def _default_loss(out):
-    """Sum of every output that needs a gradient: a scalar to call ``backward`` on."""
-    return sum(t.float().sum() for t in output_leaves(out)
-               if isinstance(t, torch.Tensor) and t.requires_grad)
-
-
 def measure_amp_cpu(model: torch.nn.Module, inputs, loss_fn=None, dtype: str = "bfloat16",
                     rounds: int = 5, block: int = 2) -> Measured:
     """Eager training step (forward + backward + SGD) in float32 vs under
     ``torch.autocast("cpu", dtype)``, interleaved blocks, on this CPU."""
     low = _DTYPES[dtype]
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or differentiable_scalar  # every output that needs a gradient, summed
     inputs = cut_from_callers_graph(tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
     model.train()
