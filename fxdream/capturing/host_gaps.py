@@ -89,7 +89,6 @@ class SubgraphClock:
     def __init__(self):
         self.events: list[tuple[str, float, float]] | None = None
         self.compilations = 0
-        self.input_storages: set[int] | None = None  # a set: the storages of every call's tensors go in
         self.call_storages: list[frozenset[int]] | None = None  # a list: each call's storages, in order
         self.mark_calls = False  # each call and step a profiler range (GRAPH_CALL_PREFIX + label, STEP_RANGE)
 
@@ -100,14 +99,10 @@ class SubgraphClock:
             if events is None:
                 return boxed(args)
             started = time.perf_counter()
-            if self.input_storages is not None or self.call_storages is not None:  # inside the call's time:
-                # the gaps stay the model's own. _cdata: the storage's C++ object's address (private):
-                # equal for views of one storage
-                taken = frozenset(a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor))
-                if self.input_storages is not None:
-                    self.input_storages.update(taken)
-                if self.call_storages is not None:
-                    self.call_storages.append(taken)
+            if self.call_storages is not None:  # inside the call's time: the gaps stay the model's own
+                # _cdata: the storage's C++ object's address (private): equal for views of one storage
+                self.call_storages.append(frozenset(a.untyped_storage()._cdata for a in args
+                                                    if isinstance(a, torch.Tensor)))
             try:
                 if self.mark_calls:
                     with torch.autograd.profiler.record_function(GRAPH_CALL_PREFIX + label):
@@ -194,17 +189,17 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
         with torch.autograd.profiler.record_function(STEP_RANGE) if clock.mark_calls else contextlib.nullcontext():
             return one_step(call, inputs, training)
 
-    clock.input_storages, clock.call_storages = set(), []
+    clock.call_storages = []
     try:
         with preserved_state(model):
             measured = measure_host_gaps(step, clock, rounds, warmup)
-        storages, per_call = frozenset(clock.input_storages), tuple(clock.call_storages)
+        per_call = tuple(clock.call_storages)
     finally:
-        clock.input_storages = clock.call_storages = None
+        clock.call_storages = None
     if measured is None:
         return None
     last_step = per_call[len(per_call) - len(measured.calls):] if len(per_call) >= len(measured.calls) else ()
-    return dataclasses.replace(measured, input_storages=storages,
+    return dataclasses.replace(measured, input_storages=frozenset().union(*per_call),
                                call_layers=call_layers(measured.calls, last_step, model, anchors or {}))
 
 
