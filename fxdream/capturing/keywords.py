@@ -54,8 +54,8 @@ class WithKeywords(torch.nn.Module):
         without a position are not the constants (by value) and tensor keywords (by name) this
         was built with."""
         placed, unplaced = keyword_split(self._signature, kwargs)
-        constants = {k: v for k, v in unplaced.items() if not holds_tensors(v)}
-        if constants != self.constants or set(unplaced) - set(constants) != set(self.tensor_keywords):
+        constants, tensor_keywords = _flags_and_tensors(unplaced)
+        if constants != self.constants or set(tensor_keywords) != set(self.tensor_keywords):
             return None
         return positional_call(self.model.forward, args, placed, self._signature) + tuple(
             unplaced[name] for name in self.tensor_keywords)
@@ -73,6 +73,12 @@ def bind_keywords(model: torch.nn.Module, example_inputs, example_kwargs: Mappin
     inputs, unplaced = check_call(example_inputs, example_kwargs, model)
     if not unplaced:
         return model, inputs
-    tensor_keywords = tuple(k for k, v in unplaced.items() if holds_tensors(v))
-    constants = {k: v for k, v in unplaced.items() if k not in tensor_keywords}
+    constants, tensor_keywords = _flags_and_tensors(unplaced)
     return WithKeywords(model, constants, tensor_keywords), inputs + tuple(unplaced[k] for k in tensor_keywords)
+
+
+def _flags_and_tensors(unplaced: Mapping) -> tuple[dict, tuple[str, ...]]:
+    """(the keywords without a position that hold no tensor, by value: constants of the call;
+    the names of those that do, in order: inputs)."""
+    tensor_keywords = tuple(k for k, v in unplaced.items() if holds_tensors(v))
+    return {k: v for k, v in unplaced.items() if k not in tensor_keywords}, tensor_keywords
