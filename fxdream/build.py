@@ -33,6 +33,7 @@ from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
 from fxdream.pass_runner import PassPipeline, failed_to_run
 from fxdream.report import MEASURED_SLOWER
+from fxdream.runtime.host_memory import fresh_memory_note
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
 from fxdream.sim.prediction import predict, this_machine_device
 from fxdream.sim.profile.machine_load import watch_machine_load
@@ -200,7 +201,11 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
                     "graph returns (run with passes=() to tell which)"]:
                 module._note(note)
     if measure:
-        module._record(**_measure_against_capture(model, module, inputs, training, target))
+        measured = _measure_against_capture(model, module, inputs, training, target)
+        module._record(**measured)
+        note = fresh_memory_note(measured["measured_page_faults_per_call"])
+        if note:
+            module._note(note)
     if eager_check and module._fallback_reason is None:
         predicted = None if disturbed else module._extras.get("predicted_baseline_ms")
         module._record(**_check_against_eager(model, module, inputs, training, predicted))
@@ -361,7 +366,8 @@ def _measure_against_capture(model, module, inputs, training, target) -> dict:
     with preserved_state(model):
         times = time_interleaved({"baseline": _step(baseline, inputs, training),
                                   "optimized": _step(module, inputs, training)}, desc="measure")
-    return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms)
+    return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms,
+                measured_page_faults_per_call=times["optimized"].page_faults_per_call)
 
 
 def built_by_fxdream(module: torch.nn.Module, example_inputs: tuple) -> torch.nn.Module:

@@ -14,15 +14,20 @@ from typing import Callable, Mapping
 
 import torch
 
+from fxdream.runtime.host_memory import page_faults
+
 
 @dataclass(frozen=True)
 class Measurement:
-    """Milliseconds per call: median over rounds, and the spread (min, max) of the rounds."""
+    """Milliseconds per call: median over rounds, and the spread (min, max) of the rounds;
+    ``page_faults_per_call``: the process's minor page faults per call, median over rounds (fresh
+    pages the allocator mapped: ``fxdream.runtime.host_memory``; None where not counted)."""
     median_ms: float
     min_ms: float
     max_ms: float
     rounds: int
     calls_per_round: int
+    page_faults_per_call: float | None = None
 
     @property
     def spread_pct(self) -> float:
@@ -46,6 +51,7 @@ def time_interleaved(runners: Mapping[str, Callable[[], object]], rounds: int = 
             run()
     _synchronize()
     samples: dict[str, list[float]] = {name: [] for name in runners}
+    faults: dict[str, list[float]] = {name: [] for name in runners}
     order = list(runners)
     rounds = -(-rounds // len(order)) * len(order)  # a multiple of the runners: every position equally often
     bar = _progress(total=rounds * len(runners), desc=desc, enabled=progress)
@@ -54,14 +60,17 @@ def time_interleaved(runners: Mapping[str, Callable[[], object]], rounds: int = 
             run = runners[name]
             run()  # untimed: the first call after another runner's block is slow (caches, allocator)
             _synchronize()
-            started = time.perf_counter()
+            faults_before, started = page_faults(), time.perf_counter()
             for _ in range(block):
                 run()
             _synchronize()
             samples[name].append((time.perf_counter() - started) * 1e3 / block)
+            if faults_before is not None:
+                faults[name].append((page_faults() - faults_before) / block)
             bar.update(1)
     bar.close()
-    return {name: Measurement(statistics.median(s), min(s), max(s), rounds, block)
+    return {name: Measurement(statistics.median(s), min(s), max(s), rounds, block,
+                              statistics.median(faults[name]) if faults[name] else None)
             for name, s in samples.items()}
 
 

@@ -68,6 +68,7 @@ class Report:
     precision_deviation: Deviation | None = None  # measured: the outputs against float32 eager's
     measured_baseline_ms: float | None = None     # measure=True: median ms per call, interleaved
     measured_optimized_ms: float | None = None
+    measured_page_faults_per_call: float | None = None  # measure=True: the optimized module's (host pages)
     measured_eager_ms: float | None = None        # eager_check: eager and the built module, interleaved
     measured_built_ms: float | None = None
     measurements_disturbed: str | None = None     # why the build's measurements describe a busy machine

@@ -1,0 +1,80 @@
+"""The host allocator's fresh pages: counted per measured call, reported, and kept on request."""
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fxdream
+from fxdream.measure import time_interleaved
+from fxdream.runtime import host_memory
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+DEFAULT_MALLOC = GLIBC and not any(name.startswith("MALLOC_") for name in os.environ)
+needs_default_glibc = pytest.mark.skipif(not DEFAULT_MALLOC, reason="counts glibc's default malloc's page faults")
+# above glibc's largest dynamic mmap threshold (32 MiB): its default malloc maps such a buffer
+# afresh on every allocation, and every 4 KiB page written faults once
+FRESH_FLOATS = 40 * 2**20 // 4
+FRESH_PAGES = 40 * 2**20 // host_memory.page_bytes()
+
+
+class FreshBuffer(torch.nn.Module):
+    def forward(self, x):
+        return x.expand(FRESH_FLOATS).exp().sum()
+
+
+@needs_default_glibc
+def test_a_measurement_counts_the_fresh_pages_of_each_call():
+    result = time_interleaved({"fresh": lambda: torch.ones(FRESH_FLOATS).sum()}, rounds=2, block=2, warmup=1,
+                              progress=False)
+    assert result["fresh"].page_faults_per_call >= 0.9 * FRESH_PAGES
+
+
+@needs_default_glibc
+def test_measure_reports_the_optimized_calls_page_faults_and_the_switch():
+    optimized = fxdream.optimize(FreshBuffer(), (torch.ones(1),), measure=True, cost=None)
+    report = optimized.report
+    assert report.measured_page_faults_per_call >= 0.9 * FRESH_PAGES
+    note = next(n for n in report.notes if "page-faulted" in n)
+    assert "MiB of fresh pages" in note and "fxdream.keep_freed_memory()" in note
+
+
+def test_few_faults_need_no_note():
+    assert host_memory.fresh_memory_note(host_memory.FAULTS_WORTH_A_NOTE - 1) is None
+    assert host_memory.fresh_memory_note(None) is None
+    assert "page-faulted 2,048 times (8 MiB" in host_memory.fresh_memory_note(2048.0)
+
+
+@needs_default_glibc
+def test_keeping_freed_memory_ends_the_faults_of_a_buffer_allocated_again():
+    # in a process of its own: the switch holds for the rest of the process
+    script = textwrap.dedent(f"""
+        import torch
+        from fxdream.runtime.host_memory import keep_freed_memory, page_faults
+
+        def faults_of_one_allocation():
+            before = page_faults()
+            torch.ones({FRESH_FLOATS}).sum()
+            return page_faults() - before
+
+        faults_of_one_allocation()
+        default = faults_of_one_allocation()
+        kept = keep_freed_memory()
+        faults_of_one_allocation()  # the heap grows to hold it once
+        print(default, faults_of_one_allocation(), kept.mmap_threshold_bytes)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    default, kept, threshold = map(int, out.stdout.split())
+    assert default >= 0.9 * FRESH_PAGES
+    assert kept < 0.05 * FRESH_PAGES
+    assert threshold == 2**31 - 1
+
+
+def test_keep_freed_memory_names_what_it_needs_elsewhere(monkeypatch):
+    monkeypatch.setattr(host_memory, "_glibc", lambda: None)
+    with pytest.raises(RuntimeError, match="needs glibc's malloc"):
+        fxdream.keep_freed_memory()
