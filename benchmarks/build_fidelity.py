@@ -100,6 +100,7 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
                measured_baseline_ms=base_ms, measured_optimized_ms=auto_ms,
                measured_baseline_min_ms=measured["no passes"].min_ms, measured_optimized_min_ms=measured["auto"].min_ms,
                measured_gain=base_ms / auto_ms, disturbed=report.measurements_disturbed,
+               page_faults_per_call={name: m.page_faults_per_call for name, m in measured.items()},
                eager_around_build_ms=eager_around_build_ms)
     predicted_base, predicted_auto = report.predicted_baseline_ms, report.predicted_optimized_ms
     if predicted_base is None or predicted_auto is None:
