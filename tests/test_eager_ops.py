@@ -177,19 +177,33 @@ def test_a_gradient_only_eager_code_makes_is_ready_when_its_modules_backward_end
     assert ddp.details["ddp.gradient_MB"] * 1e6 == pytest.approx(sum(p.numel() * 4 for p in model.parameters()))
 
 
-def test_ops_that_cannot_be_replayed_are_named():
-    a, b = torch.randn(4, 8, device="meta"), torch.randn(2, 8, device="meta")
+def test_indexing_with_tensors_is_replayed_as_a_copy_of_what_it_reads_or_writes():
+    # the profiler records an index list of optional tensors with no shapes: the output's size is unknown
+    a, values = torch.randn(4, 8, device="meta"), torch.randn(2, 8, device="meta")
     index = torch.zeros(2, dtype=torch.long, device="meta")
     with profiled() as events:
-        torch.cat([a, b]).relu()
+        torch.cat([a, values]).relu()
         a[index]
+        a[index] = values
     before, skipped = eager_ops(events, calls=0)
-    assert skipped == {"aten::index": 1}  # its indices, a list of optional tensors, have no recorded shapes
+    assert skipped == {}
     (((phase, graph),),) = before.values()  # a tensor list's shapes are recorded: cat is replayed
     assert phase == "fw"
     ops = [n for n in graph.graph.nodes if n.op == "call_function"]
-    assert [n.target for n in ops] == [torch.ops.aten.cat.default, torch.ops.aten.relu.default]
+    assert [n.target for n in ops] == [torch.ops.aten.cat.default, torch.ops.aten.relu.default,
+                                       torch.ops.aten.clone.default, torch.ops.aten.clone.default]
     assert [tuple(x.meta["val"].shape) for x in ops[0].args[0]] == [(4, 8), (2, 8)]
+    assert [tuple(n.args[0].meta["val"].shape) for n in ops[2:]] == [(4, 8), (2, 8)]  # the read, the write
+
+
+def test_ops_that_cannot_be_replayed_are_named():
+    values = torch.randint(0, 4, (16,))
+    with profiled() as events:
+        torch.bincount(values).relu()  # its output's size follows the values: no meta kernel
+    before, skipped = eager_ops(events, calls=0)
+    assert skipped == {"aten::bincount": 1}
+    (((_, graph),),) = before.values()
+    assert [n.target for n in graph.graph.nodes if n.op == "call_function"] == [torch.ops.aten.relu.default]
 
 
 class _Recurrent(nn.Module):
@@ -302,7 +316,7 @@ def test_an_rnn_layer_over_a_packed_sequence_is_its_steps_over_the_rows_they_hol
     # the ops they ran, one copy per run of steps with the same batch (6 here) each way
     copies = [n for n in graph.graph.nodes if n.target == torch.ops.aten.copy_.default]
     assert len(copies) == 6 and sum(c.args[1].meta["val"].numel() for c in copies) == sum(lengths) * 128
-    assert skipped == {"aten::index": 1}  # its list of optional tensors is not recorded, and it has kernels
+    assert skipped == {}  # aten::index (its list of optional tensors unrecorded) stands in as a copy
 
 
 def test_a_packed_lstm_of_full_sequences_costs_its_layer_as_the_padded_lstm():

@@ -14,6 +14,8 @@ records no data flow). Three kinds of op need more than their record:
   ATen ops it ran, which the profiler records with their shapes.
 * A host read of a device value (``.item()``) is the copy to the host the lowering follows with
   a wait for the device.
+* An op whose record lacks what its replay needs stands in as one of the same work
+  (``stand_in``): indexing with tensors as the copy of the tensor it reads or writes.
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ WHOLE_LAYERS = {"aten::lstm": torch._VF.lstm, "aten::gru": torch._VF.gru, "aten:
 # inference (``rnn_cell_inference``), as a captured inference graph holds a cell
 WHOLE_CELLS = {f"aten::{name}": getattr(torch._VF, name) for name in
                ("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")}
+# indexing ops (a list of optional index tensors, recorded with no shapes) → the argument whose
+# copy stands in for their work: the indexed tensor's for a read, the values' for a write
+INDEXING = {"aten::index": 0, "aten::index_put_": 2, "aten::index_put": 2, "aten::_index_put_impl_": 2}
 # which of an op's replay to add: all of it; or of a layer traced with its backward, either part
 ALL, FORWARD, BACKWARD = "all", "forward", "backward"
 
@@ -188,10 +193,16 @@ def stand_in(event):
     """``event``, or the op that stands in for it where its own replay cannot run on meta tensors:
     an RNN layer over a packed sequence (``packed_layer_stand_in``); ``masked_select`` (no meta
     kernel) as the ``nonzero`` of its mask, the read of the mask and the host's wait for the
-    elements kept, whose copy it leaves out."""
+    elements kept, whose copy it leaves out; an indexing op (``INDEXING``), whose indices the
+    profiler records without shapes, as a copy of the one tensor it records: what ``x[i]``
+    reads, what ``x[i] = v`` writes."""
     if event.name == "aten::masked_select" and len(event.input_shapes) == 2:
         return StandIn("aten::nonzero", "", [event.input_shapes[1]], [event.input_dtypes[1]], [None],
                        [event.input_shapes[1]])
+    copied = INDEXING.get(event.name)
+    if copied is not None and len(event.input_shapes) > copied and event.input_dtypes[copied] in DTYPES:
+        shape = event.input_shapes[copied]
+        return StandIn("aten::clone", "", [shape, []], [event.input_dtypes[copied], ""], [None, None], [shape, []])
     return packed_layer_stand_in(event)
 
 
