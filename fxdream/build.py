@@ -33,7 +33,7 @@ from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
 from fxdream.pass_runner import PassPipeline, failed_to_run
 from fxdream.report import MEASURED_SLOWER
-from fxdream.runtime.host_memory import fresh_memory_note
+from fxdream.runtime.host_memory import fresh_memory_note, timed_fresh_memory_note
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
 from fxdream.sim.prediction import predict, this_machine_device
 from fxdream.sim.profile.machine_load import watch_machine_load
@@ -307,6 +307,11 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
         notes = describe_gaps(step, len(module.captured), training, breaks) if step is not None else ()
     before = predict(module.captured, cost, training, step=step)
     after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)
+    if isinstance(cost, Profiled):
+        captured = [g for c in module.captured for g in (c.forward, c.backward) if g is not None]
+        faults = timed_fresh_memory_note(cost.page_faults_per_run(captured),
+                                         cost.page_faults_per_run(module.rewritten_graphs.values()))
+        notes = tuple(notes) + ((faults,) if faults else ())
     return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,
                 predicted_baseline_ms_range=before.range_ms, predicted_optimized_ms_range=after.range_ms,
                 predicted_peak_delta_bytes=after.peak_memory_bytes - before.peak_memory_bytes,

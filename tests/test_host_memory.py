@@ -11,6 +11,7 @@ import torch
 import fxdream
 from fxdream.measure import time_interleaved
 from fxdream.runtime import host_memory
+from fxdream.sim.cost.run_spread import RunSpread
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 DEFAULT_MALLOC = GLIBC and not any(name.startswith("MALLOC_") for name in os.environ)
@@ -40,6 +41,30 @@ def test_measure_reports_the_optimized_calls_page_faults_and_the_switch():
     assert report.measured_page_faults_per_call >= 0.9 * FRESH_PAGES
     note = next(n for n in report.notes if "page-faulted" in n)
     assert "MiB of fresh pages" in note and "fxdream.keep_freed_memory()" in note
+
+
+@needs_default_glibc
+def test_a_build_says_how_much_fresh_memory_the_runs_it_timed_faulted_on():
+    optimized = fxdream.optimize(FreshBuffer(), (torch.ones(1),), passes="auto", eager_check=False)
+    note = next(n for n in optimized.report.notes if n.startswith("while the build timed them"))
+    baseline = int(note.split("the capture without passes page-faulted ")[1].split(" times")[0].replace(",", ""))
+    assert baseline >= 0.9 * FRESH_PAGES
+    assert "the optimized graphs page-faulted" in note and "fxdream.keep_freed_memory()" in note
+
+
+def test_a_run_spread_keeps_the_page_faults_of_its_median_run():
+    spread = RunSpread.of_runs(frozenset({"k"}), [10.0, 12.0, 11.0], [5, 100, 7])
+    assert spread.page_faults_per_run == 7
+    assert RunSpread.of_runs(frozenset({"k"}), [10.0, 12.0]).page_faults_per_run is None
+
+
+def test_timed_faults_are_noted_only_where_a_side_took_many():
+    few = host_memory.FAULTS_WORTH_A_NOTE - 1
+    assert host_memory.timed_fresh_memory_note(few, few) is None
+    assert host_memory.timed_fresh_memory_note(None, None) is None
+    note = host_memory.timed_fresh_memory_note(None, 2048.0)
+    assert "the optimized graphs page-faulted 2,048 times a run (8 MiB of fresh memory)" in note
+    assert "capture without passes" not in note
 
 
 def test_few_faults_need_no_note():

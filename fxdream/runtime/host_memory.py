@@ -80,6 +80,21 @@ def fresh_memory_note(faults_per_call: float | None) -> str | None:
             f"for the rest of the process (a trade: docs/api.md)")
 
 
+def timed_fresh_memory_note(baseline_faults: float | None, optimized_faults: float | None) -> str | None:
+    """What the runs a build timed side by side page-faulted, where either side's run did
+    ``FAULTS_WORTH_A_NOTE`` or more: such a run reads slower than one that reuses freed memory,
+    and which runs do follows the process's allocations, not the graph."""
+    counted = [f for f in (baseline_faults, optimized_faults) if f is not None]
+    if not counted or max(counted) < FAULTS_WORTH_A_NOTE:
+        return None
+    sides = [f"{name} page-faulted {faults:,.0f} times a run ({faults * page_bytes() / 2**20:,.0f} MiB of fresh memory)"
+             for name, faults in (("the capture without passes", baseline_faults),
+                                  ("the optimized graphs", optimized_faults)) if faults is not None]
+    return (f"while the build timed them, {' and '.join(sides)}: such runs read slower than runs that reuse "
+            f"freed memory, and which runs do follows the process's allocations, so later calls may run faster "
+            f"than predicted (fxdream.keep_freed_memory(), docs/api.md)")
+
+
 def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None

@@ -23,6 +23,7 @@ from fxdream.capturing.dynamo import describe_error
 from fxdream.ir.nodes import arg_values, is_view, op_name
 from fxdream.ir.tensors import real_tensors, size_hint
 from fxdream.runtime.direct_calls import direct
+from fxdream.runtime.host_memory import page_faults
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.cost.model import CostModel
@@ -297,14 +298,18 @@ class Profiled:
         copies = [(gm, owned_copies(inputs, gm)) for gm, inputs in graphs]
         samples: dict[str, list[float]] = {}
         totals: dict[int, list[float]] = {id(gm): [] for gm, _ in graphs}
+        faults: dict[int, list[int]] = {id(gm): [] for gm, _ in graphs}
         with real_tensors():
             for round_index in range(rounds):
                 shift = round_index % len(copies)
                 for gm, inputs in copies[shift:] + copies[:shift]:
                     this_run: dict[str, list[float]] = {}
                     warmup = int(self.graph_total_us(gm) < WARM_RUN_BELOW_US)
+                    faults_before = page_faults()  # with a warm-up run: its and the timed run's, halved
                     if time_graph(gm, inputs, self.torch_device, this_run, 1, warmup, every_round=True) is None:
                         return 0
+                    if faults_before is not None:
+                        faults[id(gm)].append((page_faults() - faults_before) // (1 + warmup))
                     totals[id(gm)].append(sum(this_run[key][0] for key in self.keys_of(gm)))
                     for key, times in this_run.items():
                         samples.setdefault(key, []).extend(times)
@@ -312,7 +317,7 @@ class Profiled:
             self.samples[key] = times
             self.measurements[key] = statistics.median(times)
         for gm, _ in graphs:
-            spread = RunSpread.of_runs(frozenset(self.keys_of(gm)), totals[id(gm)])
+            spread = RunSpread.of_runs(frozenset(self.keys_of(gm)), totals[id(gm)], faults[id(gm)])
             if spread is not None:
                 self.run_spreads.append(spread)
         return rounds
@@ -344,6 +349,13 @@ class Profiled:
             if covered >= RUN_SPREAD_COVER and (best is None or covered > best[0]):
                 best = (covered, spread)
         return None if best is None else best[1]
+
+    def page_faults_per_run(self, graphs) -> float | None:
+        """The page faults of a run of each of ``graphs`` summed, as the side-by-side rounds of
+        the graph that holds its cost counted them (``run_spread_of``); None where none was counted."""
+        counted = [spread.page_faults_per_run for spread in map(self.run_spread_of, graphs)
+                   if spread is not None and spread.page_faults_per_run is not None]
+        return float(sum(counted)) if counted else None
 
     def graph_total_us(self, gm: fx.GraphModule) -> float:
         """The sum of ``gm``'s compute ops' current costs (a run's length, for budgets)."""

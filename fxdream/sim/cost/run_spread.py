@@ -24,21 +24,25 @@ D2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2
 @dataclass(frozen=True)
 class RunSpread:
     """How a graph's whole runs spread over side-by-side rounds: its ops' keys, and the bounds
-    a further run is predicted within, over the median run (``low`` ≤ 1 ≤ ``high``)."""
+    a further run is predicted within, over the median run (``low`` ≤ 1 ≤ ``high``);
+    ``page_faults_per_run``: the process's page faults in its median run, where counted."""
     keys: frozenset
     low: float
     high: float
+    page_faults_per_run: float | None = None
 
     @classmethod
-    def of_runs(cls, keys: frozenset, totals: list[float]) -> "RunSpread | None":
-        """The prediction interval of ``totals`` (µs of each run); None without a positive median."""
+    def of_runs(cls, keys: frozenset, totals: list[float], faults: list[int] | None = None) -> "RunSpread | None":
+        """The prediction interval of ``totals`` (µs of each run, with the page faults of each in
+        ``faults``); None without a positive median."""
         middle = statistics.median(totals) if totals else 0.0
         if middle <= 0:
             return None
+        page_faults = statistics.median(faults) if faults else None
         if len(totals) < 2:
-            return cls(keys, 1.0, 1.0)
+            return cls(keys, 1.0, 1.0, page_faults)
         n = len(totals)
         widen = 2 * COVERAGE_Z * math.sqrt(1 + 1 / n) / D2.get(n, D2[10])
         low = 1 - widen * (1 - min(totals) / middle)
         high = 1 + widen * (max(totals) / middle - 1)
-        return cls(keys, max(low, 0.05), high)
+        return cls(keys, max(low, 0.05), high, page_faults)
