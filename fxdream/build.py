@@ -5,7 +5,6 @@ import functools
 import logging
 import math
 import time
-from typing import Callable
 
 import torch
 
@@ -24,15 +23,15 @@ from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth
 from fxdream.capturing.keywords import WithKeywords, bind_keywords, user_model
 from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
-from fxdream.capturing.steps import breaks_after_the_first_call, one_step, run_once
+from fxdream.capturing.steps import breaks_after_the_first_call, run_once
 from fxdream.capturing.torch_fx import compile_model
+from fxdream.eager_check import check_against_eager, step_runner
 from fxdream.measure import time_interleaved
 from fxdream.numerics import deviation, max_abs_diff
 from fxdream.optimized_module import OptimizedModule, call_kind
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
 from fxdream.pass_runner import PassPipeline, failed_to_run
-from fxdream.report import MEASURED_SLOWER
 from fxdream.runtime.host_memory import fresh_memory_note, timed_fresh_memory_note
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
 from fxdream.sim.prediction import predict, this_machine_device
@@ -208,7 +207,7 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
             module._note(note)
     if eager_check and module._fallback_reason is None:
         predicted = None if disturbed else module._extras.get("predicted_baseline_ms")
-        module._record(**_check_against_eager(model, module, inputs, training, predicted))
+        module._record(**check_against_eager(model, module, inputs, training, predicted))
 
 
 # dynamo cannot trace DDP's forward (its logger, its hooks' bookkeeping); wrapped around the
@@ -318,59 +317,12 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
                 top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)), notes=notes)
 
 
-EAGER_CHECK_MAX_CALL_MS = 20.0
-EAGER_CHECK_TOLERANCE = 1.05
-
-
-def _step(m, inputs, training: bool) -> Callable[[], object]:
-    return lambda: one_step(m, inputs, training)
-
-
-def _check_against_eager(model, module: OptimizedModule, inputs, training: bool,
-                         predicted_ms: float | None = None) -> dict:
-    """Time the module against eager (short calls only); run eagerly where eager is faster.
-
-    Not even one eager call where the captured graphs' ops, timed in context, predict a call of
-    more than twice the limit (``predicted_ms``): a large model's eager calls would cost the
-    build more than the check can tell."""
-    measured_costs = isinstance(module._cost_model, Profiled)
-    if measured_costs and predicted_ms is not None and predicted_ms > 2 * EAGER_CHECK_MAX_CALL_MS:
-        module._note(
-            f"not timed against eager: the captured graphs' ops alone take {predicted_ms:.1f} ms (predicted from "
-            f"their times measured here), and the check times calls of ≤ {EAGER_CHECK_MAX_CALL_MS:g} ms")
-        return {}
-    eager = _step(model, inputs, training)
-    with preserved_state(model), torch.set_grad_enabled(training):
-        call_ms = []
-        for _ in range(2):  # the faster of two: a first call can be cold, but not 5x the limit
-            started = time.perf_counter()
-            eager()
-            call_ms.append((time.perf_counter() - started) * 1e3)
-            if call_ms[0] > 5 * EAGER_CHECK_MAX_CALL_MS:  # far over the limit: a second call tells nothing
-                break
-        one_call_ms = min(call_ms)
-        if one_call_ms > EAGER_CHECK_MAX_CALL_MS:
-            module._note(
-                f"not timed against eager: an eager call takes {one_call_ms:.1f} ms, and the check times calls of "
-                f"≤ {EAGER_CHECK_MAX_CALL_MS:g} ms (where the graphs' Python overhead can outweigh the passes)")
-            return {}
-        block = max(1, min(20, int(10.0 / max(one_call_ms, 1e-3))))  # ~10 ms per block
-        times = time_interleaved({"eager": eager, "built": _step(module, inputs, training)},
-                                 rounds=7, block=block, warmup=2, progress=False)  # ~0.2 s
-    eager_ms, built_ms = times["eager"].median_ms, times["built"].median_ms
-    if built_ms > EAGER_CHECK_TOLERANCE * eager_ms:
-        module._fall_back(f"{MEASURED_SLOWER} ({built_ms:.3f} vs {eager_ms:.3f} ms per call): "
-                          f"at this size the Python around and inside the captured graphs (aot_autograd's "
-                          f"wrappers, one call per op) costs more than the passes save")
-    return dict(measured_eager_ms=eager_ms, measured_built_ms=built_ms)
-
-
 def _measure_against_capture(model, module, inputs, training, target) -> dict:
     """Time the optimized module against the same capture without passes, interleaved."""
     baseline = _build(model, inputs, (), False, training, target, False, None, None)
     with preserved_state(model):
-        times = time_interleaved({"baseline": _step(baseline, inputs, training),
-                                  "optimized": _step(module, inputs, training)}, desc="measure")
+        times = time_interleaved({"baseline": step_runner(baseline, inputs, training),
+                                  "optimized": step_runner(module, inputs, training)}, desc="measure")
     return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms,
                 measured_page_faults_per_call=times["optimized"].page_faults_per_call)
 

@@ -212,7 +212,7 @@ def _timed(eager_ms, built_ms):
 
 
 def test_auto_runs_eagerly_when_the_built_module_is_measured_slower(monkeypatch):
-    import fxdream.build as pipeline
+    import fxdream.eager_check as pipeline
     monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=1.2))
     model, x = Net().eval(), torch.randn(8, 64)
     optimized = fxdream.optimize(model, (x,), passes="auto")
@@ -238,7 +238,7 @@ class CountsCalls(nn.Module):
 
 
 def test_the_eager_check_line_blames_itself_only_for_its_own_fallback(monkeypatch):
-    import fxdream.build as pipeline
+    import fxdream.eager_check as pipeline
     monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=0.9))  # the check keeps them
     model, x = CountsCalls().eval(), torch.randn(8, 64)
     optimized = fxdream.optimize(model, (x,), passes="auto")
@@ -252,7 +252,7 @@ def test_the_eager_check_line_blames_itself_only_for_its_own_fallback(monkeypatc
 
 
 def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off(monkeypatch):
-    import fxdream.build as pipeline
+    import fxdream.eager_check as pipeline
     monkeypatch.setattr(pipeline, "time_interleaved", _timed(eager_ms=1.0, built_ms=1.04))  # within 5 %
     model, x = Net().eval(), torch.randn(8, 64)
     kept = fxdream.optimize(model, (x,), passes="auto")
@@ -270,7 +270,7 @@ def test_auto_keeps_the_graphs_when_they_are_not_slower_and_the_check_can_be_off
 
 
 def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
-    import fxdream.build as pipeline
+    import fxdream.eager_check as pipeline
     # the graphs' ops: ~0.03 ms predicted here (12 ms on a loaded machine), far under 2x the limit
     monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 40.0)
     model, calls = Net().eval(), []
@@ -289,7 +289,7 @@ def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
 
 
 def test_eager_check_skips_eager_calls_where_the_graphs_alone_predict_a_long_call(monkeypatch):
-    import fxdream.build as pipeline
+    import fxdream.eager_check as pipeline
     model, calls = Net().eval(), []
     monkeypatch.setattr(pipeline, "one_step", lambda m, *args: calls.append(m) or pipeline_one_step(m, *args))
     predicted = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto").report.predicted_baseline_ms

@@ -27,7 +27,8 @@ LAYERS = (
     ("pass_api", ("fxdream.pass_api",)),
     ("passes", ("fxdream.passes",)),
     ("api", ("fxdream.report", "fxdream.numerics", "fxdream.measure", "fxdream.memory_check", "fxdream.pass_registry",
-             "fxdream.pass_runner", "fxdream.plan", "fxdream.simulation", "fxdream.optimized_module", "fxdream.build", "fxdream.explain",
+             "fxdream.pass_runner", "fxdream.eager_check", "fxdream.plan", "fxdream.simulation",
+             "fxdream.optimized_module", "fxdream.build", "fxdream.explain",
              "fxdream.ab", "fxdream.whatif", "fxdream.models")),
     ("entry", ("fxdream.cli", "fxdream.__main__", "fxdream.backend", "fxdream.pytest_plugin", "fxdream")),
 )
