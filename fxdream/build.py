@@ -302,7 +302,8 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     step, notes = None, ()
     breaks = len(module._graph_breaks)
     if isinstance(cost, Profiled) and worth_measuring(training, len(module.captured), breaks):
-        step = measure_model_gaps(module, model, inputs, training, module._session.clock)
+        step = measure_model_gaps(module, model, inputs, training, module._session.clock,
+                                  named=breaks > 0 or len(module.captured) > 1)
         notes = describe_gaps(step, len(module.captured), training, breaks) if step is not None else ()
     before = predict(module.captured, cost, training, step=step)
     after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)

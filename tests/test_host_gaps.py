@@ -52,7 +52,7 @@ def test_repeated_calls_are_lowered_once_each_and_backwards_pair_last_in_first_o
     from fxdream.sim.call_order import as_called
     fw, bw = object(), object()
     step = StepCalls(("g0.fw", "g0.fw", "g0.bw", "g0.bw", "g9.fw"), (1.0, 2.0, 3.0, 4.0, 5.0), 6.0)
-    ordered, gaps, _ = as_called({"g0.fw": fw, "g0.bw": bw}, step)
+    ordered, gaps, _, _ = as_called({"g0.fw": fw, "g0.bw": bw}, step)
     assert ordered == [("g0.fw", fw), ("g0#1.fw", fw), ("g0#1.bw", bw), ("g0.bw", bw)]
     # a call of a graph not captured here (g9) adds its gap to the end
     assert gaps == {"g0.fw": 1.0, "g0#1.fw": 2.0, "g0#1.bw": 3.0, "g0.bw": 4.0, END: 11.0}

@@ -64,7 +64,8 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
     nothing = f"nothing was captured from {type(model).__name__}: {'; '.join(breaks) or 'dynamo produced no graph'}"
     step, notes = None, () if measure else _unmeasured_breaks(breaks, order) + mask_checks.note()
     if measure and worth_measuring(training, len(captured), len(breaks)):
-        step = measure_model_gaps(runner, model, inputs, training, session.clock, anchors=_anchors(session))
+        step = measure_model_gaps(runner, model, inputs, training, session.clock, anchors=_anchors(session),
+                                  named=bool(breaks) or len(captured) > 1)
         if step is None:
             notes = ()
         elif captured:

@@ -26,6 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from fxdream.capturing.gap_layers import name_gaps
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import one_step
 
@@ -54,6 +55,9 @@ class StepCalls:
     # (fxdream.capturing.eager_ops)
     eager_before: Mapping[object, tuple[tuple[str, fx.GraphModule], ...]] = field(default_factory=dict)
     eager_skipped: Mapping[str, int] = field(default_factory=dict)
+    # where named: per gap (before each call, then after the last) the module that ran in it, or ""
+    # (fxdream.capturing.gap_layers)
+    gap_layers: tuple[str, ...] = ()
 
     @property
     def total_us(self) -> float:
@@ -173,13 +177,16 @@ def _cold_sample_will_do(sample: StepCalls, step_s: float, budget_s: float) -> b
 
 def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
                        rounds: int = 3, warmup: int = 1,
-                       anchors: Mapping[int, tuple[str, str]] | None = None) -> StepCalls | None:
+                       anchors: Mapping[int, tuple[str, str]] | None = None,
+                       named: bool = False) -> StepCalls | None:
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward from cleared gradients. The model's
     gradients, buffers and RNG are left as they were. The result holds the storages the graph
     calls took (``StepCalls.input_storages``) and, by ``anchors`` (graph index → where its frame
     sits in the model and a parameter's path below it: ``layers.frame_anchor``), the block each
-    call of a graph shared by the instances of a block ran on (``StepCalls.call_layers``)."""
+    call of a graph shared by the instances of a block ran on (``StepCalls.call_layers``).
+    ``named``: one more step names the module that ran in each gap (``StepCalls.gap_layers``),
+    for a model with eager code between its graphs."""
 
     def step():
         if training:
@@ -199,6 +206,9 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
     if measured is None:
         return None
     last_step = per_call[len(per_call) - len(measured.calls):] if len(per_call) >= len(measured.calls) else ()
+    if named:
+        with preserved_state(model):
+            measured = dataclasses.replace(measured, gap_layers=name_gaps(step, clock, model, measured.calls))
     return dataclasses.replace(measured, input_storages=frozenset().union(*per_call),
                                call_layers=call_layers(measured.calls, last_step, model, anchors or {}))
 

@@ -11,14 +11,17 @@ from fxdream.capturing.host_gaps import END, StepCalls
 EAGER = "eager"  # label prefix of the graph of eager ops recorded between two graph calls
 
 
-def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict]:
+def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict, dict]:
     """(label, graph) per call of ``step`` (calls of graphs not captured here are skipped), each
     preceded by the graphs of the eager ops recorded before it ("eager3.fw", ``eager_before``);
-    the host gaps by those labels; and by a call's scope ("g0#2"), its layers' renaming
-    (``StepCalls.call_layers``, set on its forward and taken by its backward, which pairs with it)."""
+    the host gaps by those labels; by a call's scope ("g0#2"), its layers' renaming
+    (``StepCalls.call_layers``, set on its forward and taken by its backward, which pairs with it);
+    and the module each named gap ran (``StepCalls.gap_layers``) by the same labels."""
     forwards = collections.Counter(label.rsplit(".", 1)[0] for label in step.calls if label.endswith(".fw"))
     seen: collections.Counter = collections.Counter()
     used, ordered, gaps, renames = set(), [], {END: step.end_us}, {}
+    named = len(step.gap_layers) == len(step.calls) + 1
+    layers = {END: step.gap_layers[-1]} if named else {}
     for position, (label, gap_us) in enumerate(zip(step.calls, step.gaps_us)):
         ordered.extend(eager_graphs(step, position))
         if label not in by_label:
@@ -36,10 +39,12 @@ def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict]:
         used.add(name)
         ordered.append((name, by_label[label]))
         gaps[name] = gap_us
+        if named:
+            layers[name] = step.gap_layers[position]
         if phase == "fw" and position < len(step.call_layers) and step.call_layers[position]:
             renames[name.rsplit(".", 1)[0]] = step.call_layers[position]
     ordered.extend(eager_graphs(step, END))
-    return ordered, gaps, renames
+    return ordered, gaps, renames, {label: layer for label, layer in layers.items() if layer}
 
 
 def eager_graphs(step: StepCalls, position) -> list[tuple[str, fx.GraphModule]]:

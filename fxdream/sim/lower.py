@@ -94,15 +94,17 @@ class Lowered:
 
 def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
           optimizer: OptimizerModel | None = None, host_gaps: Mapping[str, float] | None = None,
-          layer_renames: Mapping[str, tuple[str, str]] | None = None) -> Lowered:
+          layer_renames: Mapping[str, tuple[str, str]] | None = None,
+          gap_layers: Mapping[str, str] | None = None) -> Lowered:
     """``graphs`` are (label, GraphModule) in execution order, e.g. [("g0.fw", fw), ("g0.bw", bw)].
 
     ``host_gaps``: µs of host work outside the graphs, measured (``fxdream.capturing.host_gaps``), by
     the label of the graph it precedes or ``END``: one host task each, before that graph's call.
     ``layer_renames``: by a call's scope ("g0#2"), the block its graph's layers are named for and
-    the block that call ran on (``StepCalls.call_layers``): its tasks are that block's layers."""
+    the block that call ran on (``StepCalls.call_layers``): its tasks are that block's layers.
+    ``gap_layers``: by the same labels as ``host_gaps``, the module that ran in the gap (its task's layer)."""
     gaps = dict(host_gaps or {})
-    lowering = _Lowering(cost)
+    lowering = _Lowering(cost, gap_layers)
     saved = {label.rsplit(".", 1)[0]: saved_inputs(gm) for label, gm in graphs if label.endswith(".bw")}
     for graph_index, (label, gm) in enumerate(graphs):
         # measured gaps hold the engine's time; eager ops ran inside the engine's nodes already costed
@@ -115,7 +117,8 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
             _append_autograd(lowering.tg, f"{label}:accumulate_grad",
                              len(gradient_outputs(gm)) * cost.device.accumulate_grad_us)
     tg, static = lowering.tg, lowering.static
-    _append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw")
+    _append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw",
+                     lowering.gap_layers.get(END, ""))
     if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
         # backwards run in reverse subgraph order; the optimizer's gradients are in subgraph order
         backwards = [gm for label, gm in reversed(graphs) if label.endswith("bw")]
@@ -132,8 +135,9 @@ class _Lowering:
     value (GPU: consumers on other streams wait for it), the bytes each task allocates, and the
     static bytes (inputs, a pass's constants, CUDA-graph pools) alive before the iteration."""
 
-    def __init__(self, cost: CostModel):
+    def __init__(self, cost: CostModel, gap_layers: Mapping[str, str] | None = None):
         self.cost, self.on_gpu = cost, cost.device.kind != "cpu"
+        self.gap_layers = dict(gap_layers or {})
         self.tg, self.buffers = TaskGraph(), Buffers()
         self.kernel_of: dict[str, str] = {}
         self.allocs: dict[str, int] = {}
@@ -152,7 +156,7 @@ class _Lowering:
         launched: dict[object, str] = {}  # region id → its graph-launch task
         current = None                    # the region being lowered (regions are contiguous)
         self.buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
-        _append_host_gap(self.tg, label, gap_us, phase)
+        _append_host_gap(self.tg, label, gap_us, phase, self.gap_layers.get(label, ""))
         eager = label.startswith(EAGER)  # ops run one by one: no graph call, inputs made by the step
         call_us = self.cost.graph_call_us() if hasattr(self.cost, "graph_call_us") and not eager else 0.0
         if call_us:
@@ -235,9 +239,10 @@ def _append_autograd(tg: TaskGraph, name: str, us: float) -> None:
         tg.append(Task(name, TaskKind.CPU, float(us), "cpu:0", op=f"autograd.{name.rsplit(':', 1)[1]}", phase="bw"))
 
 
-def _append_host_gap(tg: TaskGraph, before: str, us: float, phase: str) -> None:
+def _append_host_gap(tg: TaskGraph, before: str, us: float, phase: str, layer: str = "") -> None:
     if us > 0:
-        tg.append(Task(f"host_gap:{before}", TaskKind.CPU, float(us), "cpu:0", op="host_gap", phase=phase))
+        tg.append(Task(f"host_gap:{before}", TaskKind.CPU, float(us), "cpu:0", op="host_gap", phase=phase,
+                       layer=layer))
 
 
 def _wait_for_inputs(tg: TaskGraph, node: fx.Node, work: str, kernel_of: dict, buffers: Buffers) -> None:
@@ -397,5 +402,5 @@ def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None =
         # all forwards run before all backwards (backward visits subgraphs in reverse)
         ordered = [p for p in pairs if p[0].endswith("fw")] + [p for p in reversed(pairs) if p[0].endswith("bw")]
         return lower(ordered, cost, optimizer)
-    ordered, gaps, renames = as_called(dict(pairs), step)
-    return lower(ordered, cost, optimizer, gaps if step.measured else None, renames)
+    ordered, gaps, renames, gap_layers = as_called(dict(pairs), step)
+    return lower(ordered, cost, optimizer, gaps if step.measured else None, renames, gap_layers)
