@@ -8,13 +8,14 @@ import fxdream
 from fxdream.capturing.gap_layers import gap_layers, module_calls
 
 
-def test_each_gap_takes_the_longest_module_call_inside_it():
+def test_each_gap_is_split_among_the_outermost_module_calls_inside_it():
     events = [("g0.fw", 10.0, 20.0), ("g1.fw", 50.0, 60.0)]  # graph calls: gaps 0-10, 20-50, 60-100
     calls = [(1.0, 4.0, "pre"),                     # inside the first gap
-             (22.0, 30.0, "head.norm"), (31.0, 48.0, "head.lin"), (21.0, 49.0, "head"),  # nested: the outer wins
+             (22.0, 30.0, "head.norm"), (31.0, 38.0, "head.lin"), (21.0, 39.0, "head"),  # nested in head
+             (41.0, 47.0, "tail"),                  # head's sibling
              (55.0, 70.0, "spans.a.call"),          # crosses a graph call: no gap's
              (0.0, 100.0, "wrapper")]               # around every call: no gap's
-    assert gap_layers(events, calls, 0.0, 100.0) == ("pre", "head", "")
+    assert gap_layers(events, calls, 0.0, 100.0) == ((("pre", 0.3),), (("head", 0.6), ("tail", 0.2)), ())
 
 
 class _Head(nn.Module):

@@ -69,6 +69,15 @@ def test_gaps_lower_to_host_tasks_before_their_graph_and_at_the_end():
     assert simulate(lowered.graph).makespan_us == pytest.approx(2 * 23.0 + 5.0 + 7.0)
 
 
+def test_a_named_gap_is_split_among_its_modules_and_the_rest_keeps_its_time():
+    fw = graph_with_values(_relu_view_add, (4,))
+    lowered = lower([("g0.fw", fw)], FixedCost(CPU), host_gaps={"g0.fw": 100.0},
+                    gap_layers={"g0.fw": (("head", 0.25), ("tail", 0.5))})
+    gap = [(t.name, t.layer, t.duration_us) for t in lowered.graph.tasks if t.op == "host_gap"]
+    assert gap == [("host_gap:g0.fw:0", "head", 25.0), ("host_gap:g0.fw:1", "tail", 50.0), ("host_gap:g0.fw", "", 25.0)]
+    assert simulate(lowered.graph).makespan_us == pytest.approx(23.0 + 100.0)
+
+
 def test_on_a_gpu_a_host_gap_overlaps_the_kernels_already_launched():
     fw = graph_with_values(_relu_view_add, (4,))
     lowered = lower([("g0.fw", fw)], FixedCost(GPU), host_gaps={END: 5.0})

@@ -2,11 +2,12 @@
 
 A measured step's host gaps (``StepCalls`` in ``host_gaps``) are time the model spent outside its
 compiled graphs: after a graph break, modules run as Python (an ``nn.LSTM`` in training, a head
-behind ``torch.compiler.disable``). A gap is named by the longest call of one of the model's
-submodules that began and ended inside it, so that a prediction's top layers and ``explain``
-show that module beside the graphs' layers. Module calls are timed by a profile function on
-``Module._call_impl`` frames (``sys.setprofile``), in a step of their own: the function runs on
-every Python call, which would lengthen the gaps it names.
+behind ``torch.compiler.disable``). Each gap's time is split among the outermost calls of the
+model's submodules that ran inside it, by the share of the gap each took, so that a prediction's
+top layers and ``explain`` show those modules beside the graphs' layers. Module calls are timed by
+a profile function on ``Module._call_impl`` frames (``sys.setprofile``) in a warm-up step, never in
+a timed one: the function runs on every Python call, which lengthens the gaps. The shares are
+that step's, a cold one, and so approximate.
 """
 from __future__ import annotations
 
@@ -49,30 +50,24 @@ def module_calls(model: torch.nn.Module):
 
 
 def gap_layers(events: list[tuple[str, float, float]], calls: list[tuple[float, float, str]],
-               started: float, ended: float) -> tuple[str, ...]:
-    """Per gap of the step (before each graph call in ``events``, then after the last), the name
-    of the longest module call that began and ended inside it; "" where none did."""
+               started: float, ended: float) -> tuple[tuple[tuple[str, float], ...], ...]:
+    """Per gap of the step (before each graph call in ``events``, then after the last), the
+    outermost module calls that began and ended inside it, each as (name, its share of the gap's
+    time), in the order they ran; the rest of the gap (Python glue, a loss, autograd's engine)
+    is no module's."""
     bounds, cursor = [], started
     for _, start, end in sorted(events, key=lambda e: e[1]):
         bounds.append((cursor, start))
         cursor = max(cursor, end)
     bounds.append((cursor, ended))
-    return tuple(max(((end - begin, name) for begin, end, name in calls if low <= begin and end <= high),
-                     default=(0.0, ""))[1] for low, high in bounds)
+    return tuple(_outermost(calls, low, high) for low, high in bounds)
 
 
-def name_gaps(step, clock, model: torch.nn.Module, calls: tuple[str, ...]) -> tuple[str, ...]:
-    """``gap_layers`` of one more run of ``step`` with its module calls timed; () where that run
-    called other graphs than ``calls`` (a step that compiled, a branch on data)."""
-    clock.events = []
-    try:
-        with module_calls(model) as modules:
-            started = time.perf_counter()
-            step()
-            ended = time.perf_counter()
-        events = clock.events
-    finally:
-        clock.events = None
-    if tuple(label for label, _, _ in sorted(events, key=lambda e: e[1])) != calls:
-        return ()
-    return gap_layers(events, modules, started, ended)
+def _outermost(calls: list[tuple[float, float, str]], low: float, high: float) -> tuple[tuple[str, float], ...]:
+    inside = sorted((c for c in calls if low <= c[0] and c[1] <= high), key=lambda c: (c[0], -c[1]))
+    kept, reach = [], low
+    for begin, end, name in inside:
+        if begin >= reach:  # not nested in the call kept before it
+            kept.append((name, (end - begin) / (high - low)))
+            reach = end
+    return tuple(kept)

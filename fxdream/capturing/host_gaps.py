@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fxdream.capturing.gap_layers import name_gaps
+from fxdream.capturing.gap_layers import gap_layers, module_calls
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import one_step
 
@@ -55,9 +55,9 @@ class StepCalls:
     # (fxdream.capturing.eager_ops)
     eager_before: Mapping[object, tuple[tuple[str, fx.GraphModule], ...]] = field(default_factory=dict)
     eager_skipped: Mapping[str, int] = field(default_factory=dict)
-    # where named: per gap (before each call, then after the last) the module that ran in it, or ""
-    # (fxdream.capturing.gap_layers)
-    gap_layers: tuple[str, ...] = ()
+    # where named: per gap (before each call, then after the last) the modules that ran in it, as
+    # (name, share of the gap) (fxdream.capturing.gap_layers)
+    gap_layers: tuple[tuple[tuple[str, float], ...], ...] = ()
 
     @property
     def total_us(self) -> float:
@@ -138,7 +138,8 @@ COLD_SAMPLE_MAX_GAP_SHARE = 0.25
 
 
 def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: int = 3,
-                      warmup: int = 1, budget_s: float = 1.0) -> StepCalls | None:
+                      warmup: int = 1, budget_s: float = 1.0,
+                      modules_of: torch.nn.Module | None = None) -> StepCalls | None:
     """Run ``step`` ``warmup + rounds`` times with the graph calls time-stamped; the median step.
 
     A step during which the session compiled a graph is never a sample (its host time is the
@@ -146,27 +147,36 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
     spent (with one sample at least). A warm-up step that alone took longer than the budget is
     the sample where its gaps are a small share of it (``COLD_SAMPLE_MAX_GAP_SHARE``: a large
     model, whose further steps would cost seconds of build time for little); where the gaps
-    are most of the step (eager code between graphs) one steady step is measured after it."""
-    samples, steady = [], 0
+    are most of the step (eager code between graphs) one steady step is measured after it.
+    ``modules_of``: the warm-up steps time that model's module calls and name the modules that
+    ran in each gap (``StepCalls.gap_layers``); such a step is never a sample."""
+    samples, steady, named = [], 0, None
     begun = time.perf_counter()
     try:
         for _ in range(warmup + rounds + COMPILING_STEPS):
             clock.events = []
             compilations = clock.compilations
-            started = time.perf_counter()
-            step()
-            ended = time.perf_counter()
+            naming = modules_of is not None and steady < warmup
+            with module_calls(modules_of) if naming else contextlib.nullcontext([]) as modules:
+                started = time.perf_counter()
+                step()
+                ended = time.perf_counter()
             if clock.compilations != compilations:
                 continue
             steady += 1
             sample = step_calls(clock.events, started, ended)
-            if steady > warmup or _cold_sample_will_do(sample, ended - started, budget_s):
+            if naming:
+                named = (sample.calls, gap_layers(clock.events, modules, started, ended))
+            if steady > warmup or (not naming and _cold_sample_will_do(sample, ended - started, budget_s)):
                 samples.append(sample)
             if len(samples) >= rounds or (samples and ended - begun > budget_s):
                 break
     finally:
         clock.events = None
-    return StepCalls.median(samples) if samples else None
+    if not samples:
+        return None
+    measured = StepCalls.median(samples)
+    return dataclasses.replace(measured, gap_layers=named[1]) if named and named[0] == measured.calls else measured
 
 
 def _cold_sample_will_do(sample: StepCalls, step_s: float, budget_s: float) -> bool:
@@ -185,7 +195,7 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
     calls took (``StepCalls.input_storages``) and, by ``anchors`` (graph index → where its frame
     sits in the model and a parameter's path below it: ``layers.frame_anchor``), the block each
     call of a graph shared by the instances of a block ran on (``StepCalls.call_layers``).
-    ``named``: one more step names the module that ran in each gap (``StepCalls.gap_layers``),
+    ``named``: the warm-up step names the modules that ran in each gap (``StepCalls.gap_layers``),
     for a model with eager code between its graphs."""
 
     def step():
@@ -199,16 +209,13 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
     clock.call_storages = []
     try:
         with preserved_state(model):
-            measured = measure_host_gaps(step, clock, rounds, warmup)
+            measured = measure_host_gaps(step, clock, rounds, warmup, modules_of=model if named else None)
         per_call = tuple(clock.call_storages)
     finally:
         clock.call_storages = None
     if measured is None:
         return None
     last_step = per_call[len(per_call) - len(measured.calls):] if len(per_call) >= len(measured.calls) else ()
-    if named:
-        with preserved_state(model):
-            measured = dataclasses.replace(measured, gap_layers=name_gaps(step, clock, model, measured.calls))
     return dataclasses.replace(measured, input_storages=frozenset().union(*per_call),
                                call_layers=call_layers(measured.calls, last_step, model, anchors or {}))
 

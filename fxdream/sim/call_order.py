@@ -1,5 +1,6 @@
 """The graphs of a recorded step in the order it called them, each call once, with the eager
-ops recorded between them (``StepCalls``), as the lowering takes them."""
+ops recorded between them (``StepCalls``), as the lowering takes them; the host time between
+them as host tasks."""
 from __future__ import annotations
 
 import collections
@@ -7,6 +8,7 @@ import collections
 import torch.fx as fx
 
 from fxdream.capturing.host_gaps import END, StepCalls
+from fxdream.sim.taskgraph import Task, TaskGraph, TaskKind
 
 EAGER = "eager"  # label prefix of the graph of eager ops recorded between two graph calls
 
@@ -16,7 +18,7 @@ def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict, dict]:
     preceded by the graphs of the eager ops recorded before it ("eager3.fw", ``eager_before``);
     the host gaps by those labels; by a call's scope ("g0#2"), its layers' renaming
     (``StepCalls.call_layers``, set on its forward and taken by its backward, which pairs with it);
-    and the module each named gap ran (``StepCalls.gap_layers``) by the same labels."""
+    and the modules each named gap ran, with their shares (``StepCalls.gap_layers``), by the same labels."""
     forwards = collections.Counter(label.rsplit(".", 1)[0] for label in step.calls if label.endswith(".fw"))
     seen: collections.Counter = collections.Counter()
     used, ordered, gaps, renames = set(), [], {END: step.end_us}, {}
@@ -44,7 +46,7 @@ def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict, dict]:
         if phase == "fw" and position < len(step.call_layers) and step.call_layers[position]:
             renames[name.rsplit(".", 1)[0]] = step.call_layers[position]
     ordered.extend(eager_graphs(step, END))
-    return ordered, gaps, renames, {label: layer for label, layer in layers.items() if layer}
+    return ordered, gaps, renames, {label: modules for label, modules in layers.items() if modules}
 
 
 def eager_graphs(step: StepCalls, position) -> list[tuple[str, fx.GraphModule]]:
@@ -56,3 +58,16 @@ def eager_graphs(step: StepCalls, position) -> list[tuple[str, fx.GraphModule]]:
         seen[phase] += 1
         labels.append((f"{EAGER}{where}" + (f"_{seen[phase]}" if seen[phase] > 1 else "") + f".{phase}", gm))
     return labels
+
+
+def append_host_gap(tg: TaskGraph, before: str, us: float, phase: str, modules: tuple = ()) -> None:
+    """The host time before a graph call: a task per module that ran in it, (layer, share of the
+    gap) in ``modules``, then one for the rest. A module's call is forward work, whichever graph
+    the gap precedes (the loss and autograd's start sit between a model's last module and its backward)."""
+    rest = float(us)
+    for k, (layer, share) in enumerate(modules if us > 0 else ()):
+        tg.append(Task(f"host_gap:{before}:{k}", TaskKind.CPU, us * share, "cpu:0", op="host_gap", phase="fw",
+                       layer=layer))
+        rest -= us * share
+    if rest > 0:
+        tg.append(Task(f"host_gap:{before}", TaskKind.CPU, rest, "cpu:0", op="host_gap", phase=phase))

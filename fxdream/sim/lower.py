@@ -36,7 +36,7 @@ from fxdream.capturing.host_gaps import END, StepCalls
 from fxdream.capturing.layers import renamed_layer
 from fxdream.ir.nodes import LAYER, PARAMETER_GRADIENTS, is_view, op_name
 from fxdream.ir.tensors import size_hint, tensor_bytes
-from fxdream.sim.call_order import EAGER, as_called
+from fxdream.sim.call_order import EAGER, append_host_gap, as_called
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph_regions, inline_cuda_graph_runners
 from fxdream.sim.liveness import Buffers
@@ -95,14 +95,15 @@ class Lowered:
 def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
           optimizer: OptimizerModel | None = None, host_gaps: Mapping[str, float] | None = None,
           layer_renames: Mapping[str, tuple[str, str]] | None = None,
-          gap_layers: Mapping[str, str] | None = None) -> Lowered:
+          gap_layers: Mapping[str, tuple] | None = None) -> Lowered:
     """``graphs`` are (label, GraphModule) in execution order, e.g. [("g0.fw", fw), ("g0.bw", bw)].
 
     ``host_gaps``: µs of host work outside the graphs, measured (``fxdream.capturing.host_gaps``), by
     the label of the graph it precedes or ``END``: one host task each, before that graph's call.
     ``layer_renames``: by a call's scope ("g0#2"), the block its graph's layers are named for and
     the block that call ran on (``StepCalls.call_layers``): its tasks are that block's layers.
-    ``gap_layers``: by the same labels as ``host_gaps``, the module that ran in the gap (its task's layer)."""
+    ``gap_layers``: by the same labels as ``host_gaps``, the modules that ran in the gap and their
+    shares of it (``StepCalls.gap_layers``): a host task each, with its layer."""
     gaps = dict(host_gaps or {})
     lowering = _Lowering(cost, gap_layers)
     saved = {label.rsplit(".", 1)[0]: saved_inputs(gm) for label, gm in graphs if label.endswith(".bw")}
@@ -117,8 +118,8 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
             _append_autograd(lowering.tg, f"{label}:accumulate_grad",
                              len(gradient_outputs(gm)) * cost.device.accumulate_grad_us)
     tg, static = lowering.tg, lowering.static
-    _append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw",
-                     lowering.gap_layers.get(END, ""))
+    append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw",
+                     lowering.gap_layers.get(END, ()))
     if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
         # backwards run in reverse subgraph order; the optimizer's gradients are in subgraph order
         backwards = [gm for label, gm in reversed(graphs) if label.endswith("bw")]
@@ -135,7 +136,7 @@ class _Lowering:
     value (GPU: consumers on other streams wait for it), the bytes each task allocates, and the
     static bytes (inputs, a pass's constants, CUDA-graph pools) alive before the iteration."""
 
-    def __init__(self, cost: CostModel, gap_layers: Mapping[str, str] | None = None):
+    def __init__(self, cost: CostModel, gap_layers: Mapping[str, tuple] | None = None):
         self.cost, self.on_gpu = cost, cost.device.kind != "cpu"
         self.gap_layers = dict(gap_layers or {})
         self.tg, self.buffers = TaskGraph(), Buffers()
@@ -156,7 +157,7 @@ class _Lowering:
         launched: dict[object, str] = {}  # region id → its graph-launch task
         current = None                    # the region being lowered (regions are contiguous)
         self.buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
-        _append_host_gap(self.tg, label, gap_us, phase, self.gap_layers.get(label, ""))
+        append_host_gap(self.tg, label, gap_us, phase, self.gap_layers.get(label, ()))
         eager = label.startswith(EAGER)  # ops run one by one: no graph call, inputs made by the step
         call_us = self.cost.graph_call_us() if hasattr(self.cost, "graph_call_us") and not eager else 0.0
         if call_us:
@@ -237,12 +238,6 @@ def _append_autograd(tg: TaskGraph, name: str, us: float) -> None:
     ``accumulate_grad_us``)."""
     if us > 0:
         tg.append(Task(name, TaskKind.CPU, float(us), "cpu:0", op=f"autograd.{name.rsplit(':', 1)[1]}", phase="bw"))
-
-
-def _append_host_gap(tg: TaskGraph, before: str, us: float, phase: str, layer: str = "") -> None:
-    if us > 0:
-        tg.append(Task(f"host_gap:{before}", TaskKind.CPU, float(us), "cpu:0", op="host_gap", phase=phase,
-                       layer=layer))
 
 
 def _wait_for_inputs(tg: TaskGraph, node: fx.Node, work: str, kernel_of: dict, buffers: Buffers) -> None:
