@@ -1,4 +1,5 @@
 """Host time outside the captured graphs: measured per gap, lowered as host tasks."""
+import dataclasses
 import time
 
 import pytest
@@ -56,6 +57,9 @@ def test_repeated_calls_are_lowered_once_each_and_backwards_pair_last_in_first_o
     assert ordered == [("g0.fw", fw), ("g0#1.fw", fw), ("g0#1.bw", bw), ("g0.bw", bw)]
     # a call of a graph not captured here (g9) adds its gap to the end
     assert gaps == {"g0.fw": 1.0, "g0#1.fw": 2.0, "g0#1.bw": 3.0, "g0.bw": 4.0, END: 11.0}
+    named = dataclasses.replace(step, gap_layers=((("a", 0.5),), (), (), (), (("b", 0.2),), (("c", 0.5),)))
+    *_, modules = as_called({"g0.fw": fw, "g0.bw": bw}, named)
+    assert modules == {"g0.fw": (("a", 0.5),), END: (("c", 3.0), ("b", 1.0))}  # µs: g9's gap joins the end's
 
 
 def test_gaps_lower_to_host_tasks_before_their_graph_and_at_the_end():
@@ -72,7 +76,7 @@ def test_gaps_lower_to_host_tasks_before_their_graph_and_at_the_end():
 def test_a_named_gap_is_split_among_its_modules_and_the_rest_keeps_its_time():
     fw = graph_with_values(_relu_view_add, (4,))
     lowered = lower([("g0.fw", fw)], FixedCost(CPU), host_gaps={"g0.fw": 100.0},
-                    gap_layers={"g0.fw": (("head", 0.25), ("tail", 0.5))})
+                    gap_layers={"g0.fw": (("head", 25.0), ("tail", 50.0))})
     gap = [(t.name, t.layer, t.duration_us) for t in lowered.graph.tasks if t.op == "host_gap"]
     assert gap == [("host_gap:g0.fw:0", "head", 25.0), ("host_gap:g0.fw:1", "tail", 50.0), ("host_gap:g0.fw", "", 25.0)]
     assert simulate(lowered.graph).makespan_us == pytest.approx(23.0 + 100.0)

@@ -18,16 +18,19 @@ def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict, dict]:
     preceded by the graphs of the eager ops recorded before it ("eager3.fw", ``eager_before``);
     the host gaps by those labels; by a call's scope ("g0#2"), its layers' renaming
     (``StepCalls.call_layers``, set on its forward and taken by its backward, which pairs with it);
-    and the modules each named gap ran, with their shares (``StepCalls.gap_layers``), by the same labels."""
+    and the modules each named gap ran, as (name, µs of the gap) (``StepCalls.gap_layers``), by the same labels."""
     forwards = collections.Counter(label.rsplit(".", 1)[0] for label in step.calls if label.endswith(".fw"))
     seen: collections.Counter = collections.Counter()
     used, ordered, gaps, renames = set(), [], {END: step.end_us}, {}
     named = len(step.gap_layers) == len(step.calls) + 1
-    layers = {END: step.gap_layers[-1]} if named else {}
+    in_us = lambda position, us: tuple((name, share * us) for name, share in step.gap_layers[position])  # noqa: E731
+    layers = {END: in_us(-1, step.end_us)} if named else {}
     for position, (label, gap_us) in enumerate(zip(step.calls, step.gaps_us)):
         ordered.extend(eager_graphs(step, position))
         if label not in by_label:
             gaps[END] += gap_us
+            if named:
+                layers[END] += in_us(position, gap_us)
             continue
         scope, phase = label.rsplit(".", 1)
         k = seen[label]
@@ -42,7 +45,7 @@ def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict, dict]:
         ordered.append((name, by_label[label]))
         gaps[name] = gap_us
         if named:
-            layers[name] = step.gap_layers[position]
+            layers[name] = in_us(position, gap_us)
         if phase == "fw" and position < len(step.call_layers) and step.call_layers[position]:
             renames[name.rsplit(".", 1)[0]] = step.call_layers[position]
     ordered.extend(eager_graphs(step, END))
@@ -61,13 +64,13 @@ def eager_graphs(step: StepCalls, position) -> list[tuple[str, fx.GraphModule]]:
 
 
 def append_host_gap(tg: TaskGraph, before: str, us: float, phase: str, modules: tuple = ()) -> None:
-    """The host time before a graph call: a task per module that ran in it, (layer, share of the
-    gap) in ``modules``, then one for the rest. A module's call is forward work, whichever graph
-    the gap precedes (the loss and autograd's start sit between a model's last module and its backward)."""
+    """The host time before a graph call: a task per module that ran in it, (layer, µs of the gap)
+    in ``modules``, then one for the rest. A module's call is forward work, whichever graph the gap
+    precedes (the loss and autograd's start sit between a model's last module and its backward)."""
     rest = float(us)
-    for k, (layer, share) in enumerate(modules if us > 0 else ()):
-        tg.append(Task(f"host_gap:{before}:{k}", TaskKind.CPU, us * share, "cpu:0", op="host_gap", phase="fw",
+    for k, (layer, module_us) in enumerate(modules if us > 0 else ()):
+        tg.append(Task(f"host_gap:{before}:{k}", TaskKind.CPU, module_us, "cpu:0", op="host_gap", phase="fw",
                        layer=layer))
-        rest -= us * share
+        rest -= module_us
     if rest > 0:
         tg.append(Task(f"host_gap:{before}", TaskKind.CPU, rest, "cpu:0", op="host_gap", phase=phase))

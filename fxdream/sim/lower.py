@@ -103,7 +103,7 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
     ``layer_renames``: by a call's scope ("g0#2"), the block its graph's layers are named for and
     the block that call ran on (``StepCalls.call_layers``): its tasks are that block's layers.
     ``gap_layers``: by the same labels as ``host_gaps``, the modules that ran in the gap and their
-    shares of it (``StepCalls.gap_layers``): a host task each, with its layer."""
+    µs of it (``StepCalls.gap_layers``): a host task each, with its layer."""
     gaps = dict(host_gaps or {})
     lowering = _Lowering(cost, gap_layers)
     saved = {label.rsplit(".", 1)[0]: saved_inputs(gm) for label, gm in graphs if label.endswith(".bw")}
