@@ -1,11 +1,13 @@
 """Host gaps named by the module that ran in them: eager code between graphs in measured predictions."""
 import sys
+import time
 
 import torch
 from torch import nn
 
 import fxdream
 from fxdream.capturing.gap_layers import gap_layers, module_calls
+from fxdream.capturing.host_gaps import SubgraphClock, measure_host_gaps
 
 
 def test_each_gap_is_split_among_the_outermost_module_calls_inside_it():
@@ -62,3 +64,19 @@ def test_module_calls_leave_a_users_profile_function_alone():
     with module_calls(model) as calls:
         model(torch.randn(2, 256))
     assert {name for _, _, name in calls} == {"body", "head", "head.lin"}
+
+
+def test_the_step_that_times_module_calls_is_never_a_sample():
+    # a long step whose gaps are a small share of it: its cold warm-up would do as the sample,
+    # but not one the profile function slowed
+    clock, model, steps = SubgraphClock(), _BodyAndEagerHead(), []
+    graph = clock.wrap(lambda args: time.sleep(0.01) or args, "g0.fw")
+
+    def step():
+        steps.append(sys.getprofile() is not None)
+        graph([model.body(torch.randn(2, 256))])
+    assert measure_host_gaps(step, clock, rounds=1, warmup=1, budget_s=0.001).calls == ("g0.fw",)
+    assert steps == [False]  # unnamed: the cold step is the sample
+    steps.clear()
+    named = measure_host_gaps(step, clock, rounds=1, warmup=1, budget_s=0.001, modules_of=model)
+    assert steps == [True, False] and named.gap_layers[0][0][0] == "body"
