@@ -5,14 +5,13 @@ mmap threshold (128 KiB at first, raised up to 32 MiB as such buffers are freed)
 own and unmaps them when the buffer is freed, and it hands the top of its heap back to the system
 past a trim threshold. A step whose large buffers come back fresh on every call pays a page fault
 for every 4 KiB page it writes, and its time moves with what the kernel (and, in a virtual
-machine, the hypervisor) charges for one: an eager GNMT training step takes ~351,000 faults and
-ran 1.0-1.7 s from one step to the next on a 2-core VM, 0.78 s with freed memory kept and none.
+machine, the hypervisor) charges for one (measurements: docs/api.md, "Fresh memory on the CPU").
 
 Keeping freed memory is a trade for the whole process, so it is the user's call, never made by a
 build: the heap holds on to its peak (the resident memory never shrinks), and a small model run
-after a large one allocates from a larger, more scattered heap (from no slower to 2-3x slower in
-the runs of docs/measurements.md). Allocators such as jemalloc or tcmalloc (``LD_PRELOAD``) avoid both faults
-and most of the trade; ``keep_freed_memory`` is the switch that needs nothing installed.
+after a large one allocates from a larger, more scattered heap. Allocators such as jemalloc or
+tcmalloc (``LD_PRELOAD``) avoid both the faults and most of the trade; ``keep_freed_memory`` is
+the switch that needs nothing installed.
 """
 from __future__ import annotations
 
