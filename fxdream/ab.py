@@ -31,6 +31,7 @@ from fxdream.capturing.steps import cut_from_callers_graph, differentiable_scala
 from fxdream.measure import Measurement, time_interleaved
 from fxdream.numerics import max_abs_diff
 from fxdream.pass_registry import resolve_passes
+from fxdream.runtime.host_memory import FAULTS_WORTH_A_NOTE
 from fxdream.sim.cost.profiled import Profiled
 from fxdream.sim.prediction import predict, this_machine_device
 from fxdream.sim.trace import _figure_api
@@ -136,7 +137,20 @@ class ABResult:
                                    ("at build", at_build, self._mean_width("predicted_at_build_ms")))
                                   if share is not None)
                       + f" of {len(self.rows)} row(s)."]
-        return "\n".join(lines)
+        return "\n".join(lines + self._fault_lines())
+
+    def _fault_lines(self) -> list[str]:
+        """A line for the rows where a runner page-faulted ``FAULTS_WORTH_A_NOTE`` times a call or
+        more: fresh memory, whose cost moves the times (docs/api.md, fresh memory on the CPU)."""
+        rows = []
+        for r in self.rows:
+            counts = {name: m.page_faults_per_call for name, m in
+                      (("eager", r.eager), ("baseline", r.baseline), ("optimized", r.optimized))}
+            if any(c is not None and c >= FAULTS_WORTH_A_NOTE for c in counts.values()):
+                rows.append(f"{r.model} bs{r.batch} " + ", ".join(f"{name} {c:,.0f}" for name, c in counts.items()
+                                                                    if c is not None))
+        return ["", "Page faults per call (fresh memory from the allocator; `fxdream.keep_freed_memory()`): "
+                + "; ".join(rows) + "."] if rows else []
 
 
 def user_build(function: Callable, device: str = "cpu", label: str | None = None) -> Callable:

@@ -3,6 +3,8 @@ its measured in-context samples (hand-computed on a two-op graph), shown in the 
 import pytest
 import torch
 
+from fxdream.ab import ABResult, ABRow
+from fxdream.measure import Measurement
 from fxdream.report import Report
 from fxdream.sim.cost import Analytic, Profiled, get_device
 from fxdream.sim.cost.spread import SpreadBound
@@ -186,3 +188,12 @@ def test_calls_back_to_back_overlap_the_work_before_a_wait_with_the_call_before(
     assert iteration_us(get_device("h100"), graph, timeline) == pytest.approx(160.0)
     two = repeated(graph, 2)
     assert len(two) == 2 * len(graph) and simulate(two).end("1|K2") == pytest.approx(330.0)
+
+
+def test_the_ab_table_names_rows_whose_runners_page_faulted_many_times_a_call():
+    quiet, faulting = Measurement(1.0, 1.0, 1.0, 5, 10, 0.0), Measurement(2.0, 2.0, 2.0, 5, 10, 16384.0)
+    row = lambda eager: ABRow("m", 8, False, ("p",), eager, quiet, quiet, 1.0, 1.0, 0.0, ())  # noqa: E731
+    assert "Page faults per call" not in ABResult("cpu", "2.x", "today", (row(quiet),)).to_markdown()
+    text = ABResult("cpu", "2.x", "today", (row(faulting),)).to_markdown()
+    assert text.endswith("Page faults per call (fresh memory from the allocator; `fxdream.keep_freed_memory()`): "
+                         "m bs8 eager 16,384, baseline 0, optimized 0.")
