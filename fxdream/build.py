@@ -34,6 +34,7 @@ from fxdream.pass_registry import available_passes, resolve_passes
 from fxdream.pass_runner import PassPipeline, failed_to_run
 from fxdream.runtime.host_memory import fresh_memory_note, timed_fresh_memory_note
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
+from fxdream.sim.measured_scale import graph_scale, rescaled_ms
 from fxdream.sim.prediction import predict, this_machine_device
 from fxdream.sim.profile.machine_load import watch_machine_load
 from fxdream.sim.profile.store import save_profile, shared_profile
@@ -307,13 +308,21 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
         notes = describe_gaps(step, len(module.captured), training, breaks) if step is not None else ()
     before = predict(module.captured, cost, training, step=step)
     after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)
+    before_ms, before_range = before.time_ms, before.range_ms
+    after_ms, after_range = after.time_ms, after.range_ms
+    labels = {f"g{c.index}.{phase}" for c in module.captured for phase, _ in c.graphs()}
+    scale = graph_scale(step, after, labels) if isinstance(cost, Profiled) and step is not None else None
+    if scale is not None:
+        (before_ms, before_range), (after_ms, after_range) = rescaled_ms(before, scale), rescaled_ms(after, scale)
+        notes = tuple(notes) + (f"the graphs' times measured during the build are scaled by {scale:.2f}: the "
+                                f"built module's graph calls took that share of them in its steps timed after it",)
     if isinstance(cost, Profiled):
         captured = [g for c in module.captured for g in (c.forward, c.backward) if g is not None]
         faults = timed_fresh_memory_note(cost.page_faults_per_run(captured),
                                          cost.page_faults_per_run(module.rewritten_graphs.values()))
         notes = tuple(notes) + ((faults,) if faults else ())
-    return dict(predicted_baseline_ms=before.time_ms, predicted_optimized_ms=after.time_ms,
-                predicted_baseline_ms_range=before.range_ms, predicted_optimized_ms_range=after.range_ms,
+    return dict(predicted_baseline_ms=before_ms, predicted_optimized_ms=after_ms,
+                predicted_baseline_ms_range=before_range, predicted_optimized_ms_range=after_range,
                 predicted_peak_delta_bytes=after.peak_memory_bytes - before.peak_memory_bytes,
                 top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)), notes=notes)
 

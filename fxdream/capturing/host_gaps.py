@@ -58,6 +58,8 @@ class StepCalls:
     # where named: per gap (before each call, then after the last) the modules that ran in it, as
     # (name, share of the gap) (fxdream.capturing.gap_layers)
     gap_layers: tuple[tuple[tuple[str, float], ...], ...] = ()
+    # where measured: µs each call took (the compiled graph with its wrappers), in call order
+    calls_us: tuple[float, ...] = ()
 
     @property
     def total_us(self) -> float:
@@ -74,7 +76,9 @@ class StepCalls:
         calls = max(order, key=lambda c: (order[c], max(i for i, s in enumerate(samples) if s.calls == c)))
         same = [s for s in samples if s.calls == calls]
         gaps = tuple(statistics.median(s.gaps_us[i] for s in same) for i in range(len(calls)))
-        return cls(calls, gaps, statistics.median(s.end_us for s in same))
+        timed = [s for s in same if len(s.calls_us) == len(calls)]
+        calls_us = tuple(statistics.median(s.calls_us[i] for s in timed) for i in range(len(calls))) if timed else ()
+        return cls(calls, gaps, statistics.median(s.end_us for s in same), calls_us=calls_us)
 
 
 def worth_measuring(training: bool, subgraphs: int, graph_breaks: int = 0) -> bool:
@@ -119,13 +123,15 @@ class SubgraphClock:
 
 
 def step_calls(events: list[tuple[str, float, float]], started: float, ended: float) -> StepCalls:
-    """The calls in start order and the µs of host time before each and after the last."""
-    calls, gaps, cursor = [], [], started
+    """The calls in start order, the µs of host time before each and after the last, and the µs
+    each call took."""
+    calls, gaps, took, cursor = [], [], [], started
     for label, start, end in sorted(events, key=lambda e: e[1]):
         calls.append(label)
         gaps.append(max(0.0, start - cursor) * 1e6)
+        took.append((end - start) * 1e6)
         cursor = max(cursor, end)
-    return StepCalls(tuple(calls), tuple(gaps), max(0.0, ended - cursor) * 1e6)
+    return StepCalls(tuple(calls), tuple(gaps), max(0.0, ended - cursor) * 1e6, calls_us=tuple(took))
 
 
 # Steps that compile (a recompilation after the first call changed a value dynamo guards on)

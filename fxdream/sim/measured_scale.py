@@ -1,0 +1,43 @@
+"""A prediction for this machine, its graph time rescaled to the state the built module runs in.
+
+A build times its graphs' ops while it builds (in context, side by side); the module then runs
+in a process the build has changed (glibc's heap, docs/measurements.md: a GNMT training step's
+graphs ran ~20 % faster after its build than while it timed them). Where the build also measures
+steps of the built module (the host gaps of a training step or of a model with graph breaks,
+``host_gaps.StepCalls``), those steps time each graph call too (``StepCalls.calls_us``). The ratio
+of those calls' measured time to the same calls' predicted time rescales the graph part of a
+prediction and its range; the measured host gaps stay as they are. The predictions with and
+without the passes take the one ratio, measured on the module with them, so their gain stays
+the side-by-side one. On a CPU only: a GPU's graph call returns before its kernels end.
+"""
+from __future__ import annotations
+
+from typing import Collection
+
+from fxdream.capturing.host_gaps import StepCalls
+from fxdream.sim.prediction import Prediction
+
+HOST_GAP = "host_gap"  # the op of the host tasks a measured step's gaps are lowered to
+
+
+def graph_scale(step: StepCalls, prediction: Prediction, labels: Collection[str]) -> float | None:
+    """The measured µs of ``step``'s calls of the graphs in ``labels`` over ``prediction``'s time
+    outside its host gaps (its graphs, as the step called them); None where the calls were not
+    timed, or on a device other than a CPU."""
+    if prediction.device.kind != "cpu" or len(step.calls_us) != len(step.calls):
+        return None
+    measured_us = sum(us for label, us in zip(step.calls, step.calls_us) if label in labels)
+    graphs_us = prediction.time_ms * 1e3 - _gaps_us(prediction)
+    return measured_us / graphs_us if measured_us > 0 and graphs_us > 0 else None
+
+
+def rescaled_ms(prediction: Prediction, scale: float) -> tuple[float, tuple[float, float]]:
+    """(time, (low, high)) ms of ``prediction`` with its time outside the host gaps times ``scale``."""
+    gaps_ms = _gaps_us(prediction) / 1e3
+    at = lambda ms: gaps_ms + scale * (ms - gaps_ms)  # noqa: E731
+    low, high = prediction.time_ms_range
+    return at(prediction.time_ms), (at(low), at(high))
+
+
+def _gaps_us(prediction: Prediction) -> float:
+    return sum(t.duration_us for t in prediction.task_graph.tasks if t.op == HOST_GAP)

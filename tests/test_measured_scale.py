@@ -1,0 +1,46 @@
+"""A measured prediction's graph time rescaled to the module's own graph calls, timed after the build."""
+import pytest
+import torch
+
+import fxdream
+from fxdream.capturing.host_gaps import END, StepCalls
+from fxdream.sim.lower import lower
+from fxdream.sim.measured_scale import graph_scale, rescaled_ms
+from fxdream.sim.prediction import Prediction
+from fxdream.sim.simulate import simulate
+from conftest import graph_with_values
+from test_sim_lower import CPU, GPU, FixedCost, _relu_view_add
+
+
+def _prediction(device, gap_us: float, range_ms=None) -> Prediction:
+    """One graph of relu 1+10, view 1, add 1+10 µs (23 µs on a CPU) after a host gap of ``gap_us``."""
+    fw = graph_with_values(_relu_view_add, (4,))
+    graph = lower([("g0.fw", fw)], FixedCost(device), host_gaps={"g0.fw": gap_us, END: 0.0}).graph
+    return Prediction(device, True, graph, simulate(graph), 0, range_ms=range_ms)
+
+
+def test_the_graphs_are_scaled_by_their_calls_measured_time_and_the_gaps_stay():
+    prediction = _prediction(CPU, gap_us=77.0, range_ms=(0.090, 0.110))  # 0.1 ms: 77 µs of gap, 23 of graph
+    step = StepCalls(("g0.fw", "g9.fw"), (77.0, 5.0), 0.0, calls_us=(46.0, 1000.0))  # g9: not a captured graph
+    scale = graph_scale(step, prediction, {"g0.fw"})
+    assert scale == pytest.approx(2.0)
+    time_ms, (low, high) = rescaled_ms(prediction, scale)
+    assert time_ms == pytest.approx(0.077 + 2 * 0.023)
+    assert (low, high) == (pytest.approx(0.077 + 2 * 0.013), pytest.approx(0.077 + 2 * 0.033))
+
+
+def test_no_scale_without_timed_calls_or_on_a_gpu():
+    untimed = StepCalls(("g0.fw",), (77.0,), 0.0)
+    assert graph_scale(untimed, _prediction(CPU, 77.0), {"g0.fw"}) is None
+    timed = StepCalls(("g0.fw",), (77.0,), 0.0, calls_us=(46.0,))
+    assert graph_scale(timed, _prediction(GPU, 77.0), {"g0.fw"}) is None  # a GPU call returns before its kernels
+
+
+def test_a_training_build_scales_its_prediction_by_the_modules_measured_graph_calls():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    report = fxdream.optimize(model, (torch.randn(16, 64),), passes="auto", training=True, eager_check=False).report
+    (note,) = [n for n in report.notes if n.startswith("the graphs' times measured during the build are scaled by")]
+    scale = float(note.split("scaled by ")[1].split(":")[0])
+    assert 0.2 < scale < 5.0  # the same graphs, timed twice on one machine
+    low, high = report.predicted_optimized_ms_range
+    assert low <= report.predicted_optimized_ms <= high
