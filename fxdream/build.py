@@ -313,7 +313,8 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     labels = {f"g{c.index}.{phase}" for c in module.captured for phase, _ in c.graphs()}
     scale = graph_scale(step, after, labels) if isinstance(cost, Profiled) and step is not None else None
     if scale is not None:
-        (before_ms, before_range), (after_ms, after_range) = rescaled_ms(before, scale), rescaled_ms(after, scale)
+        (before_ms, before_range), (after_ms, after_range) = (rescaled_ms(before, scale, step),
+                                                              rescaled_ms(after, scale, step))
         notes = tuple(notes) + (f"the graphs' times measured during the build are scaled by {scale:.2f}: the "
                                 f"built module's graph calls took that share of them in its steps timed after it",)
     if isinstance(cost, Profiled):

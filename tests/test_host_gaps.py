@@ -34,7 +34,7 @@ def test_the_median_step_keeps_the_most_frequent_sequence():
     b = StepCalls(("g0.fw", "g1.fw"), (3.0, 4.0), 5.0)
     other = StepCalls(("g0.fw", "g2.fw"), (100.0, 100.0), 100.0)  # the other branch, once
     median = StepCalls.median([a, other, b])
-    assert median == StepCalls(("g0.fw", "g1.fw"), (2.0, 3.0), 4.0)
+    assert median == StepCalls(("g0.fw", "g1.fw"), (2.0, 3.0), 4.0, steps_us=(6.0, 12.0))  # each sample's total
 
 
 def test_clock_records_only_while_measuring_and_keeps_the_boxed_convention():

@@ -4,6 +4,7 @@ import torch
 
 import fxdream
 from fxdream.capturing.host_gaps import END, StepCalls
+from fxdream.sim.cost.run_spread import RunSpread
 from fxdream.sim.lower import lower
 from fxdream.sim.measured_scale import graph_scale, rescaled_ms
 from fxdream.sim.prediction import Prediction
@@ -44,3 +45,14 @@ def test_a_training_build_scales_its_prediction_by_the_modules_measured_graph_ca
     assert 0.2 < scale < 5.0  # the same graphs, timed twice on one machine
     low, high = report.predicted_optimized_ms_range
     assert low <= report.predicted_optimized_ms <= high
+
+
+def test_the_gaps_range_is_the_spread_of_the_measured_steps():
+    prediction = _prediction(CPU, gap_us=77.0, range_ms=(0.090, 0.110))
+    steady = StepCalls(("g0.fw",), (77.0,), 0.0, calls_us=(23.0,), steps_us=(100.0, 100.0))
+    assert rescaled_ms(prediction, 1.0, steady)[1] == (pytest.approx(0.090), pytest.approx(0.110))
+    spread = StepCalls(("g0.fw",), (77.0,), 0.0, calls_us=(23.0,), steps_us=(90.0, 100.0, 110.0))
+    bounds = RunSpread.of_runs(frozenset(), [90.0, 100.0, 110.0])  # ±10 % over three runs, widened
+    low, high = rescaled_ms(prediction, 1.0, spread)[1]
+    assert (low, high) == (pytest.approx(0.077 * bounds.low + 0.013), pytest.approx(0.077 * bounds.high + 0.033))
+    assert bounds.low < 0.9 and bounds.high > 1.1

@@ -49,14 +49,14 @@ def module_calls(model: torch.nn.Module):
         sys.setprofile(None)
 
 
-def gap_layers(events: list[tuple[str, float, float]], calls: list[tuple[float, float, str]],
+def gap_layers(events: list[tuple], calls: list[tuple[float, float, str]],
                started: float, ended: float) -> tuple[tuple[tuple[str, float], ...], ...]:
     """Per gap of the step (before each graph call in ``events``, then after the last), the
     outermost module calls that began and ended inside it, each as (name, its share of the gap's
     time), in the order they ran; the rest of the gap (Python glue, a loss, autograd's engine)
     is no module's."""
     bounds, cursor = [], started
-    for _, start, end in sorted(events, key=lambda e: e[1]):
+    for _, start, end, *_ in sorted(events, key=lambda e: e[1]):
         bounds.append((cursor, start))
         cursor = max(cursor, end)
     bounds.append((cursor, ended))

@@ -60,6 +60,8 @@ class StepCalls:
     gap_layers: tuple[tuple[tuple[str, float], ...], ...] = ()
     # where measured: µs each call took (the compiled graph with its wrappers), in call order
     calls_us: tuple[float, ...] = ()
+    # where measured: µs of each sampled step in all (gaps and calls), for the run-to-run spread
+    steps_us: tuple[float, ...] = ()
 
     @property
     def total_us(self) -> float:
@@ -78,7 +80,8 @@ class StepCalls:
         gaps = tuple(statistics.median(s.gaps_us[i] for s in same) for i in range(len(calls)))
         timed = [s for s in same if len(s.calls_us) == len(calls)]
         calls_us = tuple(statistics.median(s.calls_us[i] for s in timed) for i in range(len(calls))) if timed else ()
-        return cls(calls, gaps, statistics.median(s.end_us for s in same), calls_us=calls_us)
+        return cls(calls, gaps, statistics.median(s.end_us for s in same), calls_us=calls_us,
+                   steps_us=tuple(s.total_us + sum(s.calls_us) for s in same))
 
 
 def worth_measuring(training: bool, subgraphs: int, graph_breaks: int = 0) -> bool:
@@ -95,7 +98,8 @@ class SubgraphClock:
     step whose host time the model spends."""
 
     def __init__(self):
-        self.events: list[tuple[str, float, float]] | None = None
+        # (label, start, end, start of the call itself: after the clock's own bookkeeping) per call
+        self.events: list[tuple[str, float, float, float]] | None = None
         self.compilations = 0
         self.call_storages: list[frozenset[int]] | None = None  # a list: each call's storages, in order
         self.mark_calls = False  # each call and step a profiler range (GRAPH_CALL_PREFIX + label, STEP_RANGE)
@@ -111,25 +115,26 @@ class SubgraphClock:
                 # _cdata: the storage's C++ object's address (private): equal for views of one storage
                 self.call_storages.append(frozenset(a.untyped_storage()._cdata for a in args
                                                     if isinstance(a, torch.Tensor)))
+            body = time.perf_counter()  # the call's own time starts here (``StepCalls.calls_us``)
             try:
                 if self.mark_calls:
                     with torch.autograd.profiler.record_function(GRAPH_CALL_PREFIX + label):
                         return boxed(args)
                 return boxed(args)
             finally:
-                events.append((label, started, time.perf_counter()))
+                events.append((label, started, time.perf_counter(), body))
         call._boxed_call = True
         return call
 
 
-def step_calls(events: list[tuple[str, float, float]], started: float, ended: float) -> StepCalls:
+def step_calls(events: list[tuple], started: float, ended: float) -> StepCalls:
     """The calls in start order, the µs of host time before each and after the last, and the µs
-    each call took."""
+    each call took (from its own start, ``SubgraphClock.events``' fourth field where given)."""
     calls, gaps, took, cursor = [], [], [], started
-    for label, start, end in sorted(events, key=lambda e: e[1]):
+    for label, start, end, *body in sorted(events, key=lambda e: e[1]):
         calls.append(label)
         gaps.append(max(0.0, start - cursor) * 1e6)
-        took.append((end - start) * 1e6)
+        took.append((end - (body[0] if body else start)) * 1e6)
         cursor = max(cursor, end)
     return StepCalls(tuple(calls), tuple(gaps), max(0.0, ended - cursor) * 1e6, calls_us=tuple(took))
 

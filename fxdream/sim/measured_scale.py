@@ -6,7 +6,8 @@ graphs ran ~20 % faster after its build than while it timed them). Where the bui
 steps of the built module (the host gaps of a training step or of a model with graph breaks,
 ``host_gaps.StepCalls``), those steps time each graph call too (``StepCalls.calls_us``). The ratio
 of those calls' measured time to the same calls' predicted time rescales the graph part of a
-prediction and its range; the measured host gaps stay as they are. The predictions with and
+prediction and its range; the measured host gaps stay as they are, their range the spread of
+those steps. The predictions with and
 without the passes take the one ratio, measured on the module with them, so their gain stays
 the side-by-side one. On a CPU only: a GPU's graph call returns before its kernels end.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Collection
 
 from fxdream.capturing.host_gaps import StepCalls
+from fxdream.sim.cost.run_spread import RunSpread
 from fxdream.sim.prediction import Prediction
 
 HOST_GAP = "host_gap"  # the op of the host tasks a measured step's gaps are lowered to
@@ -31,12 +33,17 @@ def graph_scale(step: StepCalls, prediction: Prediction, labels: Collection[str]
     return measured_us / graphs_us if measured_us > 0 and graphs_us > 0 else None
 
 
-def rescaled_ms(prediction: Prediction, scale: float) -> tuple[float, tuple[float, float]]:
-    """(time, (low, high)) ms of ``prediction`` with its time outside the host gaps times ``scale``."""
+def rescaled_ms(prediction: Prediction, scale: float, step: StepCalls | None = None
+                ) -> tuple[float, tuple[float, float]]:
+    """(time, (low, high)) ms of ``prediction`` with its time outside the host gaps times ``scale``.
+    The range's graph part is the prediction's; its gaps take the spread of ``step``'s sampled
+    steps (``RunSpread``: a prediction interval of a further step), where it sampled two or more."""
     gaps_ms = _gaps_us(prediction) / 1e3
-    at = lambda ms: gaps_ms + scale * (ms - gaps_ms)  # noqa: E731
+    spread = RunSpread.of_runs(frozenset(), list(step.steps_us)) if step is not None else None
+    gaps_low, gaps_high = (gaps_ms * spread.low, gaps_ms * spread.high) if spread is not None else (gaps_ms, gaps_ms)
     low, high = prediction.time_ms_range
-    return at(prediction.time_ms), (at(low), at(high))
+    return (gaps_ms + scale * (prediction.time_ms - gaps_ms),
+            (gaps_low + scale * (low - gaps_ms), gaps_high + scale * (high - gaps_ms)))
 
 
 def _gaps_us(prediction: Prediction) -> float:
