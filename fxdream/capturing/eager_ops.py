@@ -29,6 +29,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 import torch.fx as fx
 
+from fxdream.capturing.gap_layers import on_module_calls
 from fxdream.capturing.host_gaps import (
     END,
     GRAPH_CALL_PREFIX,
@@ -98,43 +99,20 @@ def python_ranges(model: torch.nn.Module):
     of ``model``'s submodules that runs as Python (eagerly) a range named ``LAYER_RANGE`` + its
     qualified name; each copy of a tensor to the host by a method that records no op of its own
     (``HOST_READ_METHODS``: ``.tolist()``, ``.cpu()``) a ``HOST_READ_RANGE`` around an alias
-    of the tensor (its shape and dtype). Opened and closed by a profile function on this thread's
-    Python calls (``sys.setprofile``): module hooks would change what dynamo guards on, and it
-    would compile again. Nothing where a profile function is set already (a user's profiler
-    keeps it)."""
-    names = {id(m): name for name, m in model.named_modules() if name}
-    if sys.getprofile() is not None:
-        yield
-        return
-    call_impl = torch.nn.Module._call_impl.__code__
+    of the tensor (its shape and dtype). Opened and closed by ``on_module_calls``'s profile
+    function; nothing where a profile function is set already (a user's profiler keeps it)."""
     # record_function's own ops (private, isolated here): a range opened in one call, closed in another
-    enter, leave = torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit
-    open_ranges: dict = {}
+    open_range, close_range = torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit
 
-    def profile(frame, event, arg):
-        if event == "c_call":
-            tensor = getattr(arg, "__self__", None)
-            if getattr(arg, "__name__", None) in HOST_READ_METHODS and isinstance(tensor, torch.Tensor):
-                handle = enter(HOST_READ_RANGE, None)
-                torch.ops.aten.alias(tensor)  # recorded with the tensor's shape and dtype
-                leave._RecordFunction(handle)
-            return
-        if frame.f_code is not call_impl:
-            return
-        if event == "call":
-            name = names.get(id(frame.f_locals.get("self")))
-            if name is not None:
-                open_ranges[frame] = enter(LAYER_RANGE + name, None)
-        elif event == "return" and frame in open_ranges:
-            leave._RecordFunction(open_ranges.pop(frame))
-
-    sys.setprofile(profile)
-    try:
+    def read_on_host(function) -> None:
+        tensor = getattr(function, "__self__", None)
+        if getattr(function, "__name__", None) in HOST_READ_METHODS and isinstance(tensor, torch.Tensor):
+            handle = open_range(HOST_READ_RANGE, None)
+            torch.ops.aten.alias(tensor)  # recorded with the tensor's shape and dtype
+            close_range._RecordFunction(handle)
+    with on_module_calls(model, lambda name: open_range(LAYER_RANGE + name, None), close_range._RecordFunction,
+                         read_on_host):
         yield
-    finally:
-        sys.setprofile(None)
-        for handle in reversed(list(open_ranges.values())):  # a call the body left by raising
-            leave._RecordFunction(handle)
 
 
 def eager_ops(events: list, calls: int, reads_wait: bool = True) -> tuple[dict, dict[str, int]]:

@@ -14,39 +14,62 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from typing import Callable
 
 import torch
 
 
 @contextlib.contextmanager
-def module_calls(model: torch.nn.Module):
-    """A list, filled while the body runs, of (start, end, qualified name) of each call of one of
-    ``model``'s submodules that ran as Python (the model itself is not named). Empty where a
-    profile function is set already (a user's profiler keeps it)."""
+def on_module_calls(model: torch.nn.Module, enter: Callable[[str], object], leave: Callable[[object], None],
+                    on_c_call: Callable[[object], None] | None = None):
+    """While the body runs, ``enter(name)`` as each call of one of ``model``'s submodules that
+    runs as Python (eagerly) begins, with its qualified name (the model itself is not named), and
+    ``leave(token)`` with what ``enter`` returned as it ends; ``on_c_call(function)`` before each
+    call of a C function, where given. By a profile function on ``Module._call_impl`` frames
+    (``sys.setprofile``): module hooks would change what dynamo guards on, and it would compile
+    again. Nothing where a profile function is set already (a user's profiler keeps it). A call
+    the body left by raising is ended when the body is."""
     names = {id(m): name for name, m in model.named_modules() if name}
-    calls: list[tuple[float, float, str]] = []
     if sys.getprofile() is not None:
-        yield calls
+        yield
         return
     call_impl = torch.nn.Module._call_impl.__code__
-    started: dict = {}
+    open_calls: dict = {}
 
-    def profile(frame, event, _arg):
+    def profile(frame, event, arg):
+        if event == "c_call":
+            if on_c_call is not None:
+                on_c_call(arg)
+            return
         if frame.f_code is not call_impl:
             return
         if event == "call":
             name = names.get(id(frame.f_locals.get("self")))
             if name is not None:
-                started[frame] = (time.perf_counter(), name)
-        elif event == "return" and frame in started:
-            began, name = started.pop(frame)
-            calls.append((began, time.perf_counter(), name))
+                open_calls[frame] = enter(name)
+        elif event == "return" and frame in open_calls:
+            leave(open_calls.pop(frame))
 
     sys.setprofile(profile)
     try:
-        yield calls
+        yield
     finally:
         sys.setprofile(None)
+        for token in reversed(list(open_calls.values())):
+            leave(token)
+
+
+@contextlib.contextmanager
+def module_calls(model: torch.nn.Module):
+    """A list, filled while the body runs, of (start, end, qualified name) of each call of one of
+    ``model``'s submodules that ran as Python (``on_module_calls``); empty where a profile
+    function is set already."""
+    calls: list[tuple[float, float, str]] = []
+
+    def leave(started: tuple[float, str]) -> None:
+        calls.append((started[0], time.perf_counter(), started[1]))
+    with on_module_calls(model, lambda name: (time.perf_counter(), name), leave):
+        yield calls
 
 
 def gap_layers(events: list[tuple], calls: list[tuple[float, float, str]],
