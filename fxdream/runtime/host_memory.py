@@ -74,7 +74,7 @@ def fresh_memory_note(faults_per_call: float | None) -> str | None:
     if faults_per_call is None or faults_per_call < FAULTS_WORTH_A_NOTE:
         return None
     return (f"a call of the optimized module page-faulted {faults_per_call:,.0f} times "
-            f"({faults_per_call * page_bytes() / 2**20:,.0f} MiB of fresh pages from the allocator), which makes "
+            f"({_mib(faults_per_call)} MiB of fresh pages from the allocator), which makes "
             f"its time move from call to call; fxdream.keep_freed_memory() makes glibc's malloc keep freed memory "
             f"for the rest of the process (a trade: docs/api.md)")
 
@@ -86,12 +86,17 @@ def timed_fresh_memory_note(baseline_faults: float | None, optimized_faults: flo
     counted = [f for f in (baseline_faults, optimized_faults) if f is not None]
     if not counted or max(counted) < FAULTS_WORTH_A_NOTE:
         return None
-    sides = [f"{name} page-faulted {faults:,.0f} times a run ({faults * page_bytes() / 2**20:,.0f} MiB of fresh memory)"
+    sides = [f"{name} page-faulted {faults:,.0f} times a run ({_mib(faults)} MiB of fresh memory)"
              for name, faults in (("the capture without passes", baseline_faults),
                                   ("the optimized graphs", optimized_faults)) if faults is not None]
     return (f"while the build timed them, {' and '.join(sides)}: such runs read slower than runs that reuse "
             f"freed memory, and which runs do follows the process's allocations, so later calls may run faster "
             f"than predicted (fxdream.keep_freed_memory(), docs/api.md)")
+
+
+def _mib(faults: float) -> str:
+    """The MiB ``faults`` pages map, as a note gives it."""
+    return f"{faults * page_bytes() / 2**20:,.0f}"
 
 
 def _glibc() -> ctypes.CDLL | None:

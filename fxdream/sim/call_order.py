@@ -11,6 +11,7 @@ from fxdream.capturing.host_gaps import END, StepCalls
 from fxdream.sim.taskgraph import Task, TaskGraph, TaskKind
 
 EAGER = "eager"  # label prefix of the graph of eager ops recorded between two graph calls
+HOST_GAP = "host_gap"  # the op (and name prefix) of the host tasks a measured step's gaps are lowered to
 
 
 def as_called(by_label: dict, step: StepCalls) -> tuple[list, dict, dict, dict]:
@@ -69,8 +70,8 @@ def append_host_gap(tg: TaskGraph, before: str, us: float, phase: str, modules: 
     precedes (the loss and autograd's start sit between a model's last module and its backward)."""
     rest = float(us)
     for k, (layer, module_us) in enumerate(modules if us > 0 else ()):
-        tg.append(Task(f"host_gap:{before}:{k}", TaskKind.CPU, module_us, "cpu:0", op="host_gap", phase="fw",
+        tg.append(Task(f"{HOST_GAP}:{before}:{k}", TaskKind.CPU, module_us, "cpu:0", op=HOST_GAP, phase="fw",
                        layer=layer))
         rest -= module_us
     if rest > 0:
-        tg.append(Task(f"host_gap:{before}", TaskKind.CPU, rest, "cpu:0", op="host_gap", phase=phase))
+        tg.append(Task(f"{HOST_GAP}:{before}", TaskKind.CPU, rest, "cpu:0", op=HOST_GAP, phase=phase))

@@ -104,8 +104,8 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
     the block that call ran on (``StepCalls.call_layers``): its tasks are that block's layers.
     ``gap_layers``: by the same labels as ``host_gaps``, the modules that ran in the gap and their
     µs of it (``StepCalls.gap_layers``): a host task each, with its layer."""
-    gaps = dict(host_gaps or {})
-    lowering = _Lowering(cost, gap_layers)
+    gaps, modules = dict(host_gaps or {}), dict(gap_layers or {})
+    lowering = _Lowering(cost)
     saved = {label.rsplit(".", 1)[0]: saved_inputs(gm) for label, gm in graphs if label.endswith(".bw")}
     for graph_index, (label, gm) in enumerate(graphs):
         # measured gaps hold the engine's time; eager ops ran inside the engine's nodes already costed
@@ -113,13 +113,13 @@ def lower(graphs: Sequence[tuple[str, fx.GraphModule]], cost: CostModel,
         if engine:
             _append_autograd(lowering.tg, f"{label}:autograd", cost.device.autograd_node_us)
         lowering.graph(graph_index, label, gm, gaps.pop(label, 0.0), saved.get(label.rsplit(".", 1)[0]),
-                       (layer_renames or {}).get(label.rsplit(".", 1)[0]))
+                       (layer_renames or {}).get(label.rsplit(".", 1)[0]), modules.get(label, ()))
         if engine:
             _append_autograd(lowering.tg, f"{label}:accumulate_grad",
                              len(gradient_outputs(gm)) * cost.device.accumulate_grad_us)
     tg, static = lowering.tg, lowering.static
     append_host_gap(tg, END, gaps.pop(END, 0.0), graphs[-1][0].rsplit(".", 1)[-1] if graphs else "fw",
-                     lowering.gap_layers.get(END, ()))
+                    modules.get(END, ()))
     if optimizer is not None and graphs and graphs[-1][0].endswith("bw"):
         # backwards run in reverse subgraph order; the optimizer's gradients are in subgraph order
         backwards = [gm for label, gm in reversed(graphs) if label.endswith("bw")]
@@ -136,9 +136,8 @@ class _Lowering:
     value (GPU: consumers on other streams wait for it), the bytes each task allocates, and the
     static bytes (inputs, a pass's constants, CUDA-graph pools) alive before the iteration."""
 
-    def __init__(self, cost: CostModel, gap_layers: Mapping[str, tuple] | None = None):
+    def __init__(self, cost: CostModel):
         self.cost, self.on_gpu = cost, cost.device.kind != "cpu"
-        self.gap_layers = dict(gap_layers or {})
         self.tg, self.buffers = TaskGraph(), Buffers()
         self.kernel_of: dict[str, str] = {}
         self.allocs: dict[str, int] = {}
@@ -146,18 +145,19 @@ class _Lowering:
         self.static = 0
 
     def graph(self, graph_index: int, label: str, gm: fx.GraphModule, gap_us: float,
-              saved: int | None = None, rename: tuple[str, str] | None = None) -> None:
+              saved: int | None = None, rename: tuple[str, str] | None = None, gap_modules: tuple = ()) -> None:
         """Append one graph's tasks: the host gap before it, its call, then node by node.
         ``saved``: of a forward's outputs, how many its backward reads (the last ones, as
         aot_autograd orders them); those before go to the caller (``Buffers.output``).
-        ``rename``: (the block the graph's layers name, the block this call ran on)."""
+        ``rename``: (the block the graph's layers name, the block this call ran on).
+        ``gap_modules``: (layer, µs) of the modules that ran in the gap (``append_host_gap``)."""
         gm = inline_cuda_graph_runners(gm)
         regions = cuda_graph_regions(gm) if self.on_gpu else {}
         self.static += sum(r.pool_bytes for r in regions.values())
         launched: dict[object, str] = {}  # region id → its graph-launch task
         current = None                    # the region being lowered (regions are contiguous)
         self.buffers.scope, phase = label.rsplit(".", 1) if "." in label else (label, label)
-        append_host_gap(self.tg, label, gap_us, phase, self.gap_layers.get(label, ()))
+        append_host_gap(self.tg, label, gap_us, phase, gap_modules)
         eager = label.startswith(EAGER)  # ops run one by one: no graph call, inputs made by the step
         call_us = self.cost.graph_call_us() if hasattr(self.cost, "graph_call_us") and not eager else 0.0
         if call_us:

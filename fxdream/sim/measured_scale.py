@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import Collection
 
 from fxdream.capturing.host_gaps import StepCalls
+from fxdream.sim.call_order import HOST_GAP
 from fxdream.sim.cost.run_spread import RunSpread
 from fxdream.sim.prediction import Prediction
-
-HOST_GAP = "host_gap"  # the op of the host tasks a measured step's gaps are lowered to
 
 
 def graph_scale(step: StepCalls, prediction: Prediction, labels: Collection[str]) -> float | None:
