@@ -83,3 +83,16 @@ def test_no_steady_step_measures_nothing(monkeypatch):
         clock.compilations += 1
         fake.now += 0.01
     assert host_gaps.measure_host_gaps(step, clock, rounds=3, warmup=1) is None
+
+
+def test_a_measurement_that_allows_no_compiling_step_stops_at_the_first(monkeypatch):
+    clock, fake = host_gaps.SubgraphClock(), _FakeTime()
+    monkeypatch.setattr(host_gaps, "time", fake)
+    steps = []
+
+    def step():
+        steps.append(1)
+        clock.compilations += 1  # every call compiles again
+        fake.now += 0.001
+    assert host_gaps.measure_host_gaps(step, clock, rounds=3, warmup=1, compiling_steps=0) is None
+    assert len(steps) == 1  # not the steps a model that recompiles would compile for

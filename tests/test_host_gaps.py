@@ -313,3 +313,23 @@ def test_an_unmeasured_call_order_lowers_each_call_with_the_engine_modelled():
     names = [t.name for t in lower_captured(captured, cost_model_for("h100", "analytic"), step=step).graph.tasks]
     assert [n for n in names if n.endswith(":autograd")] == ["g0#1.bw:autograd", "g0.bw:autograd"]
     assert not any(n.startswith("host_gap") for n in names)
+
+
+def test_short_steps_are_sampled_until_the_fill_time_is_spent(monkeypatch):
+    clock, fake = SubgraphClock(), _StepTime()
+    monkeypatch.setattr(host_gaps, "time", fake)
+    call = clock.wrap(lambda args: None, "g0.fw")
+    runs = []
+
+    def step(seconds):
+        runs.append(1)
+        fake.now += seconds
+        call([])
+    measure_host_gaps(lambda: step(0.012), clock, rounds=3, warmup=1, fill_s=0.05)
+    assert len(runs) == 1 + 4  # warm-up, then samples until 50 ms are spent in all (12 ms each)
+    runs.clear()
+    measure_host_gaps(lambda: step(0.0001), clock, rounds=3, warmup=1, fill_s=0.05)
+    assert len(runs) == 1 + host_gaps.MAX_SAMPLES
+    runs.clear()
+    measure_host_gaps(lambda: step(0.0001), clock, rounds=3, warmup=1)
+    assert len(runs) == 1 + 3  # no fill: the rounds asked for

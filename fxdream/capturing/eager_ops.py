@@ -62,7 +62,8 @@ def record_model_calls(call: Callable, model, inputs: tuple, training: bool, clo
     clock.mark_calls = True
     try:
         with profiled() as events, python_ranges(model):
-            step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0, anchors=anchors)
+            step = measure_model_gaps(call, model, inputs, training, clock, rounds=1, warmup=0, anchors=anchors,
+                                      fill_s=0.0)
     finally:
         clock.mark_calls = False
     if step is None:

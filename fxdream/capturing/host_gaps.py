@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from fxdream.capturing.gap_layers import gap_layers, module_calls
 from fxdream.capturing.model_state import preserved_state
-from fxdream.capturing.steps import one_step
+from fxdream.capturing.steps import seeded_step
 
 END = "end"
 GRAPH_CALL_PREFIX = "fxdream.graph:"  # a graph call's profiler range while eager ops are recorded: this + label
@@ -146,25 +146,33 @@ COMPILING_STEPS = 3
 # graphs is under this share of the step: a cold step's gaps read up to 1.7x a steady step's
 # (eager LSTMs after a build), which matters where the gaps are most of the step.
 COLD_SAMPLE_MAX_GAP_SHARE = 0.25
+# A short step is sampled beyond ``rounds`` until this many seconds are spent (at most
+# MAX_SAMPLES): the first steps after a build run slower than the later ones, and the samples'
+# spread is the prediction's range.
+SAMPLE_FILL_S = 0.05
+MAX_SAMPLES = 20
 
 
 def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: int = 3,
                       warmup: int = 1, budget_s: float = 1.0,
-                      modules_of: torch.nn.Module | None = None) -> StepCalls | None:
+                      modules_of: torch.nn.Module | None = None, fill_s: float = 0.0,
+                      compiling_steps: int = COMPILING_STEPS) -> StepCalls | None:
     """Run ``step`` ``warmup + rounds`` times with the graph calls time-stamped; the median step.
 
     A step during which the session compiled a graph is never a sample (its host time is the
-    compiler's) nor a warm-up; None where every step compiled. Stops early once ``budget_s`` is
-    spent (with one sample at least). A warm-up step that alone took longer than the budget is
-    the sample where its gaps are a small share of it (``COLD_SAMPLE_MAX_GAP_SHARE``: a large
-    model, whose further steps would cost seconds of build time for little); where the gaps
-    are most of the step (eager code between graphs) one steady step is measured after it.
-    ``modules_of``: the warm-up steps time that model's module calls and name the modules that
-    ran in each gap (``StepCalls.gap_layers``); such a step is never a sample."""
-    samples, steady, named = [], 0, None
+    compiler's) nor a warm-up; None where every step compiled, or more than ``compiling_steps``.
+    Stops early once ``budget_s`` is spent (with one sample at least). A warm-up step that alone
+    took longer than the budget is the sample where its gaps are a small share of it
+    (``COLD_SAMPLE_MAX_GAP_SHARE``: a large model, whose further steps would cost seconds of
+    build time for little); where the gaps are most of the step (eager code between graphs) one
+    steady step is measured after it. Short steps are sampled beyond ``rounds`` until ``fill_s``
+    seconds are spent (at most ``MAX_SAMPLES``). ``modules_of``: the warm-up steps time that
+    model's module calls and name the modules that ran in each gap (``StepCalls.gap_layers``);
+    such a step is never a sample."""
+    samples, steady, compiled, named = [], 0, 0, None
     begun = time.perf_counter()
     try:
-        for _ in range(warmup + rounds + COMPILING_STEPS):
+        for _ in range(warmup + max(rounds, MAX_SAMPLES if fill_s else rounds) + compiling_steps):
             clock.events = []
             compilations = clock.compilations
             naming = modules_of is not None and steady < warmup
@@ -173,6 +181,9 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
                 step()
                 ended = time.perf_counter()
             if clock.compilations != compilations:
+                compiled += 1
+                if compiled > compiling_steps:
+                    return None
                 continue
             steady += 1
             sample = step_calls(clock.events, started, ended)
@@ -180,7 +191,7 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
                 named = (sample.calls, gap_layers(clock.events, modules, started, ended))
             if steady > warmup or (not naming and _cold_sample_will_do(sample, ended - started, budget_s)):
                 samples.append(sample)
-            if len(samples) >= rounds or (samples and ended - begun > budget_s):
+            if _enough(len(samples), ended - begun, rounds, budget_s, fill_s):
                 break
     finally:
         clock.events = None
@@ -188,6 +199,13 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
         return None
     measured = StepCalls.median(samples)
     return dataclasses.replace(measured, gap_layers=named[1]) if named and named[0] == measured.calls else measured
+
+
+def _enough(samples: int, spent_s: float, rounds: int, budget_s: float, fill_s: float) -> bool:
+    """Whether ``measure_host_gaps`` has sampled enough steps: ``rounds`` of them once ``fill_s``
+    is spent (or ``MAX_SAMPLES``), or any once the budget is."""
+    filled = spent_s >= fill_s or samples >= MAX_SAMPLES
+    return (samples >= rounds and filled) or (samples > 0 and spent_s > budget_s)
 
 
 def _cold_sample_will_do(sample: StepCalls, step_s: float, budget_s: float) -> bool:
@@ -199,15 +217,18 @@ def _cold_sample_will_do(sample: StepCalls, step_s: float, budget_s: float) -> b
 def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clock: SubgraphClock,
                        rounds: int = 3, warmup: int = 1,
                        anchors: Mapping[int, tuple[str, str]] | None = None,
-                       named: bool = False) -> StepCalls | None:
+                       named: bool = False, budget_s: float = 1.0,
+                       fill_s: float = SAMPLE_FILL_S, compiling_steps: int = COMPILING_STEPS) -> StepCalls | None:
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
-    no_grad in inference; in training forward + backward from cleared gradients. The model's
-    gradients, buffers and RNG are left as they were. The result holds the storages the graph
+    no_grad in inference; in training forward + backward (``seeded_step``) from cleared
+    gradients. The model's gradients, buffers and RNG are left as they were. The result holds the storages the graph
     calls took (``StepCalls.input_storages``) and, by ``anchors`` (graph index → where its frame
     sits in the model and a parameter's path below it: ``layers.frame_anchor``), the block each
     call of a graph shared by the instances of a block ran on (``StepCalls.call_layers``).
     ``named``: the warm-up step names the modules that ran in each gap (``StepCalls.gap_layers``),
-    for a model with eager code between its graphs."""
+    for a model with eager code between its graphs. Short steps are sampled for ``fill_s`` seconds."""
+
+    one = seeded_step(call, inputs, training)
 
     def step():
         if training:
@@ -215,12 +236,13 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
                 p.grad = None
         # while eager ops are recorded, the step is a profiler range: the state kept around it is no op of the model's
         with torch.autograd.profiler.record_function(STEP_RANGE) if clock.mark_calls else contextlib.nullcontext():
-            return one_step(call, inputs, training)
+            return one()
 
     clock.call_storages = []
     try:
         with preserved_state(model):
-            measured = measure_host_gaps(step, clock, rounds, warmup, modules_of=model if named else None)
+            measured = measure_host_gaps(step, clock, rounds, warmup, budget_s, modules_of=model if named else None,
+                                         fill_s=fill_s, compiling_steps=compiling_steps)
         per_call = tuple(clock.call_storages)
     finally:
         clock.call_storages = None
@@ -255,6 +277,7 @@ def describe_gaps(step: StepCalls, subgraphs: int, training: bool, graph_breaks:
     eager = subgraphs > 1 or graph_breaks > 0
     graphs = f"the {subgraphs} captured graphs" if subgraphs > 1 else "the captured graph"
     causes = ([f"eager code around {graphs}"] if eager else []) + (["autograd"] if training else [])
+    causes = causes or ["the module's call around its graph"]
     lines = (f"measured host time outside the graphs ({', '.join(causes)}): "
              f"{step.total_us / 1e3:.3f} ms per step, simulated as host tasks",)
     return lines + describe_calls(step)
