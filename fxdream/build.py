@@ -294,17 +294,28 @@ def _why_outputs_differ(model, training: bool) -> list[str]:
                      "passes=() to find the cause, and please report it"]
 
 
+# Calls of a built module of one inference graph on a CPU, timed for its prediction's scale
+# (fxdream.sim.measured_scale): three, or one past 0.15 s (a VGG-19's at batch 1); no warm-up
+# call, the build has called its graph twice (the capture, the graph-break check); none where
+# a call compiles (a model dynamo recompiles on every call would otherwise compile during the
+# build what only its eager check should see)
+ONE_GRAPH_CALLS = dict(budget_s=0.15, compiling_steps=0, warmup=0)
+
+
 def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bool) -> dict:
     """Predicted iteration time with and without the passes, and where the time goes.
 
     With costs measured on this machine, a training step or a model with graph breaks also gets the host
-    time outside its graphs (eager code between subgraphs, autograd), measured on a few steps."""
+    time outside its graphs (eager code between subgraphs, autograd), measured on a few steps; on a CPU
+    the graphs' time is scaled to their calls in those steps (one inference graph: a few calls)."""
     cost = module._cost_model
     step, notes = None, ()
     breaks = len(module._graph_breaks)
-    if isinstance(cost, Profiled) and worth_measuring(training, len(module.captured), breaks):
+    outside_graphs = worth_measuring(training, len(module.captured), breaks)
+    if isinstance(cost, Profiled) and (outside_graphs or cost.device.kind == "cpu"):
         step = measure_model_gaps(module, model, inputs, training, module._session.clock,
-                                  named=breaks > 0 or len(module.captured) > 1)
+                                  named=breaks > 0 or len(module.captured) > 1,
+                                  **({} if outside_graphs else ONE_GRAPH_CALLS))
         notes = describe_gaps(step, len(module.captured), training, breaks) if step is not None else ()
     before = predict(module.captured, cost, training, step=step)
     after = predict(module.captured, cost, training, graphs=module.rewritten_graphs, step=step)

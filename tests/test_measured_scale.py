@@ -56,3 +56,21 @@ def test_the_gaps_range_is_the_spread_of_the_measured_steps():
     low, high = rescaled_ms(prediction, 1.0, spread)[1]
     assert (low, high) == (pytest.approx(0.077 * bounds.low + 0.013), pytest.approx(0.077 * bounds.high + 0.033))
     assert bounds.low < 0.9 and bounds.high > 1.1
+
+
+def test_the_range_holds_the_spread_of_the_measured_steps_where_the_graphs_ops_spread_less():
+    prediction = _prediction(CPU, gap_us=77.0, range_ms=(0.099, 0.101))  # ops side by side: ±1 %
+    spread = StepCalls(("g0.fw",), (77.0,), 0.0, calls_us=(23.0,), steps_us=(90.0, 100.0, 110.0))
+    bounds = RunSpread.of_runs(frozenset(), [90.0, 100.0, 110.0])
+    low, high = rescaled_ms(prediction, 1.0, spread)[1]
+    assert (low, high) == (pytest.approx(0.1 * bounds.low), pytest.approx(0.1 * bounds.high))
+
+
+def test_an_inference_build_on_a_cpu_scales_its_prediction_by_the_modules_measured_calls():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).eval()
+    report = fxdream.optimize(model, (torch.randn(16, 64),), passes="auto", eager_check=False).report
+    assert any(n.startswith("the graphs' times measured during the build are scaled by") for n in report.notes)
+    assert any(n.startswith("measured host time outside the graphs (the module's call around its graph)")
+               for n in report.notes)
+    low, high = report.predicted_optimized_ms_range
+    assert low <= report.predicted_optimized_ms <= high

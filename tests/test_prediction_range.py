@@ -142,6 +142,15 @@ def test_a_run_spread_is_a_prediction_interval_scaled_from_the_measured_sides():
     assert RunSpread.of_runs(keys, [10.0, 100.0]).low == 0.05  # never at or below zero
 
 
+def test_a_spread_of_many_runs_comes_from_their_quartiles_not_their_outlier():
+    from fxdream.sim.cost.run_spread import RunSpread
+    runs = [90.0, 95.0, 96.0, 98.0, 99.0, 100.0, 100.0, 101.0, 102.0, 104.0, 105.0, 300.0]  # one 3x step
+    # median 100, quartiles 96.5 and 103.5; 1.645·√(1 + 1/12) / 0.6745 = 2.5384 times each side
+    spread = RunSpread.of_runs(frozenset(), runs)
+    assert spread.low == pytest.approx(1 - 2.5384 * 0.035, abs=1e-4)
+    assert spread.high == pytest.approx(1 + 2.5384 * 0.035, abs=1e-4)
+
+
 def _launch_chain(kernel_us: float, sync: bool = False) -> TaskGraph:
     """Three host launches of 4 µs, each launching a kernel of ``kernel_us`` on stream 0; with
     ``sync`` the host then waits for the last kernel (``.item()``)."""

@@ -36,13 +36,16 @@ def rescaled_ms(prediction: Prediction, scale: float, step: StepCalls | None = N
                 ) -> tuple[float, tuple[float, float]]:
     """(time, (low, high)) ms of ``prediction`` with its time outside the host gaps times ``scale``.
     The range's graph part is the prediction's; its gaps take the spread of ``step``'s sampled
-    steps (``RunSpread``: a prediction interval of a further step), where it sampled two or more."""
+    steps (``RunSpread``: a prediction interval of a further step), where it sampled two or more.
+    The range is at least that spread of the whole time: the scale is measured on those steps,
+    so a further step spreads as they did, whatever the graphs' own ops did side by side."""
     gaps_ms = _gaps_us(prediction) / 1e3
     spread = RunSpread.of_runs(frozenset(), list(step.steps_us)) if step is not None else None
-    gaps_low, gaps_high = (gaps_ms * spread.low, gaps_ms * spread.high) if spread is not None else (gaps_ms, gaps_ms)
+    low_share, high_share = (spread.low, spread.high) if spread is not None else (1.0, 1.0)
     low, high = prediction.time_ms_range
-    return (gaps_ms + scale * (prediction.time_ms - gaps_ms),
-            (gaps_low + scale * (low - gaps_ms), gaps_high + scale * (high - gaps_ms)))
+    time_ms = gaps_ms + scale * (prediction.time_ms - gaps_ms)
+    return time_ms, (min(gaps_ms * low_share + scale * (low - gaps_ms), time_ms * low_share),
+                     max(gaps_ms * high_share + scale * (high - gaps_ms), time_ms * high_share))
 
 
 def _gaps_us(prediction: Prediction) -> float:

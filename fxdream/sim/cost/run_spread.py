@@ -17,8 +17,12 @@ from dataclasses import dataclass
 
 COVERAGE_Z = 1.645  # a two-sided 90 % interval: margin over the 80 % a range must hold
 # d₂(n): the expected range of n samples from a normal distribution, in standard deviations
-# (the statistical process control table); beyond 10 runs the 10-run value (a wider range)
+# (the statistical process control table), for up to 10 runs
 D2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
+# Beyond 10 runs σ comes from the quartiles (a normal distribution's lie 0.6745 σ from its
+# median): the extremes of many short steps hold a garbage collection or a page-fault storm
+# that no median of further steps sees (a GNMT step of 0.8 ms with one of 2.8 ms in 20)
+QUARTILE_SIGMAS = 0.6745
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,13 @@ class RunSpread:
         if len(totals) < 2:
             return cls(keys, 1.0, 1.0, page_faults)
         n = len(totals)
-        widen = 2 * COVERAGE_Z * math.sqrt(1 + 1 / n) / D2.get(n, D2[10])
-        low = 1 - widen * (1 - min(totals) / middle)
-        high = 1 + widen * (max(totals) / middle - 1)
+        if n in D2:
+            widen = 2 * COVERAGE_Z * math.sqrt(1 + 1 / n) / D2[n]
+            below, above = middle - min(totals), max(totals) - middle
+        else:
+            widen = COVERAGE_Z * math.sqrt(1 + 1 / n) / QUARTILE_SIGMAS
+            first, _, third = statistics.quantiles(totals, n=4)
+            below, above = middle - first, third - middle
+        low = 1 - widen * below / middle
+        high = 1 + widen * above / middle
         return cls(keys, max(low, 0.05), high, page_faults)
