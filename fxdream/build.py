@@ -295,10 +295,11 @@ def _why_outputs_differ(model, training: bool) -> list[str]:
 
 
 # Calls of a built module of one inference graph on a CPU, timed for its prediction's scale
-# (fxdream.sim.measured_scale): three, or one past 0.15 s (a VGG-19's at batch 1); no warm-up
-# call, the build has called its graph twice (the capture, the graph-break check); none where
-# a call compiles (a model dynamo recompiles on every call would otherwise compile during the
-# build what only its eager check should see)
+# (fxdream.sim.measured_scale): three, or one past 0.15 s (a VGG-19's at batch 1). No warm-up
+# call: the capture ran the graph once, and the median of three outvotes a slower first call
+# (a call past 0.15 s is the one sample, first or not, to keep the build short). None
+# where a call compiles (a model dynamo recompiles on every call would otherwise compile
+# during the build what only its eager check should see).
 ONE_GRAPH_CALLS = dict(budget_s=0.15, compiling_steps=0, warmup=0)
 
 
