@@ -130,7 +130,7 @@ def _sample_host_gaps(module, inputs, samples: list) -> None:
     the graphs (autograd's engine and gradient accumulation), as optimize() measures it."""
     from fxdream.capturing.host_gaps import measure_model_gaps
     samples.append(measure_model_gaps(module, module.model, inputs, True, module._session.clock,
-                                      rounds=1, warmup=0))
+                                      rounds=1, warmup=0, fill_s=0.0))
 
 
 def _predict_local(captured, cost, step_samples: list):
@@ -172,6 +172,8 @@ def _predict_ddp(run: GlooRun, captured, prediction, bandwidth: float, latency_u
 def worker(rank: int, run: GlooRun, port: int, results) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
+    from fxdream.sim.call_order import HOST_GAP
     t_start = time.perf_counter()
     phases = {}
     try:
@@ -251,7 +253,7 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
             prediction = _predict_local(module.captured, cost, gap_samples)
             out["predict_seconds"] = predict_seconds + time.perf_counter() - started
             out["predicted_local_ms"] = prediction.time_ms
-            out["host_gaps_ms"] = sum(t.duration_us for t in prediction.task_graph.tasks if t.op == "host_gap") / 1e3
+            out["host_gaps_ms"] = sum(t.duration_us for t in prediction.task_graph.tasks if t.op == HOST_GAP) / 1e3
             out.update(_predict_ddp(run, module.captured, prediction, bandwidth, latency_us,
                                     out["local_step_jitter_ms"]))
         phases["done"] = time.perf_counter() - t_start
