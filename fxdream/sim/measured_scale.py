@@ -39,18 +39,18 @@ def rescaled_ms(prediction: Prediction, scale: float, step: StepCalls | None = N
     The range's graph part is the prediction's; its gaps take the spread of ``step``'s sampled
     steps (``RunSpread``: a prediction interval of a further step), where it sampled two or more.
     The range is at least that spread of the whole time: the scale is measured on those steps,
-    so a further step spreads as they did, whatever the graphs' own ops did side by side. Then
-    it is widened on both sides by the scale's own distance from 1: how far the process's speed
-    moved between the build's side-by-side rounds and the module's calls seconds later, which
-    a run after the build may move again, either way."""
+    so a further step spreads as they did, whatever the graphs' own ops did side by side. The
+    graph part is widened on both sides by the scale's own distance from 1: how far the graphs'
+    speed moved between the build's side-by-side rounds and the module's calls seconds later,
+    which a run after the build may move again, either way."""
     gaps_ms = _gaps_us(prediction) / 1e3
     spread = RunSpread.of_runs(frozenset(), list(step.steps_us)) if step is not None else None
     low_share, high_share = (spread.low, spread.high) if spread is not None else (1.0, 1.0)
     low, high = prediction.time_ms_range
     time_ms = gaps_ms + scale * (prediction.time_ms - gaps_ms)
     drift = math.exp(abs(math.log(scale)))
-    return time_ms, (min(gaps_ms * low_share + scale * (low - gaps_ms), time_ms * low_share) / drift,
-                     max(gaps_ms * high_share + scale * (high - gaps_ms), time_ms * high_share) * drift)
+    return time_ms, (min(gaps_ms * low_share + scale * (low - gaps_ms) / drift, time_ms * low_share),
+                     max(gaps_ms * high_share + scale * (high - gaps_ms) * drift, time_ms * high_share))
 
 
 def _gaps_us(prediction: Prediction) -> float:
