@@ -13,7 +13,6 @@ the side-by-side one. On a CPU only: a GPU's graph call returns before its kerne
 """
 from __future__ import annotations
 
-import math
 from typing import Collection
 
 from fxdream.capturing.host_gaps import StepCalls
@@ -48,7 +47,7 @@ def rescaled_ms(prediction: Prediction, scale: float, step: StepCalls | None = N
     low_share, high_share = (spread.low, spread.high) if spread is not None else (1.0, 1.0)
     low, high = prediction.time_ms_range
     time_ms = gaps_ms + scale * (prediction.time_ms - gaps_ms)
-    drift = math.exp(abs(math.log(scale)))
+    drift = max(scale, 1 / scale)
     return time_ms, (min(gaps_ms * low_share + scale * (low - gaps_ms) / drift, time_ms * low_share),
                      max(gaps_ms * high_share + scale * (high - gaps_ms) * drift, time_ms * high_share))
 

@@ -21,7 +21,7 @@ COVERAGE_Z = 1.645  # a two-sided 90 % interval: margin over the 80 % a range mu
 D2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
 # Beyond 10 runs σ comes from the quartiles (a normal distribution's lie 0.6745 σ from its
 # median): the extremes of many short steps hold a garbage collection or a page-fault storm
-# that no median of further steps sees (a GNMT step of 0.8 ms with one of 2.8 ms in 20)
+# that no median of further steps sees (one GNMT step in 20 took over 3x their median)
 QUARTILE_SIGMAS = 0.6745
 
 
