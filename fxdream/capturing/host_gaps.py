@@ -157,7 +157,8 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
                       warmup: int = 1, budget_s: float = 1.0,
                       modules_of: torch.nn.Module | None = None, fill_s: float = 0.0,
                       compiling_steps: int = COMPILING_STEPS) -> StepCalls | None:
-    """Run ``step`` ``warmup + rounds`` times with the graph calls time-stamped; the median step.
+    """Run ``step`` ``warmup + rounds`` times (more where ``fill_s`` asks) with the graph calls
+    time-stamped; the median step.
 
     A step during which the session compiled a graph is never a sample (its host time is the
     compiler's) nor a warm-up; None where every step compiled, or more than ``compiling_steps``.
@@ -221,12 +222,13 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
                        fill_s: float = SAMPLE_FILL_S, compiling_steps: int = COMPILING_STEPS) -> StepCalls | None:
     """``measure_host_gaps`` of one call of ``call`` (the compiled model) on ``inputs``: under
     no_grad in inference; in training forward + backward (``seeded_step``) from cleared
-    gradients. The model's gradients, buffers and RNG are left as they were. The result holds the storages the graph
-    calls took (``StepCalls.input_storages``) and, by ``anchors`` (graph index → where its frame
-    sits in the model and a parameter's path below it: ``layers.frame_anchor``), the block each
-    call of a graph shared by the instances of a block ran on (``StepCalls.call_layers``).
-    ``named``: the warm-up step names the modules that ran in each gap (``StepCalls.gap_layers``),
-    for a model with eager code between its graphs. Short steps are sampled for ``fill_s`` seconds."""
+    gradients. The model's gradients, buffers and RNG are left as they were. The result holds
+    the storages the graph calls took (``StepCalls.input_storages``) and, by ``anchors`` (graph
+    index → where its frame sits in the model and a parameter's path below it:
+    ``layers.frame_anchor``), the block each call of a graph shared by the instances of a block
+    ran on (``StepCalls.call_layers``). ``named``: the warm-up step names the modules that ran in
+    each gap (``StepCalls.gap_layers``), for a model with eager code between its graphs. Short
+    steps are sampled for ``fill_s`` seconds."""
 
     one = seeded_step(call, inputs, training)
 
