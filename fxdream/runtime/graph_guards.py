@@ -2,6 +2,7 @@
 graph while it is right for the call, and the graph as captured (``original``) otherwise."""
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -13,9 +14,7 @@ def tensor_version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _address(t: torch.Tensor) -> int | None:
-    """Where ``t``'s data starts; None for a layout without one (a sparse tensor's)."""
-    return t.data_ptr() if t.layout is torch.strided else None
+_VERSION = operator.attrgetter("_version")
 
 
 def same_state_or(rewritten: Callable, original: Callable, state: list, own: int) -> Callable:
@@ -42,14 +41,17 @@ def weights_as_built_or(rewritten: Callable, original: Callable, state: list, ch
     memory (``module.half()``, ``.to()``, ``param.data = ...``, which keep the version),
     ``original`` (the graph as captured, which reads them at every call), and ``changed()`` says
     so. Asking every tensor's version and address costs host time on every call, in proportion
-    to their number."""
+    to their number: asked through ``map`` (a C loop), not a Python one per tensor. A layout
+    without an address of its data (a sparse tensor's) is watched by its version only."""
     watched = [t for t in state if t is not None and tensor_version(t) is not None]
-    built_from = [(t._version, _address(t)) for t in watched]
+    strided = [t for t in watched if t.layout is torch.strided]
+    built_versions, built_addresses = list(map(_VERSION, watched)), list(map(torch.Tensor.data_ptr, strided))
     stale = []
 
     def run(*args):
         if not stale:
-            if [(t._version, _address(t)) for t in watched] == built_from:
+            if (list(map(_VERSION, watched)) == built_versions
+                    and list(map(torch.Tensor.data_ptr, strided)) == built_addresses):
                 return rewritten(*args)
             stale.append(True)
             changed()
