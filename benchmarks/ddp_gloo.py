@@ -173,7 +173,7 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from fxdream.sim.call_order import HOST_GAP
+    from fxdream.sim.measured_scale import host_gaps_us
     t_start = time.perf_counter()
     phases = {}
     try:
@@ -253,7 +253,7 @@ def worker(rank: int, run: GlooRun, port: int, results) -> None:
             prediction = _predict_local(module.captured, cost, gap_samples)
             out["predict_seconds"] = predict_seconds + time.perf_counter() - started
             out["predicted_local_ms"] = prediction.time_ms
-            out["host_gaps_ms"] = sum(t.duration_us for t in prediction.task_graph.tasks if t.op == HOST_GAP) / 1e3
+            out["host_gaps_ms"] = host_gaps_us(prediction) / 1e3
             out.update(_predict_ddp(run, module.captured, prediction, bandwidth, latency_us,
                                     out["local_step_jitter_ms"]))
         phases["done"] = time.perf_counter() - t_start

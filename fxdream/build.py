@@ -323,7 +323,7 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     before_ms, before_range = before.time_ms, before.range_ms
     after_ms, after_range = after.time_ms, after.range_ms
     labels = {f"g{c.index}.{phase}" for c in module.captured for phase, _ in c.graphs()}
-    scale = graph_scale(step, after, labels) if isinstance(cost, Profiled) and step is not None else None
+    scale = graph_scale(step, after, labels) if step is not None else None  # a step is measured with Profiled
     if scale is not None:
         (before_ms, before_range), (after_ms, after_range) = (rescaled_ms(before, scale, step),
                                                               rescaled_ms(after, scale, step))

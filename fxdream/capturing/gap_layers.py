@@ -78,12 +78,19 @@ def gap_layers(events: list[tuple], calls: list[tuple[float, float, str]],
     outermost module calls that began and ended inside it, each as (name, its share of the gap's
     time), in the order they ran; the rest of the gap (Python glue, a loss, autograd's engine)
     is no module's."""
+    return tuple(_outermost(calls, low, high) for low, high in gap_bounds(events, started, ended))
+
+
+def gap_bounds(events: list[tuple], started: float, ended: float) -> list[tuple[float, float]]:
+    """(from, to) of each gap of a step that ran from ``started`` to ``ended``: before each graph
+    call in ``events`` ((label, start, end, ...), in any order), in start order, then after the
+    last. A gap is empty (to ≤ from) where a call began before the one before it ended."""
     bounds, cursor = [], started
     for _, start, end, *_ in sorted(events, key=lambda e: e[1]):
         bounds.append((cursor, start))
         cursor = max(cursor, end)
     bounds.append((cursor, ended))
-    return tuple(_outermost(calls, low, high) for low, high in bounds)
+    return bounds
 
 
 def _outermost(calls: list[tuple[float, float, str]], low: float, high: float) -> tuple[tuple[str, float], ...]:

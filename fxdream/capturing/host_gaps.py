@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from fxdream.capturing.gap_layers import gap_layers, module_calls
+from fxdream.capturing.gap_layers import gap_bounds, gap_layers, module_calls
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import seeded_step
 
@@ -130,13 +130,10 @@ class SubgraphClock:
 def step_calls(events: list[tuple], started: float, ended: float) -> StepCalls:
     """The calls in start order, the µs of host time before each and after the last, and the µs
     each call took (from its own start, ``SubgraphClock.events``' fourth field where given)."""
-    calls, gaps, took, cursor = [], [], [], started
-    for label, start, end, *body in sorted(events, key=lambda e: e[1]):
-        calls.append(label)
-        gaps.append(max(0.0, start - cursor) * 1e6)
-        took.append((end - (body[0] if body else start)) * 1e6)
-        cursor = max(cursor, end)
-    return StepCalls(tuple(calls), tuple(gaps), max(0.0, ended - cursor) * 1e6, calls_us=tuple(took))
+    ordered = sorted(events, key=lambda e: e[1])
+    gaps = [max(0.0, high - low) * 1e6 for low, high in gap_bounds(ordered, started, ended)]
+    took = tuple((end - (body[0] if body else start)) * 1e6 for _, start, end, *body in ordered)
+    return StepCalls(tuple(e[0] for e in ordered), tuple(gaps[:-1]), gaps[-1], calls_us=took)
 
 
 # Steps that compile (a recompilation after the first call changed a value dynamo guards on)
@@ -173,7 +170,7 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
     samples, steady, compiled, named = [], 0, 0, None
     begun = time.perf_counter()
     try:
-        for _ in range(warmup + max(rounds, MAX_SAMPLES if fill_s else rounds) + compiling_steps):
+        for _ in range(warmup + (max(rounds, MAX_SAMPLES) if fill_s else rounds) + compiling_steps):
             clock.events = []
             compilations = clock.compilations
             naming = modules_of is not None and steady < warmup

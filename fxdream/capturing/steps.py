@@ -26,9 +26,15 @@ def output_leaves(output) -> list:
     return leaves
 
 
+def grad_leaves(output) -> list[torch.Tensor]:
+    """The tensors among ``output``'s leaves (``output_leaves``) that require grad: what a
+    backward from the output reaches."""
+    return [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def differentiable_scalar(output) -> torch.Tensor | None:
     """A scalar whose backward reaches every output that requires grad (to trigger bw compile)."""
-    leaves = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = grad_leaves(output)
     if not leaves:
         return None
     return sum(t.float().sum() for t in leaves)
@@ -92,7 +98,7 @@ def seeded_step(call: Callable, inputs: tuple, training: bool) -> Callable[[], o
 
     def step():
         output = call(*cut_from_callers_graph(inputs))
-        leaves = [t for t in output_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = grad_leaves(output)
         if [(s.shape, s.dtype, s.device) for s in seeds] != [(t.shape, t.dtype, t.device) for t in leaves]:
             with torch.autograd.profiler.record_function(LOSS_RANGE):
                 seeds[:] = [torch.ones_like(t) for t in leaves]
