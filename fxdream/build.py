@@ -23,9 +23,9 @@ from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth
 from fxdream.capturing.keywords import WithKeywords, bind_keywords, user_model
 from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
-from fxdream.capturing.steps import breaks_after_the_first_call, run_once
+from fxdream.capturing.steps import breaks_after_the_first_call, run_once, seeded_step
 from fxdream.capturing.torch_fx import compile_model
-from fxdream.eager_check import check_against_eager, step_runner
+from fxdream.eager_check import check_against_eager
 from fxdream.measure import time_interleaved
 from fxdream.numerics import deviation, max_abs_diff
 from fxdream.optimized_module import OptimizedModule, call_kind
@@ -344,8 +344,8 @@ def _measure_against_capture(model, module, inputs, training, target) -> dict:
     """Time the optimized module against the same capture without passes, interleaved."""
     baseline = _build(model, inputs, (), False, training, target, False, None, None)
     with preserved_state(model):
-        times = time_interleaved({"baseline": step_runner(baseline, inputs, training),
-                                  "optimized": step_runner(module, inputs, training)}, desc="measure")
+        times = time_interleaved({"baseline": seeded_step(baseline, inputs, training),
+                                  "optimized": seeded_step(module, inputs, training)}, desc="measure")
     return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms,
                 measured_page_faults_per_call=times["optimized"].page_faults_per_call)
 

@@ -4,12 +4,11 @@ cost more than the passes save)."""
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import torch
 
 from fxdream.capturing.model_state import preserved_state
-from fxdream.capturing.steps import one_step
+from fxdream.capturing.steps import seeded_step
 from fxdream.measure import time_interleaved
 from fxdream.optimized_module import OptimizedModule
 from fxdream.report import MEASURED_SLOWER
@@ -17,11 +16,6 @@ from fxdream.sim.cost import Profiled
 
 EAGER_CHECK_MAX_CALL_MS = 20.0
 EAGER_CHECK_TOLERANCE = 1.05
-
-
-def step_runner(m, inputs, training: bool) -> Callable[[], object]:
-    """One step of ``m`` (forward, and backward in training) as a callable to time."""
-    return lambda: one_step(m, inputs, training)
 
 
 def check_against_eager(model, module: OptimizedModule, inputs, training: bool,
@@ -37,7 +31,7 @@ def check_against_eager(model, module: OptimizedModule, inputs, training: bool,
             f"not timed against eager: the captured graphs' ops alone take {predicted_ms:.1f} ms (predicted from "
             f"their times measured here), and the check times calls of ≤ {EAGER_CHECK_MAX_CALL_MS:g} ms")
         return {}
-    eager = step_runner(model, inputs, training)
+    eager = seeded_step(model, inputs, training)
     with preserved_state(model), torch.set_grad_enabled(training):
         call_ms = []
         for _ in range(2):  # the faster of two: a first call can be cold, but not 5x the limit
@@ -53,7 +47,7 @@ def check_against_eager(model, module: OptimizedModule, inputs, training: bool,
                 f"≤ {EAGER_CHECK_MAX_CALL_MS:g} ms (where the graphs' Python overhead can outweigh the passes)")
             return {}
         block = max(1, min(20, int(10.0 / max(one_call_ms, 1e-3))))  # ~10 ms per block
-        times = time_interleaved({"eager": eager, "built": step_runner(module, inputs, training)},
+        times = time_interleaved({"eager": eager, "built": seeded_step(module, inputs, training)},
                                  rounds=7, block=block, warmup=2, progress=False)  # ~0.2 s
     eager_ms, built_ms = times["eager"].median_ms, times["built"].median_ms
     if built_ms > EAGER_CHECK_TOLERANCE * eager_ms:

@@ -9,7 +9,7 @@ import fxdream
 from fxdream.ir.nodes import op_name
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
-from fxdream.capturing.steps import one_step as pipeline_one_step
+from fxdream.capturing.steps import seeded_step as pipeline_seeded_step
 from fxdream.capturing.dynamo import compile_with
 from fxdream.pass_api import PassContext, PassResult
 from fxdream.pass_runner import PassPipeline
@@ -275,12 +275,16 @@ def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
     monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 40.0)
     model, calls = Net().eval(), []
 
-    def one_step(m, *args):  # an eager call of ≥ 250 ms, over 5x the limit
-        calls.append(m)
-        if m is model:
-            time.sleep(0.25)
-        return pipeline_one_step(m, *args)
-    monkeypatch.setattr(pipeline, "one_step", one_step)
+    def seeded_step(m, *args):  # an eager call of ≥ 250 ms, over 5x the limit
+        step = pipeline_seeded_step(m, *args)
+
+        def counted():
+            calls.append(m)
+            if m is model:
+                time.sleep(0.25)
+            return step()
+        return counted
+    monkeypatch.setattr(pipeline, "seeded_step", seeded_step)
     optimized = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto", eager_check=True)
     report = optimized.report
     assert report.measured_eager_ms is None and not report.ran_eagerly
@@ -291,7 +295,10 @@ def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
 def test_eager_check_skips_eager_calls_where_the_graphs_alone_predict_a_long_call(monkeypatch):
     import fxdream.eager_check as pipeline
     model, calls = Net().eval(), []
-    monkeypatch.setattr(pipeline, "one_step", lambda m, *args: calls.append(m) or pipeline_one_step(m, *args))
+    def seeded_step(m, *args):
+        step = pipeline_seeded_step(m, *args)
+        return lambda: calls.append(m) or step()
+    monkeypatch.setattr(pipeline, "seeded_step", seeded_step)
     predicted = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto").report.predicted_baseline_ms
     # predicted: 4x the limit, so that a rebuild's prediction (its own measurements) is still over 2x
     monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", predicted / 4)

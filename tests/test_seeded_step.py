@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+import fxdream
+import fxdream.eager_check as eager_check
 from fxdream.capturing.steps import LOSS_RANGE, one_step, seeded_step
 
 
@@ -56,3 +58,15 @@ def test_a_seeded_step_makes_new_seeds_when_the_outputs_shape_changes():
     model.zero_grad(set_to_none=True)
     step()
     assert model.a.bias.grad.tolist() == [6.0, 6.0, 6.0]  # d sum / d bias over 6 rows
+
+
+def test_the_eager_check_times_seeded_steps_on_both_sides(monkeypatch):
+    stepped = []
+
+    def recording(call, inputs, training):
+        stepped.append((call, training))
+        return seeded_step(call, inputs, training)
+    monkeypatch.setattr(eager_check, "seeded_step", recording)
+    model = TwoHeads()
+    built = fxdream.optimize(model, (torch.randn(4, 8),), training=True, eager_check=True, cost="profiled")
+    assert stepped == [(model, True), (built, True)]
