@@ -22,8 +22,10 @@ against the summed kernels of its captured graph.
 
 Per-op records (``benchmarks/gpu_op_profile.py``, ``--ops``): each kernel time against the
 kernel model of its FLOPs, traffic (``fxdream.ir.flops.kernel_bytes``), dtype, class and kernel
-count (records of ``--held-out-ops`` models are checked, not fitted; each group, whole models
-and per-op kernels, weighs alike). Each class's startup and share start where its own records
+count (records of ``--held-out-ops`` models are checked, not fitted, except those of a kernel
+class the fit model has too few long kernels of to set its share: ResNet-50's only GEMM is its
+short linear layer, so BERT's GEMM records set the GEMM class, ``borrowed_classes`` in the fit;
+each group, whole models and per-op kernels, weighs alike). Each class's startup and share start where its own records
 put them (``class_kernel_models``) and are then fitted with the host costs to all cases. Host
 times set each kernel class's host cost relative to a pointwise op's (``DeviceSpec.host_factor``,
 which scales the launch part: the ratio of the classes' medians, taken as measured); dispatch
@@ -45,7 +47,16 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from gpu_op_records import LONG_KERNEL_US, LONG_KERNELS, Case, class_kernel_models, host_factors, op_cases, op_records
+from gpu_op_records import (
+    LONG_KERNEL_US,
+    LONG_KERNELS,
+    Case,
+    borrowed_classes,
+    class_kernel_models,
+    host_factors,
+    op_cases,
+    op_records,
+)
 from hf_models import LastHidden
 
 from fxdream import models
@@ -70,13 +81,14 @@ FITTED = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us", "roofli
 FITTED_HOST = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us")
 
 
-def jointly_fitted(per_class: dict[str, float]) -> list[str]:
+def jointly_fitted(per_class: dict[str, float], borrowed=()) -> list[str]:
     """The kernel parameters fitted to the whole models too: those of the classes whose records
     set a share (they have long kernels, and so time in the whole models). A class with short
-    kernels only (ResNet-50's one linear layer) keeps the startup its records give: a whole
-    model has too few of its kernels to move it."""
+    kernels only in the fit model (ResNet-50's one linear layer; ``borrowed``: its share set by
+    the held-out model's records) keeps what its records give: the fit model's whole steps have
+    too few of its kernels to move it."""
     shared = {name.split(".", 1)[1] for name in per_class if name.startswith("roofline_share.")}
-    return [name for name in per_class if name.split(".", 1)[1] in shared]
+    return [name for name in per_class if name.split(".", 1)[1] in shared - set(borrowed)]
 
 
 def log(message: str) -> None:
@@ -246,9 +258,10 @@ def not_fitted(names) -> str | None:
     kept = [c for c in KERNEL_CLASSES if f"roofline_share.{c}" not in names]
     if not kept:
         return None
-    return (f"the share of {', '.join(kept)} stays the datasheet's 1.0: per-op records set a class's share only "
-            f"from {LONG_KERNELS}+ kernels of {LONG_KERNEL_US:g}+ µs of roofline time (ResNet-50's one linear layer "
-            "is short), and whole models alone cannot tell the classes' kernels apart")
+    return (f"the share of {', '.join(kept)} stays the datasheet's 1.0: per-op records (the fit model's, or the "
+            f"held-out model's for a class the fit model lacks) set a class's share only from {LONG_KERNELS}+ "
+            f"kernels of {LONG_KERNEL_US:g}+ µs of roofline time, and whole models alone cannot tell the classes' "
+            "kernels apart")
 
 
 def log_rows(report: dict) -> None:
@@ -288,16 +301,26 @@ def main(argv=None) -> int:
     if not args.no_models:
         log("capturing ResNet-50 (fit) and BERT (held out) on the meta device")
         fit_cases, held_cases = resnet50_cases(base), bert_cases()
+    all_records = [r for rs in records.values() for r in rs]
+    fit_records = [r for r in all_records if not r["case"].startswith(held_models)]
+    borrowed = borrowed_classes(base, fit_records, [r for r in all_records if r["case"].startswith(held_models)])
+    fit_records += [r for r in all_records if r["case"].startswith(held_models) and r["class"] in borrowed]
+    for kernel_class, why in borrowed.items():
+        log(f"{kernel_class}: {why}")
     ops = [c for source, rs in records.items() for c in op_cases(source, rs)]
-    op_fit = [c for c in ops if not c.name.startswith(held_models) and c.group == "kernel"]
-    op_held = [c for c in ops if c.name.startswith(held_models) or c.group != "kernel"]
+    op_fit = [c for c in ops if c.group == "kernel" and not c.name.startswith(held_models)]
+    # the held-out model's kernels of a borrowed class: they set that class (``class_kernel_models``),
+    # are reported apart, and take no part in the joint fit, whose other parameters they do not tell
+    op_borrowed = [c for c in ops if c.group == "kernel" and c.name.startswith(held_models)
+                   and c.kernel_class in borrowed]
+    taken = set(map(id, op_fit + op_borrowed))
+    op_held = [c for c in ops if id(c) not in taken]
     cases = fit_cases + op_fit
     if not cases:
         parser.error("nothing to fit: give --ops files or leave out --no-models")
     weights = weights_of(cases)
-    fit_records = [r for rs in records.values() for r in rs if not r["case"].startswith(held_models)]
     per_class = class_kernel_models(base, fit_records)
-    default = (*FITTED_HOST, *jointly_fitted(per_class)) if per_class else FITTED
+    default = (*FITTED_HOST, *jointly_fitted(per_class, borrowed)) if per_class else FITTED
     names = tuple(args.parameters.split(",")) if args.parameters else default
     start = with_parameters(base, per_class)
     if per_class:
@@ -320,6 +343,7 @@ def main(argv=None) -> int:
                                "then fitted with the host costs to all cases" if per_class else None,
         "host_factor_source": "medians of the per-op records' host µs by kernel class (models not held out)"
                               if factors else None,
+        "borrowed_classes": borrowed or None,
         "datasheet_parameters": parameters_of(base, names),
         "not_fitted": not_fitted([*names, *per_class]),
         "fit": table(fit_cases, before[:n_fit], list(result.predicted_ms[:n_fit])),
@@ -330,6 +354,9 @@ def main(argv=None) -> int:
     if ops:
         report["per_op_fit"] = error_summary(op_fit, before[n_fit:], list(result.predicted_ms[n_fit:]))
         report["per_op_held_out"] = error_summary(op_held, held_before[n_held:], held_after[n_held:])
+    if op_borrowed:
+        report["per_op_borrowed"] = error_summary(op_borrowed, evaluate(op_borrowed)(base),
+                                                  evaluate(op_borrowed)(fitted))
     if fit_cases:
         report["pass_signs"] = aux_stream_signs(base, fitted) + [
             pass_sign("cuda_graphs, resnet50 fp16 bs1", fit_cases, result.predicted_ms, "captured", "cuda_graphs"),

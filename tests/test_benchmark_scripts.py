@@ -374,3 +374,32 @@ def test_fit_gpu_model_recovers_each_class_startup_and_share(tmp_path, monkeypat
     fitted = json.loads(out.read_text())["parameters"]
     for name, value in values.items():
         assert fitted[name] == pytest.approx(value, rel=0.03), name
+
+
+def test_fit_gpu_model_takes_a_class_the_fit_model_lacks_from_the_held_out_records(tmp_path, monkeypatch):
+    """The fit model's GEMMs are all short, the held-out model's long ones ran at 60 % of the
+    roofline: the held-out GEMM records set the class's share (not checked: reported apart), and
+    the fit says so; the held-out model's other records stay checked."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    fit = _script("fit_gpu_model")
+    from fxdream.sim.cost.devices import datasheet_device, with_parameters
+    truth = with_parameters(datasheet_device("h200"), {"kernel_startup_us.gemm": 4.0, "roofline_share.gemm": 0.6})
+    records = []
+    for model, works in (("resnet50", (1e-3, 1e-2, 0.1)), ("bert_base", (1e-2, 1.0, 20.0, 40.0, 80.0, 120.0, 160.0))):
+        for i, work in enumerate(works):  # roofline µs at fp16
+            for op, kind, flops, nbytes in (("aten.addmm", "gemm", work * 989.4e6, 0.0),
+                                            ("aten.relu", "other", 0, 4e6)):
+                records.append({"case": f"{model} fp16 bs{i} infer", "op": op, "class": kind, "dtype": "float16",
+                                "flops": flops, "bytes": nbytes, "in_graph_us": None, "host_us": None, "key": "k",
+                                "kernel_us": truth.kernel_time_us(flops, nbytes, "float16", kind)})
+    path, out = tmp_path / "ops.json", tmp_path / "fit.json"
+    path.write_text(json.dumps({"records": records}))
+    assert fit.main(["--no-models", "--ops", str(path), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["parameters"]["roofline_share.gemm"] == pytest.approx(0.6, rel=0.03)
+    assert list(report["borrowed_classes"]) == ["gemm"]
+    assert report["per_op_fit"]["aten.addmm kernel"]["cases"] == 3  # the fit model's
+    assert report["per_op_borrowed"]["aten.addmm kernel"]["cases"] == 7  # the held-out model's: used, not checked
+    assert report["per_op_borrowed"]["aten.addmm kernel"]["fitted_median_abs_error_pct"] < 3
+    assert "aten.addmm kernel" not in report["per_op_held_out"]
+    assert report["per_op_held_out"]["aten.relu kernel"]["cases"] == 7  # the held-out model's others: checked
