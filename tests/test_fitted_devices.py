@@ -7,6 +7,7 @@ import operator
 import pytest
 import torch
 
+import fxdream
 from conftest import graph_with_values
 from fxdream.ir.flops import kernel_bytes, kernel_class, kernel_count, traffic_factor
 from fxdream.ir.nodes import node_bytes
@@ -17,6 +18,7 @@ from fxdream.sim.cost.devices import (
     datasheet_device,
     get_device,
     parameters_of,
+    with_fit,
     with_parameters,
 )
 from fxdream.sim.cost.fitting import fit_parameters
@@ -220,3 +222,20 @@ def test_a_gpu_with_a_fit_file_takes_its_parameters():
         assert other.kernels_measured and "not measured on this GPU" in other.source
     with pytest.raises(ValueError, match="no datasheet GPU 'cpu'"):
         datasheet_device("cpu")
+
+
+def test_an_analytic_prediction_ranges_over_the_errors_its_fit_was_checked_with(tmp_path):
+    rows = [{"measured_ms": 9.0, "fitted_ms": 10.0}, {"measured_ms": 12.0, "fitted_ms": 10.0}]
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps({"parameters": {}, "fitted_on": "two cases", "fit": rows[:1], "held_out": rows[1:]}))
+    spec = with_fit(datasheet_device("h200"), path)
+    assert spec.error_ratios == pytest.approx((0.9, 1.2))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+    p = fxdream.simulate(model, (torch.randn(4, 64),), device=spec)
+    assert p.time_ms_range == pytest.approx((0.9 * p.time_ms, 1.2 * p.time_ms))
+    assert f"{p.time_ms:.3f} ms ({0.9 * p.time_ms:.3f}–{1.2 * p.time_ms:.3f})" in p.summary()
+    # the same SMs take the fit's errors; another generation has no measurement to take them from
+    assert get_device("h100").error_ratios == get_device("h200").error_ratios is not None
+    assert get_device("v100").error_ratios is None and datasheet_device("h200").error_ratios is None
+    v100 = fxdream.simulate(model, (torch.randn(4, 64),), device="v100")
+    assert v100.range_ms is None and "no range: no measurement of this GPU" in v100.summary()

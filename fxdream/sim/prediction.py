@@ -30,7 +30,9 @@ class Prediction:
     passes: tuple = ()  # PassReport rows when predicted with passes (simulate(..., passes=...))
     notes: tuple = ()   # e.g. the measured host time outside the graphs it includes
     # (low, high) ms: simulated at the fast and the slow end of the measured costs (``SpreadBound``:
-    # whole runs' spread, or each op's samples); None where the costs are not measured (analytic)
+    # whole runs' spread, or each op's samples); with analytic costs, the time scaled by the
+    # errors the device's fit had on the models it was checked on (``DeviceSpec.error_ratios``);
+    # None where neither is known
     range_ms: tuple[float, float] | None = None
     # an inference call of a captured model, timed with calls back to back (``iteration_us``);
     # False: one iteration's makespan (a training step; a task graph given as one iteration)
@@ -56,8 +58,8 @@ class Prediction:
 
     @property
     def time_ms_range(self) -> tuple[float, float]:
-        """(low, high) ms the iteration is predicted to take: the measured spread of its costs;
-        (time, time) where nothing was measured."""
+        """(low, high) ms the iteration is predicted to take (``range_ms``); (time, time) where
+        nothing says how far the prediction may err."""
         return self.range_ms if self.range_ms is not None else (self.time_ms, self.time_ms)
 
     @property
@@ -74,13 +76,20 @@ class Prediction:
         verb = "fits" if self.fits_in_memory else "does not fit"
         return f"{verb} in {self.device.name} memory ({self.device.memory_bytes / 2**30:.0f} GiB)"
 
+    def _range_text(self) -> str:
+        if self.range_ms is not None:
+            return f" ({self.range_ms[0]:.3f}–{self.range_ms[1]:.3f})"
+        if self.device.kind == "cuda":
+            return " (no range: no measurement of this GPU says how far its predictions err)"
+        return ""
+
     def top_layers(self, n: int = 10) -> tuple[tuple[str, float], ...]:
         ranked = sorted(self.timeline.per_layer_us.items(), key=lambda kv: -kv[1])
         return tuple(ranked[:n])
 
     def summary(self, top: int = 10) -> str:
         mode = "training step" if self.training else "inference"
-        lines = [f"predicted {mode} on {self.device.name}: {self.time_ms:.3f} ms per iteration, "
+        lines = [f"predicted {mode} on {self.device.name}: {self.time_ms:.3f} ms{self._range_text()} per iteration, "
                  f"peak memory {self.peak_memory_bytes / 2**20:.1f} MiB, {self.memory_verdict()} "
                  f"({len(self.task_graph)} tasks)"]
         busy = ", ".join(f"{r} {self.timeline.utilization(r) * 100:.0f} %" for r in sorted(self.timeline.busy_us))
@@ -171,6 +180,8 @@ def predict(captured: Captured | tuple, cost: CostModel, training: bool,
 
     predicted = prediction(cost)
     if not isinstance(cost, Profiled):
-        return predicted
+        ratios = cost.device.error_ratios
+        return predicted if ratios is None else dataclasses.replace(
+            predicted, range_ms=(predicted.time_ms * ratios[0], predicted.time_ms * ratios[1]))
     low, high = (prediction(SpreadBound(cost, side)).time_ms for side in ("low", "high"))
     return dataclasses.replace(predicted, range_ms=(min(low, predicted.time_ms), max(high, predicted.time_ms)))

@@ -63,6 +63,10 @@ class DeviceSpec:
     # The shares and startups were fitted to measured kernel times, which already contain what
     # a kernel that fills part of the device loses: a fill model must not add it again.
     kernels_measured: bool = False
+    # (lowest, highest) measured / predicted time over the whole models a fit was checked on
+    # (its fit and held-out cases): an analytic prediction's range on this spec. None where no
+    # measurement of this GPU (or one with the same SMs) says how far its predictions err.
+    error_ratios: tuple[float, float] | None = None
 
     def __post_init__(self):
         if self.kind not in ("cpu", "cuda"):
@@ -198,7 +202,15 @@ def with_fit(spec: DeviceSpec, path: Path, source: str | None = None) -> DeviceS
     model marked as fitted to measured kernels (``kernels_measured``)."""
     fit = json.loads(Path(path).read_text())
     fitted = with_parameters(spec, fit["parameters"], source or f"fitted to {fit['fitted_on']} ({Path(path).name})")
-    return dataclasses.replace(fitted, kernels_measured=True)
+    return dataclasses.replace(fitted, kernels_measured=True, error_ratios=checked_error_ratios(fit))
+
+
+def checked_error_ratios(fit: Mapping) -> tuple[float, float] | None:
+    """(lowest, highest) measured / fitted time over a fit file's whole-model cases, fitted and
+    held out; None where it has none."""
+    ratios = [row["measured_ms"] / row["fitted_ms"] for row in [*fit.get("fit", ()), *fit.get("held_out", ())]
+              if row.get("fitted_ms")]
+    return (min(ratios), max(ratios)) if ratios else None
 
 
 # A GPU without a fit of its own takes the fit of one with the same SMs (count, clocks, tensor
@@ -230,9 +242,12 @@ def _fitted(spec: DeviceSpec) -> DeviceSpec:
     if not sibling.exists():
         return spec
     fitted = with_fit(spec, sibling)
-    why = "the same SMs" if spec.name in FIT_OF_SAME_SMS else "not measured on this GPU"
+    same_sms = spec.name in FIT_OF_SAME_SMS
+    why = "the same SMs" if same_sms else "not measured on this GPU"
+    # across generations the fit's checked errors say nothing of this GPU's: no range
     return dataclasses.replace(fitted, source=f"{fitted.source}: {why}; {spec.name}'s own datasheet "
-                                              f"peaks, bandwidth and memory")
+                                              f"peaks, bandwidth and memory",
+                               error_ratios=fitted.error_ratios if same_sms else None)
 
 
 def datasheet_device(name: str) -> DeviceSpec:
@@ -343,7 +358,7 @@ class _CalibratedOnUse(DeviceSpec):
                             ("kernel_min_us", 0.0), ("num_sms", None),
                             ("roofline_share", MappingProxyType({})), ("host_factor", MappingProxyType({})),
                             ("kernel_startup_us", MappingProxyType({})), ("kernels_measured", False),
-                            ("source", "calibrated on this host")):
+                            ("error_ratios", None), ("source", "calibrated on this host")):
             object.__setattr__(self, name, value)
 
 
