@@ -79,7 +79,7 @@ class Prediction:
     def _range_text(self) -> str:
         if self.range_ms is not None:
             return f" ({self.range_ms[0]:.3f}–{self.range_ms[1]:.3f})"
-        if self.device.kind == "cuda":
+        if self.device.kind == "cuda" and self.device.error_ratios is None:
             return " (no range: no measurement of this GPU says how far its predictions err)"
         return ""
 
