@@ -101,3 +101,31 @@ def test_a_model_made_under_inference_mode_builds_and_says_what_it_cannot_watch(
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
     assert any("torch.inference_mode()" in note and "not seen" in note for note in optimized.report.notes)
+
+
+class CountingNet(torch.nn.Module):
+    """Counts its own calls in a buffer its forward updates; a conv + BatchNorm the fusion folds."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = ConvBnNet()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.net(x)
+
+
+def test_state_the_forward_updates_itself_is_no_change_after_the_build():
+    torch.manual_seed(0)
+    model, x = CountingNet().eval(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), passes=["fuse_conv_bias_act"], verify=True)
+    with torch.no_grad():
+        for calls in range(1, 4):
+            torch.testing.assert_close(optimized(x), model.net(x))
+            assert int(model.calls) == calls
+    assert optimized.report.passes[0].applied and not _changed(optimized.report)
+    with torch.no_grad():
+        model.net.conv.weight.mul_(2)  # a real change is still seen
+        torch.testing.assert_close(optimized(x), model.net(x))
+    assert _changed(optimized.report)

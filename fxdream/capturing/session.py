@@ -136,7 +136,10 @@ class CaptureSession:
                                       f"nothing else reads (aot_autograd makes them, e.g. one per eval-mode dropout)")
             self._fold_input_free(fw, record.index, "forward")
             record.forward = fw
-            runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, state),
+            # state the step itself updates (a counter buffer: aot_autograd copies its new value
+            # in after the graph) is neither a constant a pass may take nor a change to watch for
+            kept = [None if i in _inputs_aot_updates() else t for i, t in enumerate(state)]
+            runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, kept),
                                          record.example_inputs)
             if runnable is fw:
                 fw.recompile()  # it runs: its own code calls ops directly too
@@ -144,7 +147,7 @@ class CaptureSession:
             frozen = runnable is not fw and not record.training  # inference: state may be constants
             run = same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
             if frozen:
-                run = weights_as_built_or(run, fw.forward, state + self.batches_tracked, lambda: self.notes.append(
+                run = weights_as_built_or(run, fw.forward, kept + self.batches_tracked, lambda: self.notes.append(
                     f"graph {record.index}: the model's weights changed in place after the build (load_state_dict, "
                     f"an optimizer step, BatchNorm statistics from a call in train mode): it runs as captured from "
                     f"then on, reading them as they are; rebuild to fold and pack them again"))
@@ -219,6 +222,16 @@ def _traced_once(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule
         return inference_graph(gm, example_inputs)
     except Exception:  # an optimization of the capture: aot_autograd's trace is the reference
         return None
+
+
+def _inputs_aot_updates() -> frozenset[int]:
+    """Positions of the graph inputs aot_autograd updates in place after the forward graph it is
+    compiling (its metadata's ``mutates_data``); empty outside such a compilation (``_traced_once``
+    traces only graphs that update none)."""
+    context = torch._guards.TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None)
+    infos = getattr(metadata, "input_info", None) or ()
+    return frozenset(i for i, info in enumerate(infos) if getattr(info, "mutates_data", False))
 
 
 def _state_names_from_sources(gm: fx.GraphModule, example_inputs: Sequence) -> dict[int, str]:
