@@ -192,11 +192,12 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
     ``changed_numerics``: a pass that changes numerics (bf16) applied, so a verified difference
     beyond float32 rounding is its expected deviation, not a wrong result."""
     if verify:
-        diff = max_abs_diff(model, module, inputs, training)
+        causes: list[str] = []
+        diff = max_abs_diff(model, module, inputs, training, causes=causes)
         module._record(verified_max_abs_diff=diff)
         if beyond_rounding(diff, model, inputs) and not changed_numerics:
             module._record(verified_beyond_rounding=True)
-            for note in _why_outputs_differ(model, training) if diff != math.inf else [
+            for note in (causes or _why_outputs_differ(model, training)) if diff != math.inf else [
                     "an output's shape, or the number of outputs, differs from eager's: a pass changed what the "
                     "graph returns (run with passes=() to tell which)"]:
                 module._note(note)

@@ -19,13 +19,32 @@ def _leaf_diff(actual, expected) -> float:
     return (actual.float() - expected.float()).abs().max().item()
 
 
-def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tuple, training: bool,
-                 loss_fn=None) -> float:
-    """Largest |optimized - eager| over outputs and, in training, every parameter's gradient
-    (inf where an output's shape, or their number, differs).
+ONE_SIDED_GRADIENT = ("{names}: a gradient on one side only (eager's is {eager}); torch.utils.checkpoint with "
+                      "use_reentrant=True and no input that requires grad leaves its block's parameters without "
+                      "gradients in eager, where captured graphs compute them")
 
-    Runs on a deep copy of ``model`` with the RNG seeded alike for both, and leaves the
-    optimized module's gradients cleared.
+
+def _own_copies(inputs):
+    """Copies of ``inputs``' tensors, leaves as leaves and others as others (``clone``, whose
+    gradient goes to the tensor it copies): a forward that updates its input in place must not
+    hand the second model a changed one."""
+    def copied(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.grad_fn is not None:
+            return value.clone()
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return torch.utils._pytree.tree_map(copied, inputs)
+
+
+def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tuple, training: bool,
+                 loss_fn=None, causes: list | None = None) -> float:
+    """Largest |optimized - eager| over outputs and, in training, every parameter's gradient
+    (inf where an output's shape, or their number, differs; a gradient on one side only counts
+    as its largest value, and ``causes`` gets a line naming those parameters).
+
+    Runs on a deep copy of ``model`` with the RNG seeded alike for both, each on its own copy of
+    ``inputs``, and leaves the optimized module's gradients cleared.
     """
     reference = copy.deepcopy(model)
     loss_fn = loss_fn or differentiable_scalar  # every output that needs a gradient, summed
@@ -33,10 +52,10 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
         inputs = cut_from_callers_graph(inputs)
     torch.manual_seed(0)
     with torch.set_grad_enabled(training):
-        expected = reference(*inputs)
+        expected = reference(*_own_copies(inputs))
     torch.manual_seed(0)
     with torch.set_grad_enabled(training):
-        actual = optimized(*inputs)
+        actual = optimized(*_own_copies(inputs))
     actual_leaves, expected_leaves = output_leaves(actual), output_leaves(expected)
     diffs = [_leaf_diff(a, e) for a, e in zip(actual_leaves, expected_leaves)
              if isinstance(a, torch.Tensor) and a.numel()]
@@ -48,11 +67,28 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
             m.zero_grad(set_to_none=True)
         for loss in losses:
             loss.backward()
-        optimized_params = optimized.model.parameters() if hasattr(optimized, "model") else optimized.parameters()
-        diffs += [(p.grad - q.grad).abs().max().item() for p, q in zip(optimized_params, reference.parameters())
-                  if p.grad is not None and q.grad is not None]
+        owner = optimized.model if hasattr(optimized, "model") else optimized
+        diffs += _gradient_diffs(owner, reference, causes)
         optimized.zero_grad(set_to_none=True)
     return max(diffs, default=0.0)
+
+
+def _gradient_diffs(optimized: torch.nn.Module, reference: torch.nn.Module, causes: list | None) -> list[float]:
+    """|optimized - eager| of each parameter's gradient; a gradient on one side only, its largest
+    |value| (named in ``causes``)."""
+    diffs, one_sided = [], []
+    for (name, p), q in zip(optimized.named_parameters(), reference.parameters()):
+        if p.grad is not None and q.grad is not None:
+            diffs.append((p.grad - q.grad).abs().max().item())
+        elif (p.grad is None) != (q.grad is None):
+            grad = p.grad if p.grad is not None else q.grad
+            diffs.append(grad.abs().max().item() if grad.numel() else 0.0)
+            one_sided.append((name, q.grad is None))
+    if one_sided and causes is not None:
+        names = ", ".join(name for name, _ in one_sided[:3]) + (f" and {len(one_sided) - 3} more"
+                                                                if len(one_sided) > 3 else "")
+        causes.append(ONE_SIDED_GRADIENT.format(names=names, eager="None" if one_sided[0][1] else "set"))
+    return diffs
 
 
 @dataclass(frozen=True)

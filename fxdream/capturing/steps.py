@@ -55,13 +55,15 @@ def tracing_config(training: bool, meta: bool = False):
 
 def cut_from_callers_graph(inputs):
     """``inputs`` with every tensor that is the output of the caller's autograd graph (has a
-    ``grad_fn``) replaced by a detached leaf that still requires grad. A training step fxdream
-    runs for its own ends (capture, timing, a numerics check) must not backpropagate into the
-    caller's graph: it would add to the caller's ``.grad`` and free the buffers the caller's own
-    backward needs. Leaves and tensors without grad pass through unchanged."""
+    ``grad_fn``) replaced by a copy that requires grad from a detached leaf. A training step
+    fxdream runs for its own ends (capture, timing, a numerics check) must not backpropagate into
+    the caller's graph: it would add to the caller's ``.grad`` and free the buffers the caller's
+    own backward needs. A copy, not the leaf itself: like the caller's tensor it is no leaf, so a
+    forward may update it in place (``x.relu_()``), which autograd refuses on a leaf that requires
+    grad. Leaves and tensors without grad pass through unchanged."""
     def cut(value):
         if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-            return value.detach().requires_grad_()
+            return value.detach().requires_grad_().clone()
         return value
     return torch.utils._pytree.tree_map(cut, inputs)
 
