@@ -138,7 +138,8 @@ class CaptureSession:
             record.forward = fw
             # state the step itself updates (a counter buffer: aot_autograd copies its new value
             # in after the graph) is neither a constant a pass may take nor a change to watch for
-            kept = [None if i in _inputs_aot_updates() else t for i, t in enumerate(state)]
+            updated = _inputs_aot_updates()
+            kept = [None if i in updated else t for i, t in enumerate(state)]
             runnable = self._transformed(fw, "fw", record.index, _model_state_of(fw, kept),
                                          record.example_inputs)
             if runnable is fw:
