@@ -239,8 +239,8 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
         step = measured_step(baseline, model, inputs, loss_fn, training, cost)
         measured = time_interleaved(
             {"eager": step_fn(model, inputs, loss_fn, training),
-             "baseline": step_fn(baseline, inputs, loss_fn, training),
-             "optimized": step_fn(optimized, inputs, loss_fn, training), PROFILING: profile},
+             "baseline": step_fn(baseline.called_positionally(), inputs, loss_fn, training),
+             "optimized": step_fn(optimized.called_positionally(), inputs, loss_fn, training), PROFILING: profile},
             rounds=rounds, block=block, progress=progress, desc=f"{model_name} bs{batch}")
         before = predict(baseline.captured, cost, training, step=step)
         after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs, step=step)
@@ -248,7 +248,7 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
                         for r in optimized.report.passes)
         rows.append(ABRow(model_name, batch, training, names, measured["eager"], measured["baseline"],
                           measured["optimized"], before.time_ms, after.time_ms,
-                          max_abs_diff(model, optimized, inputs, training, loss_fn), reasons,
+                          max_abs_diff(model, optimized.called_positionally(), inputs, training, loss_fn), reasons,
                           optimized.report.predicted_optimized_ms, after.range_ms,
                           optimized.report.predicted_optimized_ms_range))
     return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
@@ -276,7 +276,8 @@ def measured_step(module, model, inputs, loss_fn, training, cost) -> StepCalls |
     if not isinstance(cost, Profiled) or not worth_measuring(training, len(module.captured), breaks):
         return None
     with preserved_state(model):
-        return measure_host_gaps(step_fn(module, inputs, loss_fn, training), module._session.clock)
+        return measure_host_gaps(step_fn(module.called_positionally(), inputs, loss_fn, training),
+                                 module._session.clock)
 
 
 def plot_ab(result: ABResult, path: str) -> None:

@@ -152,7 +152,8 @@ def _check_precision(module: OptimizedModule, model, inputs: tuple, rows: list, 
     deviation from float32 eager. Asked for by ``precision`` and not applied: the reason, in a note."""
     applied = sorted({r.name for r in rows if r.applied})
     if applied and module._fallback_reason is None:
-        module._record(precision="+".join(applied), precision_deviation=deviation(model, module, inputs))
+        module._record(precision="+".join(applied),
+                       precision_deviation=deviation(model, module.called_positionally(), inputs))
         slower = sum(r.predicted_delta_us for r in rows if r.applied and (r.predicted_delta_us or 0) > 0)
         if slower:
             module._note(f"{'+'.join(applied)} is predicted {slower / 1e3:.3f} ms slower per call than float32 "
@@ -193,7 +194,7 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
     beyond float32 rounding is its expected deviation, not a wrong result."""
     if verify:
         causes: list[str] = []
-        diff = max_abs_diff(model, module, inputs, training, causes=causes)
+        diff = max_abs_diff(model, module.called_positionally(), inputs, training, causes=causes)
         module._record(verified_max_abs_diff=diff)
         if beyond_rounding(diff, model, inputs) and not changed_numerics:
             module._record(verified_beyond_rounding=True)
@@ -315,7 +316,7 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
     breaks = len(module._graph_breaks)
     outside_graphs = worth_measuring(training, len(module.captured), breaks)
     if isinstance(cost, Profiled) and (outside_graphs or cost.device.kind == "cpu"):
-        step = measure_model_gaps(module, model, inputs, training, module._session.clock,
+        step = measure_model_gaps(module.called_positionally(), model, inputs, training, module._session.clock,
                                   named=breaks > 0 or len(module.captured) > 1,
                                   **({} if outside_graphs else ONE_GRAPH_CALLS))
         notes = describe_gaps(step, len(module.captured), training, breaks) if step is not None else ()
@@ -345,8 +346,9 @@ def _measure_against_capture(model, module, inputs, training, target) -> dict:
     """Time the optimized module against the same capture without passes, interleaved."""
     baseline = _build(model, inputs, (), False, training, target, False, None, None)
     with preserved_state(model):
-        times = time_interleaved({"baseline": seeded_step(baseline, inputs, training),
-                                  "optimized": seeded_step(module, inputs, training)}, desc="measure")
+        times = time_interleaved({"baseline": seeded_step(baseline.called_positionally(), inputs, training),
+                                  "optimized": seeded_step(module.called_positionally(), inputs, training)},
+                                 desc="measure")
     return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms,
                 measured_page_faults_per_call=times["optimized"].page_faults_per_call)
 

@@ -33,6 +33,24 @@ def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
     return (structure, *(leaf(x) for x in leaves), grad, training, autocast_enabled())
 
 
+class PositionalCalls(torch.nn.Module):
+    """An ``OptimizedModule`` built with keywords that have no position, called with the capture's
+    positional tuple: the tensor keywords passed back by name, the bound flags with them."""
+
+    def __init__(self, module: "OptimizedModule"):
+        super().__init__()
+        self.module = module
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.module.model
+
+    def forward(self, *args):
+        keywords = self.module.model.tensor_keywords
+        split = len(args) - len(keywords)
+        return self.module(*args[:split], **dict(zip(keywords, args[split:])), **self.module.model.constants)
+
+
 class OptimizedModule(torch.nn.Module):
     """The model, run through its captured (and rewritten) graphs. ``.report`` says how.
 
@@ -91,6 +109,12 @@ class OptimizedModule(torch.nn.Module):
             key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
             self._count_compilation(key, self._session.records[compiled:])
         return output
+
+    def called_positionally(self) -> torch.nn.Module:
+        """This module called as its capture takes a call: one positional tuple, the tensors of
+        keywords without a position (``WithKeywords``) last; itself where there are none. fxdream's
+        own checks and timings hold the call in that form, and run the model (``self.model``) on it."""
+        return PositionalCalls(self) if isinstance(self.model, WithKeywords) else self
 
     def _forward_signature(self) -> inspect.Signature:
         """The model's forward signature, read once: a model called by keyword places every call."""

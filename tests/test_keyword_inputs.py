@@ -276,3 +276,22 @@ def test_a_module_built_with_flags_that_runs_eagerly_takes_its_calls_as_the_mode
     with torch.no_grad():
         for got, want in zip(optimized(x, mask=mask, both=True), model(x, mask=mask, both=True)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_builds_checks_call_a_module_built_with_keyword_only_tensors_as_the_model(training):
+    x, mask, _ = _inputs()
+    kwargs = {"mask": mask, "scale": torch.full((8,), 0.5)}
+    model = KeywordOnlyTensors().train(training)
+    report = fxdream.optimize(model, (x,), example_kwargs=kwargs, training=training, passes="auto", verify=True,
+                              measure=True, eager_check=True).report
+    assert report.verified_max_abs_diff == 0.0 and report.measured_optimized_ms > 0
+    assert report.fallback_reason is None or report.measured_eager_ms is not None  # the eager check ran
+
+
+def test_an_ab_of_a_model_taking_keyword_only_tensors_runs():
+    x, mask, _ = _inputs()
+    build = lambda batch: (KeywordOnlyTensors(), {"x": x[:batch], "mask": mask[:batch],  # noqa: E731
+                                                  "scale": torch.full((8,), 0.5)})
+    result = fxdream.ab(build, ["prepack_linear"], [2], rounds=1, block=1, progress=False)
+    assert result.rows[0].max_abs_diff < 1e-5
