@@ -516,3 +516,21 @@ def test_a_dataclass_output_is_trained_through_its_fields():
     with torch.no_grad():
         changed.head.bias += 1.0  # only the logits field differs
     assert max_abs_diff(model, changed, (x,), training=False) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_a_model_with_forward_hooks_is_not_traced_and_its_hooks_run_at_every_call(pre):
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    seen = []
+    if pre:
+        model[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape) or None)
+    else:
+        model[1].register_forward_hook(lambda m, args, out: seen.append(out.shape) or None)
+    x = torch.randn(4, 8)
+    optimized = fxdream.optimize(model, (x,))
+    assert "forward hooks on 1" in optimized.report.capture
+    seen.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+        optimized(x)
+    assert len(seen) == 3  # eager's call and the module's two

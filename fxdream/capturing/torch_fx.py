@@ -115,6 +115,10 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         return None, "training"
     if autocast_enabled():
         return None, "built under autocast (its graph would run with autocast's casts at every call)"
+    hooked = _modules_with_call_hooks(model)
+    if hooked:
+        return None, (f"forward hooks on {', '.join(hooked[:3])}{' and more' if len(hooked) > 3 else ''} (a trace "
+                      f"would run their Python, such as storing an activation, once at trace time)")
     versions = state_versions(model)
     traced, out_spec, reason = _flat_trace(model, inputs)
     if traced is None:
@@ -147,6 +151,16 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
     return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=runs.mutates_inputs), None
 
 
+def _modules_with_call_hooks(model: torch.nn.Module) -> list[str]:
+    """Names of the modules a call runs hooks around (forward and pre-forward, the module's own
+    or global ones: then every module, "(every module)")."""
+    from_global = torch.nn.modules.module
+    if from_global._global_forward_hooks or from_global._global_forward_pre_hooks:
+        return ["(every module)"]
+    return [name or "(the model)" for name, m in model.named_modules()
+            if m._forward_hooks or m._forward_pre_hooks]
+
+
 def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSession,
                       training: bool) -> tuple[TracedRunner | None, str | None]:
     """(a runner: dynamo compiling the model's torch.fx trace, None), or (None, why not).
@@ -157,6 +171,8 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
     The trace (its leaf modules are the model's own, so training updates the same buffers)
     is kept only when one step of it gives eager's outputs and buffers and leaves the
     modules' Python attributes alone; other calls go through dynamo on the model."""
+    if _modules_with_call_hooks(model):
+        return None, "forward hooks (a trace would run their Python once, at trace time)"
     try:
         traced, out_spec, reason = _flat_trace(model, inputs)
         if traced is None:
