@@ -183,18 +183,19 @@ class CaptureSession:
 
     def _note_recompilation(self, record: _SubgraphRecord) -> None:
         """A graph compiled again from the same code for the same inputs is a recompilation: a
-        value dynamo guards on changed after an earlier call (an attribute forward sets on its
-        first call, as Hugging Face classifiers set ``config.problem_type``). Said once; the
-        steps that follow run the new graph, and host time is never taken from a step that
-        compiled (``measure_host_gaps``)."""
+        value dynamo guards on differs from an earlier call's (a non-tensor argument, or an
+        attribute forward sets on its first call, as Hugging Face classifiers set
+        ``config.problem_type``). Said once; calls with that value run the new graph, and host
+        time is never taken from a step that compiled (``measure_host_gaps``)."""
         if record.code is None:
             return
         earlier = next((r for r in self.records if r.code is record.code and r.input_shapes == record.input_shapes
                         and r.training == record.training), None)
         if earlier is not None:
             self.notes.append(f"graph {record.index} recompiles graph {earlier.index} (same code, same input shapes): "
-                              f"a value dynamo guards on changed after an earlier call (e.g. an attribute forward "
-                              f"sets on its first call); later calls run graph {record.index}")
+                              f"a value dynamo guards on differs from an earlier call's (a non-tensor argument of "
+                              f"the call, or an attribute forward sets on its first call); calls with that value "
+                              f"run graph {record.index}")
 
     def _fold_input_free(self, gm: fx.GraphModule, index: int, phase: str) -> None:
         folded = fold_input_free_values(gm)
