@@ -345,7 +345,7 @@ def _add_measuring_commands(sub) -> None:
 def _add_predicting_commands(sub) -> None:
     cap = sub.add_parser("capture", help="capture a zoo model and print its layer summary")
     _model_args(cap)
-    cap.add_argument("--top", type=int, default=None)
+    cap.add_argument("--top", type=positive_int, default=None)
     cap.set_defaults(run=cmd_capture)
 
     sim = sub.add_parser("simulate", help="predict an iteration of a zoo model on a device")
@@ -355,7 +355,7 @@ def _add_predicting_commands(sub) -> None:
     sim.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
     sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--plot", help="write a PNG timeline here")
-    sim.add_argument("--top", type=int, default=10)
+    sim.add_argument("--top", type=positive_int, default=10)
     sim.add_argument("--pass", dest="passes", default="", help='predict with these passes ("auto" or names)')
     sim.set_defaults(run=cmd_simulate)
 
@@ -374,7 +374,7 @@ def _add_predicting_commands(sub) -> None:
     exp.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"),
                      help="the optimizer step a training step includes (as simulate's)")
     exp.add_argument("--out", help="file stem for the .trace.json and .png")
-    exp.add_argument("--top", type=int, default=10)
+    exp.add_argument("--top", type=positive_int, default=10)
     exp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")
     exp.set_defaults(run=cmd_explain)
 

@@ -66,6 +66,8 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
     (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_conv_bias_act", "--batch", ","], "no batch size given"),
     (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_conv_bias_act", "--rounds", "two"], "'two' is not an integer"),
     (["simulate", "mnist_convnet", "--tiny", "--batch", "-2"], "--batch: -2 must be at least 1"),
+    (["simulate", "mnist_convnet", "--tiny", "--top", "-1"], "--top: -1 must be at least 1"),
+    (["explain", "mnist_convnet", "--top", "0"], "--top: 0 must be at least 1"),
 ])
 def test_counts_below_one_are_refused_by_argparse(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
