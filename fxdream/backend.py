@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxdream.build import cost_model_for
+from fxdream.build import COSTS, cost_model_for
+from fxdream.capturing.arguments import available_devices
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.session import CaptureSession
 from fxdream.pass_api import PassContext
@@ -36,10 +37,12 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
     if unknown:
         raise ValueError(f"unknown fxdream option(s) {unknown}; valid options: {', '.join(OPTIONS)}")
     passes = resolve_passes(options.get("passes", ()))
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    device = torch.device(options.get("device") or (tensors[0].device if tensors else "cpu"))
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     cost = options.get("cost", "auto")
+    if cost not in COSTS:  # checked without passes too: a typo must not pass silently
+        raise ValueError(f"cost={cost!r} is not a cost model; valid: {', '.join(map(repr, COSTS))}")
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    device = _device(options.get("device"), tensors)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     cost_model = cost_model_for(this_machine_device(device), cost, reuse=True) if passes and cost else None
     pipeline = PassPipeline(passes, PassContext(device=device.type, training=training, cost_model=cost_model),
                             auto=options.get("passes") == "auto", on_row=options.get("on_report"))
@@ -47,3 +50,13 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
         compiled = CaptureSession(None, transform=pipeline if passes else None)(gm, example_inputs)
     save_profile(cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     return compiled
+
+
+def _device(asked, tensors: list) -> torch.device:
+    """The ``device`` option, or the first input's device (the CPU without one)."""
+    if not asked:
+        return tensors[0].device if tensors else torch.device("cpu")
+    try:
+        return torch.device(asked)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={asked!r} is not a device; valid here: {', '.join(available_devices())}") from None

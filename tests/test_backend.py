@@ -57,6 +57,14 @@ def test_unknown_backend_option_is_named():
         compiled(torch.randn(2, 4))
 
 
+@pytest.mark.parametrize("options, message", [({"cost": "bogus"}, r"cost='bogus' is not a cost model; valid: 'auto'"),
+                                             ({"device": "h900"}, r"device='h900' is not a device; valid here: cpu")])
+def test_a_bad_cost_or_device_option_is_named(options, message):
+    compiled = torch.compile(MulByOne(), backend="fxdream", options=options)
+    with pytest.raises(Exception, match=message):
+        compiled(torch.randn(2, 4))
+
+
 def test_an_inductor_mode_is_named_as_such():
     compiled = torch.compile(MulByOne(), backend="fxdream", mode="max-autotune")
     with pytest.raises(Exception, match=r"mode='max-autotune' is inductor's; fxdream takes options="):
