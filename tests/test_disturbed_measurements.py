@@ -74,3 +74,13 @@ def test_a_prediction_measured_on_a_busy_machine_says_so(monkeypatch, cores):
         assert "other processes kept 1.00 core(s) busy while this prediction measured" in disturbed[0]
     analytic = fxdream.simulate(model, (x,), device="h100")  # nothing measured: nothing to disturb
     assert not any(n.startswith("measurements disturbed") for n in analytic.notes)
+
+
+@pytest.mark.parametrize("argv", [["explain", "mnist_convnet", "--tiny", "--device", "cpu", "--out"],
+                                  ["whatif", "mnist_convnet", "--tiny", "--device", "cpu", "--cost", "profiled"]])
+def test_the_cli_says_when_costs_it_measured_here_were_disturbed(argv, monkeypatch, tmp_path, capsys):
+    import fxdream.cli as cli
+    monkeypatch.setattr(cli, "watch_machine_load", _busy_machine(1.0))
+    argv = [*argv, str(tmp_path / "out")] if argv[-1] == "--out" else argv
+    assert cli.main(argv) == 0
+    assert "note: measurements disturbed: other processes kept 1.00 core(s) busy" in capsys.readouterr().out
