@@ -133,7 +133,8 @@ def cmd_simulate(args) -> int:
           f"on {args.device} with {args.cost} costs ...", flush=True)
     passes = () if not args.passes else ("auto" if args.passes == "auto" else args.passes.split(","))
     prediction = simulate(model, inputs, device=args.device, training=args.training, cost=args.cost,
-                          optimizer=args.optimizer if args.training else None, passes=passes)
+                          optimizer=args.optimizer if args.training and args.optimizer != "none" else None,
+                          passes=passes)
     print(prediction.summary(top=args.top))
     if args.trace:
         write_chrome_trace(prediction.task_graph, prediction.timeline, args.trace)
@@ -364,7 +365,7 @@ def _add_predicting_commands(sub) -> None:
     _model_args(sim)
     sim.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     sim.add_argument("--cost", default="auto", choices=("auto", "profiled", "analytic"))
-    sim.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    sim.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"))
     sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--plot", help="write a PNG timeline here")
     sim.add_argument("--top", type=positive_int, default=10)

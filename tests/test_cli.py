@@ -204,3 +204,13 @@ def test_a_bad_model_spec_gives_one_line(tmp_path, capsys, spec, message):
     assert main(["simulate", spec.format(path=path), "--device", "h100"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_takes_a_training_step_without_an_optimizer(capsys):
+    tasks = {}
+    for optimizer in ("none", "sgd"):
+        assert main(["simulate", "mnist_convnet", "--tiny", "--training", "--device", "h100",
+                     "--optimizer", optimizer]) == 0
+        first = capsys.readouterr().out.splitlines()[1]
+        tasks[optimizer] = int(first.rsplit("(", 1)[1].split()[0])
+    assert tasks["none"] < tasks["sgd"]  # no optimizer step's tasks
