@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from fxdream.build import COSTS, cost_model_for
-from fxdream.capturing.arguments import available_devices
+from fxdream.capturing.arguments import parse_device
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.session import CaptureSession
 from fxdream.pass_api import PassContext
@@ -56,7 +56,4 @@ def _device(asked, tensors: list) -> torch.device:
     """The ``device`` option, or the first input's device (the CPU without one)."""
     if not asked:
         return tensors[0].device if tensors else torch.device("cpu")
-    try:
-        return torch.device(asked)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device={asked!r} is not a device; valid here: {', '.join(available_devices())}") from None
+    return parse_device(asked)

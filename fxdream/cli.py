@@ -22,12 +22,11 @@ from fxdream.measure import time_interleaved
 from fxdream.models import NAMES
 from fxdream.plan import plan
 from fxdream.sim.lower import OPTIMIZERS
-from fxdream.sim.cost import Profiled
 from fxdream.sim.prediction import predict
 from fxdream.sim.profile.machine_load import watch_machine_load
 from fxdream.sim.profile.store import PROFILE_DIR_ENV
 from fxdream.sim.trace import plot_comparison, plot_timeline, write_chrome_trace
-from fxdream.simulation import capture_for_prediction, prediction_inputs, simulate
+from fxdream.simulation import capture_for_prediction, disturbed_notes, prediction_inputs, simulate
 
 
 def build_model(name: str, batch: int, tiny: bool = False, training: bool = False):
@@ -155,7 +154,7 @@ def cmd_whatif(args) -> int:
     with watch_machine_load() as load:
         _, captured, step, notes = capture_for_prediction((model, inputs), to_capture, capture_inputs, True, cost)
         base = predict(captured, cost, True, OPTIMIZERS[args.optimizer], step=step)
-    _print_notes((*notes, *_disturbed(load, cost)))
+    _print_notes((*notes, *disturbed_notes(load, cost)))
     on_gpu = base.device.kind == "cuda"
     single = lambda run: (run, 1)  # noqa: E731  (scenario, GPUs it runs on)
     scenarios = {"AMP float16": single(lambda: whatif.amp(base, dtype="float16", captured=captured)),
@@ -243,7 +242,7 @@ def cmd_explain(args) -> int:
         result = plan(model, captured, device=args.device, training=args.training,
                       passes=args.passes.split(",") if args.passes != "auto" else "auto",
                       cost=cost, optimizer=OPTIMIZERS.get(args.optimizer) if args.training else None, step=step)
-    _print_notes((*notes, *_disturbed(load, cost)))
+    _print_notes((*notes, *disturbed_notes(load, cost)))
     print(result.before.summary(top=args.top))
     print()
     print(result.summary())
@@ -257,14 +256,6 @@ def cmd_explain(args) -> int:
                     title=f"{args.model} bs{args.batch} on {args.device}")
     print(f"\ntrace: {stem}.trace.json (Perfetto), timeline: {stem}.png")
     return 0
-
-
-def _disturbed(load, cost) -> tuple[str, ...]:
-    """A note where costs measured here were measured while other processes kept the cores busy."""
-    if isinstance(cost, Profiled) and load.disturbed:
-        return (f"measurements disturbed: {load.describe('prediction')}; its measured costs describe a busy "
-                f"machine (run it again on a quiet one)",)
-    return ()
 
 
 def _print_notes(notes) -> None:

@@ -46,9 +46,8 @@ class PositionalCalls(torch.nn.Module):
         return self.module.model
 
     def forward(self, *args):
-        keywords = self.module.model.tensor_keywords
-        split = len(args) - len(keywords)
-        return self.module(*args[:split], **dict(zip(keywords, args[split:])), **self.module.model.constants)
+        args, kwargs = self.module.model.as_called(args)
+        return self.module(*args, **kwargs)
 
 
 class OptimizedModule(torch.nn.Module):

@@ -40,10 +40,16 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     with watch_machine_load() as load:  # where costs are measured here: did other processes run beside them?
         prediction = _simulate((model, example_inputs), captured_model, inputs, model_cost, device, training,
                                optimizer, contention, passes, memory_budget)
-    if not (isinstance(model_cost, Profiled) and load.disturbed):
-        return prediction
-    return dataclasses.replace(prediction, notes=prediction.notes + (
-        f"measurements disturbed: {load.describe('prediction')}; its measured costs describe a busy machine",))
+    disturbed = disturbed_notes(load, model_cost)
+    return dataclasses.replace(prediction, notes=prediction.notes + disturbed) if disturbed else prediction
+
+
+def disturbed_notes(load, cost) -> tuple[str, ...]:
+    """A note where costs measured here (``cost``: ``Profiled``) were measured while other
+    processes kept the cores busy (``load``: a ``watch_machine_load`` of the measuring)."""
+    if isinstance(cost, Profiled) and load.disturbed:
+        return (f"measurements disturbed: {load.describe('prediction')}; its measured costs describe a busy machine",)
+    return ()
 
 
 def _simulate(original: tuple, model: torch.nn.Module, example_inputs: tuple, model_cost, device, training: bool,

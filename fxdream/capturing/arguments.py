@@ -124,6 +124,14 @@ def available_devices() -> tuple[str, ...]:
     return tuple(devices)
 
 
+def parse_device(device) -> torch.device:
+    """``torch.device(device)``, or a ValueError naming the devices of this machine."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device; valid here: {', '.join(available_devices())}") from None
+
+
 def resolve_device(device, model: torch.nn.Module, inputs: tuple) -> torch.device:
     """The device the optimized module runs on; it must be where the model and inputs are."""
     valid = available_devices()
@@ -132,10 +140,7 @@ def resolve_device(device, model: torch.nn.Module, inputs: tuple) -> torch.devic
         resolved = first.device if first is not None else next(
             v.device for v in inputs if isinstance(v, torch.Tensor))
     else:
-        try:
-            resolved = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device={device!r} is not a device; valid here: {', '.join(valid)}") from None
+        resolved = parse_device(device)
         if resolved.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available on this machine; "
                              f"valid here: {', '.join(valid)}")

@@ -32,8 +32,14 @@ class WithKeywords(torch.nn.Module):
         self.__dict__["_signature"] = inspect.signature(model.forward)
 
     def forward(self, *args):
+        args, kwargs = self.as_called(args)
+        return self.model(*args, **kwargs)
+
+    def as_called(self, args: tuple) -> tuple[tuple, dict]:
+        """The model's (args, kwargs) for this wrapper's positional ``args``: the last ones the
+        tensor keywords, by name, with the bound flags."""
         split = len(args) - len(self.tensor_keywords)
-        return self.model(*args[:split], **dict(zip(self.tensor_keywords, args[split:])), **self.constants)
+        return args[:split], {**dict(zip(self.tensor_keywords, args[split:])), **self.constants}
 
     def state_dict(self, *args, **kwargs):
         return self.model.state_dict(*args, **kwargs)
