@@ -303,8 +303,9 @@ def main(argv=None) -> int:
         fit_cases, held_cases = resnet50_cases(base), bert_cases()
     all_records = [r for rs in records.values() for r in rs]
     fit_records = [r for r in all_records if not r["case"].startswith(held_models)]
-    borrowed = borrowed_classes(base, fit_records, [r for r in all_records if r["case"].startswith(held_models)])
-    fit_records += [r for r in all_records if r["case"].startswith(held_models) and r["class"] in borrowed]
+    held_records = [r for r in all_records if r["case"].startswith(held_models)]
+    borrowed = borrowed_classes(base, fit_records, held_records)
+    fit_records += [r for r in held_records if r["class"] in borrowed]
     for kernel_class, why in borrowed.items():
         log(f"{kernel_class}: {why}")
     ops = [c for source, rs in records.items() for c in op_cases(source, rs)]
