@@ -129,8 +129,10 @@ class Report:
         if self.passes:
             lines += ["", "| pass | graph | applied | reason | predicted Δ µs | predicted Δ peak MB | measured Δ µs |",
                       "|---|---|---|---|---|---|---|"]
+            # the module running eagerly runs none of the rewritten graphs, so an applied pass is unused
+            applied = "yes, unused (runs eagerly)" if self.fallback_reason else "yes"
             for p in self.passes:
-                lines.append(f"| {p.name} | {p.graph_index}/{p.phase} | {'yes' if p.applied else 'no'} | {p.reason} "
+                lines.append(f"| {p.name} | {p.graph_index}/{p.phase} | {applied if p.applied else 'no'} | {p.reason} "
                              f"| {_fmt(p.predicted_delta_us)} | {_fmt_mb(p.predicted_delta_peak_bytes)} "
                              f"| {_fmt(p.measured_delta_us)} |")
             lines += _pass_notes(self.passes)

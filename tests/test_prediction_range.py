@@ -1,11 +1,13 @@
 """Every prediction carries a range: simulated with each op at the fastest and the slowest of
 its measured in-context samples (hand-computed on a two-op graph), shown in the report."""
+import dataclasses
+
 import pytest
 import torch
 
 from fxdream.ab import ABResult, ABRow
 from fxdream.measure import Measurement
-from fxdream.report import Report
+from fxdream.report import PassReport, Report
 from fxdream.sim.cost import Analytic, Profiled, get_device
 from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.lower import lower
@@ -72,6 +74,14 @@ def test_the_report_shows_each_prediction_with_its_range_and_the_gain_with_its_o
     text = report.to_markdown()
     assert "84.000 ms (80.000–88.000) without passes → 42.000 ms (40.000–44.000) with them" in text
     assert "2.00x (1.82–2.20)" in text
+
+
+def test_a_pass_applied_to_graphs_a_module_running_eagerly_does_not_run_is_marked_unused():
+    row = PassReport("reinplace", 0, "fw", True, "1 op(s) now in place")
+    report = Report(model="M", training=False, device="cpu", graphs=(), passes=(row,))
+    assert "| reinplace | 0/fw | yes | 1 op(s) now in place |" in report.to_markdown()
+    eager = dataclasses.replace(report, fallback_reason="measured slower than eager")
+    assert "| reinplace | 0/fw | yes, unused (runs eagerly) | 1 op(s) now in place |" in eager.to_markdown()
 
 
 def _row(optimized_ms: float, predicted_range, at_build_range=None):
