@@ -245,10 +245,14 @@ def test_a_rewrite_of_a_graph_shared_by_two_instances_runs_only_for_the_state_it
 @pytest.mark.parametrize("training", [False, True])
 def test_a_lazy_module_keeps_what_its_first_call_set(training):
     """A forward's Python side effects are the model's: a lazy module's first call (in the build)
-    sets its sizes and swaps its class, and the build leaves them so."""
+    sets its sizes and swaps its class, and the build leaves them so. Initialized before the
+    capture, its weights are read like any module's: an inference build traces it with torch.fx."""
     model, x = nn.Sequential(nn.LazyLinear(4), nn.ReLU()).train(training), torch.randn(3, 5)
-    fxdream.optimize(model, (x,), training=training, cost=None)
+    optimized = fxdream.optimize(model, (x,), training=training, cost=None)
     assert type(model[0]) is nn.Linear and model[0].in_features == 5
+    assert optimized.report.capture == ("dynamo (training)" if training else "torch.fx symbolic_trace")
+    with torch.set_grad_enabled(training):
+        torch.testing.assert_close(optimized(x), model(x))
 
 
 def test_a_training_capture_leaves_the_callers_autograd_graph_alone():
