@@ -146,6 +146,14 @@ def test_a_meta_model_reading_a_value_gets_a_capture_error_saying_what_to_do():
         fxdream.simulate(model, (torch.randn(2, 4, device="meta"),), device="h100")
 
 
+def test_a_lazy_module_not_yet_called_is_named_with_what_to_do_before_a_prediction_for_another_device():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(8))
+    with pytest.raises(ValueError, match=r"lazy module 1 \(LazyLinear\) not yet called: .* call the model once"):
+        fxdream.simulate(model, (torch.randn(2, 4),), device="h100")
+    model(torch.randn(2, 4))
+    assert fxdream.simulate(model, (torch.randn(2, 4),), device="h100").time_ms > 0
+
+
 class MaskedSum(nn.Module):
     """Boolean-mask indexing: nonzero, whose result size depends on the mask's values."""
     def __init__(self):

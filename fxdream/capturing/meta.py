@@ -11,6 +11,7 @@ import itertools
 import torch
 from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import fake_tensor_tls
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -26,6 +27,7 @@ def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None,
     device: the model is deep-copied with its tensors replaced by meta ones (no data copied),
     the original is left as it was. ``lengths_on_cpu``: 1-d integer input tensors stay as they
     are, as ``pack_padded_sequence`` takes its lengths on the CPU whatever the model's device."""
+    _refuse_uninitialized(model)
     memo: dict[int, torch.Tensor] = {}
     if lengths_on_cpu:
         memo.update((id(t), t) for t in tree_leaves((inputs, kwargs or {}))
@@ -40,6 +42,16 @@ def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None,
     packed, to_meta = (lambda v: isinstance(v, PackedSequence)), functools.partial(_to_meta, memo)
     return (copied, tree_map(to_meta, tuple(inputs), is_leaf=packed),
             tree_map(to_meta, dict(kwargs or {}), is_leaf=packed))
+
+
+def _refuse_uninitialized(model: torch.nn.Module) -> None:
+    """A lazy module not yet called has no shapes, and only a call on real data gives them."""
+    lazy = [f"{name or '(the model)'} ({type(m).__name__})" for name, m in model.named_modules()
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    if lazy:
+        raise ValueError(f"lazy module {', '.join(lazy[:3])}{' and more' if len(lazy) > 3 else ''} not yet called: "
+                         f"its weights have no shape, and this prediction runs nothing on real data; call the "
+                         f"model once on an example batch first (or build it with its input sizes)")
 
 
 def _to_meta(memo: dict, value):
