@@ -2,6 +2,7 @@
 import collections
 import copy
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -88,6 +89,9 @@ def test_an_untraceable_model_is_captured_by_dynamo_with_the_reason():
     model, x = DataDependent(), torch.randn(3)
     optimized = _eval_optimize(model, x)
     assert optimized.report.capture.startswith("dynamo (torch.fx cannot trace it (TraceError")
+    # the model's line that torch.fx stopped at, which torch.fx's own message does not give
+    line = inspect.getsourcelines(DataDependent.forward)[1] + 1
+    assert f"at test_fx_capture.py:{line} `return x * 2 if x.sum().item() > 0 else x * 3`" in optimized.report.capture
     assert optimized.report.graph_breaks  # dynamo broke at the data-dependent branch, as before
     with torch.no_grad():
         torch.testing.assert_close(optimized(-x.abs()), -x.abs() * 3)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import inspect
 import operator
+import os
+import traceback
 from typing import Callable
 
 import torch
@@ -277,7 +279,7 @@ def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None
     try:
         gm = fx.symbolic_trace(model, concrete_args={p.name: p.default for p in rest} or None)
     except Exception as error:
-        return None, f"torch.fx cannot trace it ({_headline(error)})"
+        return None, f"torch.fx cannot trace it ({_headline(error)}{_in_model_code(error)})"
     # a fixed argument stays a placeholder guarded by an assert (on ``arg == default`` for a
     # number): the runner guards calls instead
     for placeholder in [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]:
@@ -303,6 +305,18 @@ def _is_assert(node: fx.Node) -> bool:
 def _headline(error: BaseException) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
+def _in_model_code(error: BaseException) -> str:
+    """Where the model's own code (not torch's, not fxdream's) raised ``error``: ", at file:line
+    `source`", or "" where none of its frames is the model's. torch.fx's errors name what failed,
+    not the line of the model that asked for it."""
+    own = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(own)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f", at {os.path.basename(frame.filename)}:{frame.lineno}" + (f" `{frame.line}`" if frame.line else "")
 
 
 def _flatten_outputs(gm: fx.GraphModule):
