@@ -538,3 +538,16 @@ def test_a_model_with_forward_hooks_is_not_traced_and_its_hooks_run_at_every_cal
         torch.testing.assert_close(optimized(x), model(x))
         optimized(x)
     assert len(seen) == 3  # eager's call and the module's two
+
+
+class ScaledBy(nn.Module):
+    def forward(self, x, scale, shift):
+        return x * scale + (0 if shift is None else shift)
+
+
+def test_a_non_tensor_example_input_is_named_by_position_and_value_in_the_capture_reason():
+    model, x = ScaledBy(), torch.randn(3)
+    optimized = fxdream.optimize(model.eval(), (x, 2.0, None), cost=None)
+    assert optimized.report.capture == "dynamo (a non-tensor example input (at position 1: 2.0 and 1 more))"
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x, 2.0, None), x * 2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import reprlib
 import traceback
 from typing import Callable
 
@@ -213,8 +214,11 @@ def _flat_trace(model: torch.nn.Module, inputs: tuple):
     None), or (None, None, why it cannot be traced and checked against eager)."""
     if getattr(model.forward, "_torchdynamo_disable", False):
         return None, None, "forward is excluded from compilation (torch._dynamo.disable)"
-    if not all(isinstance(x, torch.Tensor) for x in inputs):
-        return None, None, "a non-tensor example input"
+    other = [(i, x) for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)]
+    if other:  # the trace takes tensors only: a value would be fixed in it
+        where, value = other[0]
+        more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+        return None, None, f"a non-tensor example input (at position {where}: {reprlib.repr(value)}{more})"
     if any(t.device.type not in ("cpu", "cuda") for t in list(model.parameters()) + list(inputs)):
         return None, None, "tensors on a device whose values cannot be compared with eager's (meta)"
     traced, reason = _trace(model, len(inputs))
