@@ -31,8 +31,8 @@ from fxdream.ir.flops import node_flops
 from fxdream.ir.nodes import VIEW_OPS, value_of
 from fxdream.ir.tensors import real_tensors
 from fxdream.sim.cost.devices import DeviceSpec, dtype_name
-from fxdream.sim.cost.profiled import _materialize
 from fxdream.sim.profile.host_timing import _time_calls
+from fxdream.sim.profile.in_context import random_like
 from fxdream.sim.profile.op_keys import profile_key
 from fxdream.sim.taskgraph import Task, TaskKind
 from fxdream.whatif.core import (
@@ -166,7 +166,7 @@ def _measured_ratio(node: fx.Node, dtype: torch.dtype, cache: dict) -> float | N
         try:
             with real_tensors():
                 cpu = torch.device("cpu")
-                args, kwargs = tree_map(lambda v: _materialize(v, cpu), tree_map(value_of, (node.args, node.kwargs)))
+                args, kwargs = tree_map(lambda v: random_like(v, cpu), tree_map(value_of, (node.args, node.kwargs)))
                 low = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
                                and t.dtype == torch.float32 else t, (args, kwargs))
                 t32 = _time_calls(lambda: node.target(*args, **kwargs), rounds=3, target_block_us=1000.0)

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
 from fxdream.capturing.dynamo import describe_error
 from fxdream.ir.nodes import arg_values, is_view, op_name
-from fxdream.ir.tensors import real_tensors, size_hint
+from fxdream.ir.tensors import real_tensors
 from fxdream.runtime.direct_calls import direct
 from fxdream.runtime.host_memory import page_faults
 from fxdream.sim.cost.analytic import Analytic
@@ -44,6 +43,7 @@ from fxdream.sim.profile.in_context import (  # noqa: F401  (MIN_ROUNDS)
     compute_nodes,
     ones_like,
     owned_copies,
+    random_like,
     time_graph,
 )
 from fxdream.sim.profile.op_keys import profile_key
@@ -64,21 +64,6 @@ WARM_RUN_BELOW_US = 20_000.0
 RUN_SPREAD_COVER = 0.9  # run_spread_of: the share of a graph's cost a timed graph must hold
 FEW_NEW_OPS = 4     # worth_timing_in_context: at most this many distinct new ops, ...
 MIN_SHARE = 0.01    # ... under this share of the graph's time, are not timed in context
-
-
-def _materialize(value, device: torch.device):
-    """A real tensor like a fake one: random floats, zeros for integers (always valid indices)."""
-    if not isinstance(value, torch.Tensor):
-        return size_hint(value)
-    if not isinstance(value, FakeTensor):
-        return value  # a real constant (a folded or prepacked weight): time it as it is
-    shape, stride = tuple(map(size_hint, value.shape)), tuple(map(size_hint, value.stride()))
-    storage = sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) + 1
-    if value.is_floating_point():
-        flat = torch.randn(storage, dtype=value.dtype, device=device)
-    else:
-        flat = torch.zeros(storage, dtype=value.dtype, device=device)
-    return torch.as_strided(flat, shape, stride) if value.numel() else torch.empty(shape, dtype=value.dtype, device=device)
 
 
 class Profiled:
@@ -198,7 +183,7 @@ class Profiled:
         if not callable(node.target) or isinstance(node.target, str):
             return 0.0, None
         try:
-            args, kwargs = tree_map(lambda v: _materialize(v, self.torch_device), arg_values(node))
+            args, kwargs = tree_map(lambda v: random_like(v, self.torch_device), arg_values(node))
             op = direct(node.target)  # as graph code calls it (``direct_calls``)
             call = lambda: op(*args, **kwargs)  # noqa: E731
             if self.torch_device.type == "cuda":

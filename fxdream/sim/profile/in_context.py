@@ -12,6 +12,7 @@ import weakref
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten
 
 from fxdream.ir.aliasing import written_inputs
@@ -227,6 +228,23 @@ def ones_like(value, device: torch.device):
         shape, stride = tuple(map(size_hint, value.shape)), tuple(map(size_hint, value.stride()))
         return torch.empty_strided(shape, stride, dtype=value.dtype, device=device).fill_(1)
     return value
+
+
+def random_like(value, device: torch.device):
+    """A real tensor like a fake one: random floats, zeros for integers (always valid indices)."""
+    if not isinstance(value, torch.Tensor):
+        return size_hint(value)
+    if not isinstance(value, FakeTensor):
+        return value  # a real constant (a folded or prepacked weight): time it as it is
+    shape, stride = tuple(map(size_hint, value.shape)), tuple(map(size_hint, value.stride()))
+    storage = sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) + 1
+    if value.is_floating_point():
+        flat = torch.randn(storage, dtype=value.dtype, device=device)
+    else:
+        flat = torch.zeros(storage, dtype=value.dtype, device=device)
+    if not value.numel():
+        return torch.empty(shape, dtype=value.dtype, device=device)
+    return torch.as_strided(flat, shape, stride)
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
