@@ -31,7 +31,7 @@ import torch
 import fxdream
 from fxdream.ab import PROFILING, interleaved_profiler, measured_step, step_fn
 from fxdream.capturing.steps import one_step
-from fxdream.cli import build_model
+from fxdream.cli_arguments import build_model
 from fxdream.measure import time_interleaved
 from fxdream.numerics import max_abs_diff
 from fxdream.sim.prediction import predict

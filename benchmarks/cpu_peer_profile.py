@@ -37,7 +37,7 @@ from cpu_peers import require
 import fxdream
 from fxdream.build import cost_model_for
 from fxdream.capturing.dynamo import describe_error
-from fxdream.cli import build_model, file_safe
+from fxdream.cli_arguments import build_model, file_safe
 from fxdream.ir.nodes import op_name
 
 RESULTS = Path(__file__).parent / "results"

@@ -8,18 +8,26 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import sys
 import time
 
 import torch
 
 import fxdream
-from fxdream import models, whatif
-from fxdream.ab import ab, check_device_here, plot_ab, user_build
+from fxdream import whatif
+from fxdream.ab import ab, check_device_here, plot_ab
+from fxdream.cli_arguments import (
+    MODEL_HELP,
+    batch_sizes,
+    build_model,
+    file_safe,
+    model_args,
+    positive_int,
+    user_model,
+    zoo_names,
+)
 from fxdream.explain import crossover
 from fxdream.measure import time_interleaved
-from fxdream.models import NAMES
 from fxdream.plan import plan
 from fxdream.sim.lower import OPTIMIZERS
 from fxdream.sim.prediction import predict
@@ -27,45 +35,6 @@ from fxdream.sim.profile.machine_load import watch_machine_load
 from fxdream.sim.profile.store import PROFILE_DIR_ENV
 from fxdream.sim.trace import plot_comparison, plot_timeline, write_chrome_trace
 from fxdream.simulation import capture_for_prediction, disturbed_notes, prediction_inputs, simulate
-
-
-def build_model(name: str, batch: int, tiny: bool = False, training: bool = False):
-    """(model, inputs, loss_fn) for a zoo name or a user model (``FILE.py:FUNCTION``), in the mode asked."""
-    user = user_model(name, tiny=tiny)
-    if user is not None:
-        model, inputs, loss_fn = user(batch)
-    else:
-        model, inputs, loss_fn = models.build(name, batch, tiny=tiny)
-    model.train(training)
-    return model, inputs, loss_fn
-
-
-def user_model(spec: str, device: str = "cpu", tiny: bool = False):
-    """``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` → ``build(batch) -> (model, inputs, loss_fn)``
-    on ``device``; None for a zoo name. FUNCTION(batch_size) returns (model, inputs) or (model,
-    inputs, loss_fn); inputs a tensor, a tuple, or a dict of forward's keyword arguments; without a
-    loss, training sums the outputs."""
-    where, colon, name = spec.rpartition(":")
-    if not colon:
-        return None
-    if tiny:
-        raise ValueError(f"--tiny is for zoo models; {spec!r} builds what its function returns")
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise ValueError(f"model {spec!r}: no file {where!r}")
-        loader = importlib.util.spec_from_file_location(f"fxdream_model_{abs(hash(where))}", where)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[loader.name] = module  # importable by name: inductor imports a model's module
-        loader.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as error:
-            raise ValueError(f"model {spec!r}: {error}") from error
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"model {spec!r}: {where} has no function {name!r}")
-    return user_build(function, device, label=f"model {spec!r}: {name}")
 
 
 def cmd_capture(args) -> int:
@@ -269,47 +238,6 @@ def _print_crossover(captured, args) -> None:
     print(f"\naux_stream_backward crossover (predicted): {text}\n  gain(b) = {expression}")
 
 
-def file_safe(spec: str) -> str:
-    """A model name or ``FILE.py:FUNCTION`` as part of a file name: ``mynet.py:build`` → ``mynet_build``."""
-    return re.sub(r"[^A-Za-z0-9_-]+", "_", spec.replace(".py:", ":")).strip("_") or "model"
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1 (a batch size, rounds, a block of calls)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def batch_sizes(text: str) -> tuple[int, ...]:
-    """argparse type: comma-separated batch sizes, each ≥ 1 (``1,8,32``)."""
-    sizes = tuple(positive_int(part.strip()) for part in text.split(",") if part.strip())
-    if not sizes:
-        raise argparse.ArgumentTypeError("no batch size given (e.g. 1,8,32)")
-    return sizes
-
-
-def _model_args(parser, batch: int = 1, training: bool = True) -> None:
-    """The arguments every per-model command takes."""
-    parser.add_argument("model", help=MODEL_HELP.format(", ".join(_zoo_names())))
-    parser.add_argument("--batch", type=positive_int, default=batch)
-    parser.add_argument("--tiny", action="store_true", help="the tiny config of the zoo model (fast)")
-    if training:
-        parser.add_argument("--training", action="store_true")
-
-
-MODEL_HELP = ("a zoo model ({}), or your own: FILE.py:FUNCTION or MODULE:FUNCTION, where "
-              "FUNCTION(batch_size) returns (model, inputs) or (model, inputs, loss_fn)")
-
-
-def _zoo_names() -> tuple[str, ...]:
-    return NAMES
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subcommand each for measuring (demo, ab) and predicting (capture,
     simulate, whatif, explain)."""
@@ -332,7 +260,7 @@ def _add_measuring_commands(sub) -> None:
     demo.set_defaults(run=cmd_demo)
 
     abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
-    abp.add_argument("model", help=MODEL_HELP.format(", ".join(_zoo_names())))
+    abp.add_argument("model", help=MODEL_HELP.format(", ".join(zoo_names())))
     abp.add_argument("--pass", dest="passes", required=True, help="pass name(s), comma-separated")
     abp.add_argument("--batch", type=batch_sizes, default=(1,), help="comma-separated batch sizes, e.g. 1,8,32")
     abp.add_argument("--training", action="store_true")
@@ -348,12 +276,12 @@ def _add_measuring_commands(sub) -> None:
 
 def _add_predicting_commands(sub) -> None:
     cap = sub.add_parser("capture", help="capture a zoo model and print its layer summary")
-    _model_args(cap)
+    model_args(cap)
     cap.add_argument("--top", type=positive_int, default=None)
     cap.set_defaults(run=cmd_capture)
 
     sim = sub.add_parser("simulate", help="predict an iteration of a zoo model on a device")
-    _model_args(sim)
+    model_args(sim)
     sim.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     sim.add_argument("--cost", default="auto", choices=("auto", "profiled", "analytic"))
     sim.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"))
@@ -364,7 +292,7 @@ def _add_predicting_commands(sub) -> None:
     sim.set_defaults(run=cmd_simulate)
 
     wif = sub.add_parser("whatif", help="Daydream what-ifs (AMP, fused optimizer, faster GPU, DDP, P3), predicted")
-    _model_args(wif, batch=32, training=False)
+    model_args(wif, batch=32, training=False)
     wif.add_argument("--device", default="h100", help="v100, a100, h100, h200 or cpu")
     wif.add_argument("--cost", default="analytic", choices=("auto", "profiled", "analytic"))
     wif.add_argument("--optimizer", default="adam", choices=("sgd", "adam"))
@@ -372,7 +300,7 @@ def _add_predicting_commands(sub) -> None:
     wif.set_defaults(run=cmd_whatif)
 
     exp = sub.add_parser("explain", help="predicted breakdown and what each pass would do, before vs after")
-    _model_args(exp)
+    model_args(exp)
     exp.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     exp.add_argument("--pass", dest="passes", default="auto", help='"auto" or pass name(s), comma-separated')
     exp.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"),

@@ -87,7 +87,7 @@ def test_ab_refuses_bad_batch_sizes_rounds_and_blocks():
 @pytest.mark.parametrize("spec, stem", [("resnet50", "resnet50"), ("nets/my.net.py:build", "nets_my_net_build"),
                                         ("pkg.models:make", "pkg_models_make")])
 def test_a_model_spec_becomes_a_plain_file_name(spec, stem):
-    from fxdream.cli import file_safe
+    from fxdream.cli_arguments import file_safe
     assert file_safe(spec) == stem
 
 def test_demo_on_a_tiny_model_reports_and_times(capsys):
@@ -154,7 +154,7 @@ def test_a_model_file_is_importable_by_its_module_name(tmp_path):
     """inductor imports a model class's module by name: a file loaded as a user model must be
     in sys.modules (it was not, and torch.compile failed on it with ModuleNotFoundError)."""
     import importlib
-    from fxdream.cli import user_model
+    from fxdream.cli_arguments import user_model
     path = tmp_path / "mine.py"
     path.write_text(USER_MODEL)
     model, inputs, _ = user_model(f"{path}:build_mine")(2)
