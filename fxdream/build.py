@@ -31,7 +31,7 @@ from fxdream.numerics import deviation, max_abs_diff
 from fxdream.optimized_module import OptimizedModule, call_kind
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
-from fxdream.pass_runner import PassPipeline, failed_to_run
+from fxdream.pass_runner import PassPipeline, not_run
 from fxdream.runtime.host_memory import fresh_memory_note, timed_fresh_memory_note
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
 from fxdream.sim.measured_scale import graph_scale, rescaled_ms
@@ -247,7 +247,8 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
             without = _build(model, inputs, (), auto, training, target, strict, cost, memory_budget, timing_rounds)
             if without._fallback_reason is None:
                 # none of the rewrites is kept (the graphs run as captured): each applied row says so
-                without._pipeline.rows[:] = [failed_to_run(r, error) for r in pipeline.rows]
+                why = f"the rewritten graphs failed when run ({describe_error(error)})"
+                without._pipeline.rows[:] = [not_run(r, why) for r in pipeline.rows]
                 return without
         run_once(model, model, inputs, training)  # if eager fails too, the model itself is broken
         failure = f"the model's capture ({how}) failed: {describe_error(error)}"

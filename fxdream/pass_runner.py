@@ -358,16 +358,20 @@ class PassPipeline:
 
     def rewrite_failed(self, index: int, phase: str, error: Exception) -> None:
         """Graph ``index``'s rewrite raised when run where the graph as captured did not: that
-        graph runs as captured from now on (``graph_guards.captured_if_rewrite_raises``), and its
-        applied rows say so (and are reported again to ``on_row``)."""
+        graph runs as captured from now on (``graph_guards.captured_if_rewrite_raises``)."""
+        self.runs_as_captured(index, phase, f"the rewritten graphs failed when run ({describe_error(error)})")
+        log.warning("graph %d/%s: the rewritten graph raised (%s); it runs as captured",
+                    index, phase, describe_error(error))
+
+    def runs_as_captured(self, index: int, phase: str, why: str) -> None:
+        """Graph ``index`` runs as captured from now on (``why``): its applied rows say so (and are
+        reported again to ``on_row``)."""
         self.rewritten.pop((index, phase), None)
         for i, row in enumerate(self.rows):
             if (row.graph_index, row.phase) == (index, phase) and row.applied:
-                self.rows[i] = failed_to_run(row, error)
+                self.rows[i] = not_run(row, why)
                 if self.on_row is not None:  # the backend's on_report hears of it too
                     self.on_row(self.rows[i])
-        log.warning("graph %d/%s: the rewritten graph raised (%s); it runs as captured",
-                    index, phase, describe_error(error))
 
     def _add(self, row: PassReport) -> None:
         self.rows.append(row)
@@ -376,14 +380,12 @@ class PassPipeline:
             self.on_row(row)
 
 
-def failed_to_run(row: PassReport, error: Exception) -> PassReport:
-    """``row``, if applied, as a rewrite whose graph raised when run and so runs as captured."""
+def not_run(row: PassReport, why: str) -> PassReport:
+    """``row``, if applied, as a rewrite whose graph no longer runs (``why``): it runs as captured."""
     if not row.applied:
         return row
-    reason = (f"applied, but the rewritten graphs failed when run ({describe_error(error)}); "
-              f"they run as captured: {row.reason}")
-    return dataclasses.replace(row, applied=False, reason=reason, predicted_delta_us=None,
-                               predicted_delta_peak_bytes=None)
+    return dataclasses.replace(row, applied=False, reason=f"applied, but {why}; the graph runs as captured: "
+                               f"{row.reason}", predicted_delta_us=None, predicted_delta_peak_bytes=None)
 
 
 def _rows_not_chosen(candidates: dict, best: tuple) -> list[PassReport]:

@@ -47,6 +47,11 @@ def test_weights_changed_in_place_are_seen(change):
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
     assert _changed(optimized.report)
+    # the row no longer claims the rewrite (nor its predicted gain): the graph runs as captured
+    row = optimized.report.passes[0]  # the build's graph (a call in train mode captures one more)
+    assert (row.graph_index, row.phase) == (0, "fw") and not row.applied and row.predicted_delta_us is None
+    assert row.reason.startswith(f"applied, but {CHANGED}; the graph runs as captured: fused")
+    assert (0, "fw") not in optimized.rewritten_graphs
 
 
 class ConvBnNetWithKwargs(ConvBnNet):

@@ -148,10 +148,8 @@ class CaptureSession:
             frozen = runnable is not fw and not record.training  # inference: state may be constants
             run = same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
             if frozen:
-                run = weights_as_built_or(run, fw.forward, kept + self.batches_tracked, lambda: self.notes.append(
-                    f"graph {record.index}: the model's weights changed in place after the build (load_state_dict, "
-                    f"an optimizer step, BatchNorm statistics from a call in train mode): it runs as captured from "
-                    f"then on, reading them as they are; rebuild to fold and pack them again"))
+                run = weights_as_built_or(run, fw.forward, kept + self.batches_tracked,
+                                          lambda: self._weights_changed(record))
                 if any(isinstance(t, torch.Tensor) and t.is_inference() for t in state):
                     self.notes.append(f"graph {record.index}: the model's tensors were made under "
                                       f"torch.inference_mode(), which keeps no version counters: a weight "
@@ -203,6 +201,15 @@ class CaptureSession:
             where = ", ".join(sorted(set(folded))[:3]) + (", ..." if len(set(folded)) > 3 else "")
             self.notes.append(f"graph {index}: {len(folded)} value(s) the {phase} computes from no input (in {where}) "
                               f"computed once at capture instead of on every call")
+
+    def _weights_changed(self, record: _SubgraphRecord) -> None:
+        self.notes.append(f"graph {record.index}: the model's weights changed in place after the build "
+                          f"(load_state_dict, an optimizer step, BatchNorm statistics from a call in train mode): it "
+                          f"runs as captured from then on, reading them as they are; rebuild to fold and pack them "
+                          f"again")
+        as_captured = getattr(self.transform, "runs_as_captured", None)
+        if as_captured is not None:
+            as_captured(record.index, "fw", "the model's weights changed in place after the build")
 
     def _rewrite_failed(self, record: _SubgraphRecord, error: Exception) -> None:
         failed = getattr(self.transform, "rewrite_failed", None)
