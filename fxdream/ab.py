@@ -207,15 +207,27 @@ def check_device_here(device: str) -> None:
                          "without one: python -m fxdream explain MODEL --device h100")
 
 
-def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, device: str = "cpu",
-       tiny: bool = False, rounds: int = 5, block: int = 10, progress: bool = True,
-       dtype: torch.dtype = torch.float32) -> ABResult:
+def ab(model: str | Callable | torch.nn.Module, passes, batch_sizes=None, training: bool = False,
+       device: str = "cpu", tiny: bool = False, rounds: int = 5, block: int = 10, progress: bool = True,
+       dtype: torch.dtype = torch.float32, example_inputs=None, loss_fn: Callable | None = None) -> ABResult:
     """For each batch: eager, baseline (no pass) and optimized timed side by side, plus predictions.
 
-    ``model`` is a zoo name or ``build(batch_size)`` returning (model, example_inputs) or (model,
-    example_inputs, loss_fn): ``user_build``.
+    ``model`` is a zoo name, ``build(batch_size)`` returning (model, example_inputs) or (model,
+    example_inputs, loss_fn) (``user_build``), or a module with its ``example_inputs`` (a tensor, a
+    tuple, or a dict of keyword arguments) and optional ``loss_fn``: one row, at the batch of those
+    inputs (their first tensor's leading size). ``batch_sizes``: (1,) unless said.
     """
-    batch_sizes = (batch_sizes,) if isinstance(batch_sizes, int) else tuple(batch_sizes)
+    if isinstance(model, torch.nn.Module):
+        model, batch = _module_as_build(model, example_inputs, loss_fn)
+        if batch_sizes not in (None, batch, (batch,), [batch]):
+            raise ValueError(f"batch_sizes={batch_sizes!r}: a module with its example_inputs is measured at their "
+                             f"batch ({batch}); for other batch sizes give build(batch_size) -> (model, inputs)")
+        batch_sizes = batch
+    elif example_inputs is not None or loss_fn is not None:
+        raise TypeError("example_inputs and loss_fn are for a module given as the model; a zoo name or a "
+                        "build(batch_size) function makes its own")
+    batch_sizes = (1,) if batch_sizes is None else (batch_sizes,) if isinstance(batch_sizes, int) \
+        else tuple(batch_sizes)
     check_counts(batch_sizes=batch_sizes, rounds=rounds, block=block)
     check_device_here(device)
     if isinstance(model, str):
@@ -252,6 +264,21 @@ def ab(model: str | Callable, passes, batch_sizes=(1,), training: bool = False, 
                           optimized.report.predicted_optimized_ms, after.range_ms,
                           optimized.report.predicted_optimized_ms_range))
     return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
+
+
+def _module_as_build(module: torch.nn.Module, example_inputs, loss_fn) -> tuple[Callable, int]:
+    """(``build(batch)`` giving back the module and its example inputs, their batch)."""
+    if example_inputs is None:
+        raise TypeError(f"ab got a {type(module).__name__} without example_inputs: give the module's example_inputs "
+                        f"(one row, at their batch), or a zoo name or build(batch_size) -> (model, inputs[, "
+                        f"loss_fn]) for several batch sizes")
+    tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor) and t.dim()]
+    batch = tensors[0].shape[0] if tensors else 1
+
+    def build(_batch: int):
+        return module, example_inputs, loss_fn
+    build.__name__ = type(module).__name__
+    return build, batch
 
 
 PROFILING = "(profiling)"  # the runner that profiles in context between the timed blocks

@@ -120,3 +120,25 @@ def test_a_build_function_may_leave_out_the_loss_as_on_the_command_line(training
         assert row.max_abs_diff == 0.0
     with pytest.raises(TypeError, match=r"must return \(model, inputs\) or \(model, inputs, loss_fn\), got tuple of 1"):
         ab(lambda batch: (_mlp(batch)[0],), ["reinplace"], progress=False)
+
+
+def test_a_module_with_its_example_inputs_is_measured_at_their_batch():
+    model, x = _mlp(3)
+    (row,) = ab(model, [RemoveDoubleNeg()], example_inputs=(x,), rounds=1, block=1, progress=False).rows
+    assert (row.model, row.batch, row.max_abs_diff) == ("Sequential", 3, 0.0)
+    (row,) = ab(model, ["reinplace"], example_inputs=x, loss_fn=lambda out: out.square().sum(), training=True,
+                batch_sizes=3, rounds=1, block=1, progress=False).rows
+    assert row.training and row.max_abs_diff == 0.0
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m, x: ab(m, ["reinplace"], progress=False), TypeError,
+     "ab got a Sequential without example_inputs: give the module's example_inputs"),
+    (lambda m, x: ab(m, ["reinplace"], batch_sizes=(1, 8), example_inputs=(x,), progress=False), ValueError,
+     r"batch_sizes=\(1, 8\): a module with its example_inputs is measured at their batch \(3\)"),
+    (lambda m, x: ab(_mlp, ["reinplace"], example_inputs=(x,), progress=False), TypeError,
+     "example_inputs and loss_fn are for a module given as the model"),
+])
+def test_a_module_without_its_example_inputs_or_with_other_batch_sizes_gets_one_line(call, error, message):
+    with pytest.raises(error, match=message):
+        call(*_mlp(3))
