@@ -1,3 +1,4 @@
+import functools
 import logging
 
 import pytest
@@ -40,6 +41,31 @@ def test_qualified_names_from_dynamo_paths():
     assert qualified_name("L['self'].features[3]") == "features.3"
     assert qualified_name("L['fn'].seq.2.0") == "seq.2.0"
     assert qualified_name("L['self']") == ""
+    # a forward wrapped by a ``*args`` decorator: dynamo's frame is the wrapper, ``self`` its args[0]
+    assert qualified_name("L['args'][0].model.layers[0].self_attn") == "model.layers.0.self_attn"
+
+
+def _passes_args_through(forward):
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+    return wrapper
+
+
+class DecoratedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    @_passes_args_through
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_forward_wrapped_by_an_args_decorator_names_its_layers_as_the_model_does():
+    captured = fxdream.capture(DecoratedForward(), (torch.randn(2, 8),), training=True)
+    layers = {n.meta[LAYER] for n in _compute_nodes(captured.forward)}
+    assert layers == {"fc1", "fc2", ""}  # the relu is the model's own
 
 
 def test_inference_capture_has_forward_only_with_layers():

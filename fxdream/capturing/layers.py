@@ -17,12 +17,14 @@ import torch.fx as fx
 
 from fxdream.ir.nodes import LAYER, PHASE, is_compute
 
-_SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+# the frame's local the path starts from: ``self`` by any name, or ``args[0]`` where a decorator
+# wraps ``forward`` in ``def wrapper(*args, **kwargs)`` (transformers' ``LlamaForCausalLM``)
+_SOURCE_PREFIX = re.compile(r"^L\['(?:args'\]\[0|[^']*')\]\.?")
 _MODULES_ITEM = re.compile(r"_(?:modules|parameters|buffers)\['([^']*)'\]")
 _INDEX_ITEM = re.compile(r"\[(\d+)\]")
 _GETATTR = re.compile(r"getattr\(([^()]*?), '([^']*)'\)")
 # a parameter or buffer of the frame's ``self``, whatever the method names it (``def forward(s, x)``)
-_STATE_OF_A_LOCAL = re.compile(r"^L\['[^']*'\]\._(?:modules|parameters|buffers)\[|^L\['self'\]\.")
+_STATE_OF_A_LOCAL = re.compile(r"^L\['[^']*'\]\._(?:modules|parameters|buffers)\[|^L\['self'\]\.|^L\['args'\]\[0\]\.")
 
 
 def qualified_name(dynamo_path: str) -> str:
