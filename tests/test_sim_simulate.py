@@ -3,6 +3,8 @@ comment)."""
 import pytest
 
 from fxdream.sim import Contention, DepKind, Task, TaskGraph, simulate
+from fxdream.sim.simulate import OPTIMIZER_STEP
+from fxdream.sim.task import TaskKind
 
 
 def launch_chain(launch_us, kernel_us, n=3):
@@ -178,8 +180,9 @@ def test_empty_and_cpu_only_per_layer():
     g = TaskGraph()
     g.append(Task.cpu("a", 3, layer="enc.0"))
     g.append(Task.cpu("b", 4, layer="enc.0"))
-    g.append(Task.cpu("c", 5))                                 # no layer: not counted
-    assert simulate(g).per_layer_us == {"enc.0": 7.0}          # 3 + 4, CPU time (no kernels)
+    g.append(Task.cpu("c", 5))                                 # no layer: the model's own
+    g.append(Task("o", TaskKind.CPU, 2, "cpu:0", phase="optim"))  # the optimizer's, apart
+    assert simulate(g).per_layer_us == {"enc.0": 7.0, "": 5.0, OPTIMIZER_STEP: 2.0}  # CPU time (no kernels)
 
 
 def test_cycle_is_reported():

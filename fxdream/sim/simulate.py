@@ -42,6 +42,9 @@ from fxdream.sim.task_arrays import TaskArrays
 from fxdream.sim.taskgraph import TaskGraph, TaskKind
 
 
+OPTIMIZER_STEP = "(optimizer step)"  # per_layer_us's row of the optimizer's tasks, which no layer owns
+
+
 @dataclass(frozen=True)
 class Contention:
     """Share the GPU between concurrently running kernels (see module docstring).
@@ -64,7 +67,8 @@ class Timeline:
     busy_us: Mapping[str, float]               # resource -> time it was running a task
     critical_path: tuple[str, ...]             # first task ... last-finishing task
     per_layer_us: Mapping[str, float]          # layer -> simulated GPU-kernel time (CPU-task
-                                               # time if no GPU tasks); untagged tasks skipped
+                                               # time if no GPU tasks); "" the model's own ops and
+                                               # other untagged tasks, OPTIMIZER_STEP the optimizer's
     peak_memory_bytes: int
     memory_curve: tuple[tuple[float, int], ...]  # (time, bytes) after each change, in order
     initial_memory_bytes: int = 0
@@ -302,9 +306,8 @@ def _timeline(c: TaskArrays, start, end, rprev, trig, mem, init) -> Timeline:
     per_layer: dict[str, float] = {}
     layers = c.layer
     for i in sel:
-        layer = layers[i]
-        if layer:
-            per_layer[layer] = per_layer.get(layer, 0.0) + end[i] - start[i]
+        layer = layers[i] or (OPTIMIZER_STEP if tasks[i].phase == "optim" else "")
+        per_layer[layer] = per_layer.get(layer, 0.0) + end[i] - start[i]
     cur = peak = init
     curve = [(0.0, init)]
     for tm, d in mem:
