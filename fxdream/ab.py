@@ -26,6 +26,7 @@ from fxdream.build import cost_model_for, optimize
 from fxdream.capturing.arguments import check_counts, check_inputs
 from fxdream.capturing.host_gaps import StepCalls, measure_host_gaps, worth_measuring
 from fxdream.capturing.keywords import bind_keywords
+from fxdream.capturing.meta import on_meta
 from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import cut_from_callers_graph, differentiable_scalar
 from fxdream.measure import Measurement, time_interleaved
@@ -168,8 +169,10 @@ def user_build(function: Callable, device: str = "cpu", label: str | None = None
                             f"got {type(built).__name__}" + (f" of {len(built)}" if isinstance(built, tuple) else ""))
         model, inputs = built[:2]
         model, inputs = bind_keywords(model, (), inputs) if isinstance(inputs, dict) else (model, check_inputs(inputs))
-        inputs = torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
         loss_fn = built[2] if len(built) == 3 and built[2] is not None else differentiable_scalar
+        if on_meta(model, inputs):  # shapes only, for a prediction: nothing to move
+            return model, inputs, loss_fn
+        inputs = torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, inputs)
         return model.to(device), inputs, loss_fn
     build.__name__ = name
     return build
@@ -242,6 +245,9 @@ def ab(model: str | Callable | torch.nn.Module, passes, batch_sizes=None, traini
     rows = []
     for batch in batch_sizes:
         model, inputs, loss_fn = build(batch)
+        if on_meta(model, inputs):
+            raise ValueError(f"{model_name}: the model is on the meta device (shapes, no data), and an A/B runs it "
+                             f"here; predict it instead: fxdream.simulate(model, inputs, device=...)")
         model.train(training)
         baseline = optimize(model, inputs, training=training, device=device)
         optimized = optimize(model, inputs, passes=selected, training=training, device=device)

@@ -20,6 +20,7 @@ from fxdream.cli_arguments import (
     MODEL_HELP,
     batch_sizes,
     build_model,
+    device_name,
     file_safe,
     model_args,
     positive_int,
@@ -282,7 +283,7 @@ def _add_predicting_commands(sub) -> None:
 
     sim = sub.add_parser("simulate", help="predict an iteration of a zoo model on a device")
     model_args(sim)
-    sim.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
+    sim.add_argument("--device", type=device_name, default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     sim.add_argument("--cost", default="auto", choices=("auto", "profiled", "analytic"))
     sim.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"))
     sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
@@ -293,7 +294,7 @@ def _add_predicting_commands(sub) -> None:
 
     wif = sub.add_parser("whatif", help="Daydream what-ifs (AMP, fused optimizer, faster GPU, DDP, P3), predicted")
     model_args(wif, batch=32, training=False)
-    wif.add_argument("--device", default="h100", help="v100, a100, h100, h200 or cpu")
+    wif.add_argument("--device", type=device_name, default="h100", help="v100, a100, h100, h200 or cpu")
     wif.add_argument("--cost", default="analytic", choices=("auto", "profiled", "analytic"))
     wif.add_argument("--optimizer", default="adam", choices=("sgd", "adam"))
     wif.add_argument("--json", help="write the scenarios as JSON here")
@@ -301,7 +302,7 @@ def _add_predicting_commands(sub) -> None:
 
     exp = sub.add_parser("explain", help="predicted breakdown and what each pass would do, before vs after")
     model_args(exp)
-    exp.add_argument("--device", default="cpu", help="cpu (this machine), v100, a100, h100, h200")
+    exp.add_argument("--device", type=device_name, default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     exp.add_argument("--pass", dest="passes", default="auto", help='"auto" or pass name(s), comma-separated')
     exp.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"),
                      help="the optimizer step a training step includes (as simulate's)")

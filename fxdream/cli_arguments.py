@@ -12,6 +12,7 @@ import sys
 from fxdream import models
 from fxdream.ab import user_build
 from fxdream.models import NAMES
+from fxdream.sim.cost import get_device
 
 
 def build_model(name: str, batch: int, tiny: bool = False, training: bool = False):
@@ -67,6 +68,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def device_name(text: str) -> str:
+    """argparse type: a device the simulator has a spec for (``h100``, ``cpu``...), checked before
+    the model is built."""
+    try:
+        get_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:

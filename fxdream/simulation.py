@@ -10,10 +10,11 @@ import torch.fx.experimental._config as meta_config  # private; the only switch 
 from torch.utils._pytree import tree_leaves
 
 from fxdream.build import cost_model_for
+from fxdream.capturing.arguments import check_memory_budget, check_model
 from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.keywords import bind_keywords
-from fxdream.capturing.meta import meta_copy, on_meta
+from fxdream.capturing.meta import check_meta_on_both_sides, meta_copy, on_meta
 from fxdream.ops.rnn_cell import cells_as_on
 from fxdream.plan import plan
 from fxdream.sim.cost import CostModel, DeviceSpec, Profiled
@@ -35,6 +36,8 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     """
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
+    check_model(model)
+    check_memory_budget(memory_budget)
     model, example_inputs = bind_keywords(model, example_inputs, example_kwargs)  # all positional from here
     captured_model, inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
     with watch_machine_load() as load:  # where costs are measured here: did other processes run beside them?
@@ -265,6 +268,7 @@ def prediction_inputs(model: torch.nn.Module, example_inputs, device: str | Devi
     device that is not here, or ``cost="analytic"``) a copy on the meta device, so nothing runs
     on real data here; a model already on the meta device takes analytic costs."""
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    check_meta_on_both_sides(model, inputs)
     meta = on_meta(model, inputs)
     if meta and cost == "profiled":
         raise ValueError("cost='profiled' measures the model on this machine, and its tensors are on the meta "

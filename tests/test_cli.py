@@ -48,7 +48,6 @@ def test_explain_for_a_gpu_lists_each_pass(tmp_path, capsys):
     (["ab", "mnist_convnet", "--tiny", "--pass", "x", "--load", "/no/such/passes.py"],
      "--load '/no/such/passes.py': no such file"),
     (["simulate", "mnist_convnet", "--tiny", "--trace", "/no/such/folder/t.json"], "no folder '/no/such/folder'"),
-    (["simulate", "mnist_convnet", "--tiny", "--device", "tpu9"], "unknown device 'tpu9'"),
     (["ab", "mnist_convnet", "--tiny", "--pass", "fuse_everything"], "fuse_everything"),
     (["ab", "mnist_convnet", "--tiny", "--pass", "cuda_graphs", "--device", "h100"], "an A/B measures on this machine"),
     pytest.param(["ab", "mnist_convnet", "--tiny", "--pass", "cuda_graphs", "--device", "cuda"], "no CUDA device here",
@@ -68,6 +67,7 @@ def test_bad_arguments_give_one_line(argv, message, capsys):
     (["simulate", "mnist_convnet", "--tiny", "--batch", "-2"], "--batch: -2 must be at least 1"),
     (["simulate", "mnist_convnet", "--tiny", "--top", "-1"], "--top: -1 must be at least 1"),
     (["explain", "mnist_convnet", "--top", "0"], "--top: 0 must be at least 1"),
+    (["simulate", "mnist_convnet", "--tiny", "--device", "tpu9"], "argument --device: unknown device 'tpu9'"),
 ])
 def test_counts_below_one_are_refused_by_argparse(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -145,6 +145,11 @@ class MaskedSum(nn.Module):
     def forward(self, x, mask):
         return self.linear(x).squeeze(-1)[mask == 1].sum()
 
+def build_on_meta(batch):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten())
+    return model, torch.randn(batch, 3, 8, 8, device="meta")
+
 def build_masked(batch):
     return MaskedSum(), dict(x=torch.randn(batch, 12, 8), mask=torch.ones(batch, 12, dtype=torch.long))
 '''
@@ -214,3 +219,14 @@ def test_simulate_takes_a_training_step_without_an_optimizer(capsys):
         first = capsys.readouterr().out.splitlines()[1]
         tasks[optimizer] = int(first.rsplit("(", 1)[1].split()[0])
     assert tasks["none"] < tasks["sgd"]  # no optimizer step's tasks
+
+
+def test_a_model_built_on_the_meta_device_is_predicted_and_not_measured(tmp_path, capsys):
+    path = tmp_path / "mine.py"
+    path.write_text(USER_MODEL)
+    assert main(["simulate", f"{path}:build_on_meta", "--device", "h100", "--batch", "2", "--training"]) == 0
+    assert "predicted training step on h100" in capsys.readouterr().out
+    assert main(["whatif", f"{path}:build_on_meta", "--batch", "2"]) == 0
+    assert "baseline (predicted)" in capsys.readouterr().out
+    assert main(["ab", f"{path}:build_on_meta", "--pass", "reinplace"]) == 2
+    assert "the model is on the meta device (shapes, no data), and an A/B runs it here" in capsys.readouterr().err

@@ -154,6 +154,37 @@ def test_a_lazy_module_not_yet_called_is_named_with_what_to_do_before_a_predicti
     assert fxdream.simulate(model, (torch.randn(2, 4),), device="h100").time_ms > 0
 
 
+@pytest.mark.parametrize("model_on, inputs_on, message", [
+    ("meta", "cpu", r"the model is on the meta device and an example input is on cpu \(shape \(2, 4\)\): make the "
+                    r"inputs on the meta device too"),
+    ("cpu", "meta", r"an example input is on the meta device and the model's weights are on cpu: build the model"),
+])
+def test_a_model_and_inputs_on_either_side_of_the_meta_device_get_one_line(model_on, inputs_on, message):
+    with torch.device(model_on):
+        model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=message):
+        fxdream.simulate(model, (torch.randn(2, 4, device=inputs_on),), device="h100")
+
+
+def test_lengths_stay_on_the_cpu_beside_a_meta_model():
+    """pack_padded_sequence takes its lengths on the CPU: an integer input there is no mix-up."""
+    from fxdream.capturing.meta import check_meta_on_both_sides
+    with torch.device("meta"):
+        model = nn.LSTM(4, 8)
+    check_meta_on_both_sides(model, (torch.randn(5, 2, 4, device="meta"), torch.tensor([5, 3])))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: fxdream.simulate(lambda x: x * 2, (torch.randn(2),), device="h100"), TypeError,
+     "model must be a torch.nn.Module, got function"),
+    (lambda: fxdream.simulate(nn.Linear(2, 2), (torch.randn(1, 2),), device="h100", memory_budget=-1), ValueError,
+     "memory_budget must be None or a number of bytes ≥ 0"),
+])
+def test_a_bad_model_or_memory_budget_gets_one_line(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
 class MaskedSum(nn.Module):
     """Boolean-mask indexing: nonzero, whose result size depends on the mask's values."""
     def __init__(self):

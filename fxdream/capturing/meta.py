@@ -22,6 +22,25 @@ def on_meta(model: torch.nn.Module, inputs=(), kwargs=None) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
 
 
+def check_meta_on_both_sides(model: torch.nn.Module, inputs=(), kwargs=None) -> None:
+    """A model on the meta device takes its floating inputs on the meta device too, and a model
+    with data takes none there: torch's error for the mix comes from deep inside a fake-tensor
+    trace. (Integer tensors may stay on the CPU beside a meta model: ``pack_padded_sequence``'s
+    lengths must.)"""
+    state = list(itertools.chain(model.parameters(), model.buffers()))
+    tensors = [t for t in tree_leaves((inputs, kwargs or {})) if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" for t in state):
+        data = [t for t in tensors if t.device.type != "meta" and (t.is_floating_point() or t.is_complex())]
+        if data:
+            raise ValueError(f"the model is on the meta device and an example input is on {data[0].device} "
+                             f"(shape {tuple(data[0].shape)}): make the inputs on the meta device too "
+                             f"(torch.randn(..., device='meta'))")
+    elif state and any(t.device.type == "meta" for t in tensors):
+        raise ValueError(f"an example input is on the meta device and the model's weights are on "
+                         f"{state[0].device}: build the model on the meta device too (with torch.device('meta'): "
+                         f"model = ...), or give inputs with data")
+
+
 def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None, lengths_on_cpu: bool = False):
     """(the model, inputs, kwargs) with every parameter, buffer and input tensor on the meta
     device: the model is deep-copied with its tensors replaced by meta ones (no data copied),
