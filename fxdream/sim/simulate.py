@@ -41,7 +41,6 @@ from typing import Mapping
 from fxdream.sim.task_arrays import TaskArrays
 from fxdream.sim.taskgraph import TaskGraph, TaskKind
 
-
 OPTIMIZER_STEP = "(optimizer step)"  # per_layer_us's row of the optimizer's tasks, which no layer owns
 
 
