@@ -48,10 +48,16 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
 
 
 def disturbed_notes(load, cost) -> tuple[str, ...]:
-    """A note where costs measured here (``cost``: ``Profiled``) were measured while other
-    processes kept the cores busy (``load``: a ``watch_machine_load`` of the measuring)."""
-    if isinstance(cost, Profiled) and load.disturbed:
-        return (f"measurements disturbed: {load.describe('prediction')}; its measured costs describe a busy machine",)
+    """A note where costs measured here (``cost``: ``Profiled``; or an analytic CPU's calibration)
+    were measured while other processes kept the cores busy (``load``: a ``watch_machine_load``
+    of the measuring)."""
+    if isinstance(cost, Profiled):  # measured op by op: no calibration read
+        return (f"measurements disturbed: {load.describe('prediction')}; its measured costs describe a busy "
+                f"machine",) if load.disturbed else ()
+    device = getattr(cost, "device", None)
+    if device is not None and device.kind == "cpu" and device.calibration_disturbed:
+        return (f"this CPU's calibration (peak FLOP/s, bandwidth) disturbed: {device.calibration_disturbed}, "
+                f"each of its tries; its analytic costs describe a busy machine",)
     return ()
 
 

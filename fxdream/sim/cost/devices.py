@@ -28,6 +28,7 @@ from types import MappingProxyType
 import torch
 
 from fxdream.ir.flops import KERNEL_CLASSES
+from fxdream.sim.profile.machine_load import watch_machine_load
 
 GiB = 2 ** 30
 
@@ -67,6 +68,9 @@ class DeviceSpec:
     # (its fit and held-out cases): an analytic prediction's range on this spec. None where no
     # measurement of this GPU (or one with the same SMs) says how far its predictions err.
     error_ratios: tuple[float, float] | None = None
+    # A calibration of this host taken while other processes kept its cores busy: what they did
+    # (its peaks can read several times low: a matmul's threads wait on a core that is taken).
+    calibration_disturbed: str | None = None
 
     def __post_init__(self):
         if self.kind not in ("cpu", "cuda"):
@@ -263,16 +267,31 @@ _GPUS = {name: _fitted(spec) for name, spec in _DATASHEET.items()}
 _CPU_CACHE: dict[str, DeviceSpec] = {}  # the one global mutable: calibration, once per process
 
 
-def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
+def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False, tries: int = 3) -> DeviceSpec:
     """Measure this host: fp32 and fp64 matmul FLOP/s (and bf16's, on a CPU with native bf16), copy
     bandwidth, per-op dispatch overhead, and autograd's engine costs (per node, per AccumulateGrad).
 
     About ``seconds`` in total (split between the eight or nine timings), cached for the process unless
-    ``refresh``.  Best-of-N timings: the peak is what the roofline needs.  The host's spec in
-    ``DEVICES`` calls it when one of its numbers is first read (analytic costs, what-ifs);
-    the default is short because a longer calibration gives the same peaks within a few %."""
+    ``refresh``.  Where other processes kept the cores busy meanwhile it calibrates again, up to
+    ``tries`` times, and a spec measured busy each time says so (``calibration_disturbed``).
+    Best-of-N timings: the peak is what the roofline needs.  The host's spec in ``DEVICES``
+    calls it when one of its numbers is first read (analytic costs, what-ifs); the default is
+    short because a longer calibration gives the same peaks within a few %."""
     if "cpu" in _CPU_CACHE and not refresh:
         return _CPU_CACHE["cpu"]
+    for _ in range(tries):
+        with watch_machine_load() as load:
+            spec = _calibrated(seconds)
+        if not load.disturbed:
+            break
+    else:
+        spec = dataclasses.replace(spec, calibration_disturbed=load.describe("calibration"))
+    _CPU_CACHE["cpu"] = spec
+    return spec
+
+
+def _calibrated(seconds: float) -> DeviceSpec:
+    """``calibrate_cpu``'s measurements, taken now."""
     dtypes = (torch.float32, torch.float64) + ((torch.bfloat16,) if native_bf16() else ())
     budget = max(0.05, float(seconds)) / (len(dtypes) + 6)  # a matmul per dtype, copy, dispatch, 4 autograd
 
@@ -307,12 +326,10 @@ def calibrate_cpu(seconds: float = 0.1, *, refresh: bool = False) -> DeviceSpec:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 0
-    spec = DeviceSpec("cpu", "cpu", peaks, bw, launch_overhead_us=0.0,
+    return DeviceSpec("cpu", "cpu", peaks, bw, launch_overhead_us=0.0,
                       dispatch_overhead_us=dispatch_us, kernel_min_us=0.0, num_sms=None,
                       memory_bytes=mem, source="calibrated on this host", autograd_node_us=node_us,
                       accumulate_grad_us=accumulate_us)
-    _CPU_CACHE["cpu"] = spec
-    return spec
 
 
 def native_bf16() -> bool:
@@ -363,7 +380,7 @@ class _CalibratedOnUse(DeviceSpec):
 
 
 for _measured in ("peak_flops", "mem_bandwidth", "dispatch_overhead_us", "memory_bytes", "autograd_node_us",
-                  "accumulate_grad_us"):
+                  "accumulate_grad_us", "calibration_disturbed"):
     setattr(_CalibratedOnUse, _measured, property(lambda self, name=_measured: getattr(calibrate_cpu(), name)))
 _HOST = _CalibratedOnUse()
 
