@@ -1,9 +1,13 @@
 """fxdream's own probing prints nothing: a graph that fails when timed in context gives None
 (its caller says what failed), not torch.fx's traceback on stderr; synthetic tangents have the
 strides the graph was traced with."""
+import logging
+
+import pytest
 import torch
 import torch.fx as fx
 
+import fxdream
 from fxdream.runtime.direct_calls import call_ops_directly
 from fxdream.sim.profile.in_context import ones_like, time_graph
 
@@ -23,3 +27,18 @@ def test_synthetic_tangents_keep_the_traced_strides():
     made = ones_like(traced, torch.device("cpu"))
     assert made.stride() == traced.stride() and made.shape == traced.shape and bool((made == 1).all())
     assert ones_like(3, torch.device("cpu")) == 3
+
+
+def test_a_wrong_input_shape_in_a_prediction_raises_torchs_error_without_fake_tensors_log():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    logger, records = logging.getLogger("torch._subclasses.fake_tensor"), []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(RuntimeError, match=r"shapes cannot be multiplied \(2x5"):
+            fxdream.simulate(model, (torch.randn(2, 5),), device="h100")
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "failed while attempting to run meta" in str(r.msg)]
+    assert logger.filters == []  # the filter is the capture's only

@@ -7,7 +7,13 @@ from fxdream.capturing.arguments import check_model
 from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.causal_mask import causal_checks_unread
-from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
+from fxdream.capturing.dynamo import (
+    describe_error,
+    dynamo_state_kept,
+    graph_break_counts,
+    meta_kernel_errors_unlogged,
+    new_graph_breaks,
+)
 from fxdream.capturing.eager_ops import record_model_calls
 from fxdream.capturing.host_gaps import StepCalls, describe_calls, describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.keywords import bind_keywords
@@ -48,7 +54,8 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
     session = CaptureSession(model)
     breaks_before, how = graph_break_counts(), "dynamo"
     try:
-        with causal_checks_unread(active=not measure) as mask_checks:  # graphs that never run
+        # the causal checks: in graphs that never run (not measured)
+        with causal_checks_unread(active=not measure) as mask_checks, meta_kernel_errors_unlogged():
             runner, how = compile_model(model, inputs, session, training)
             run_once(runner, model, inputs, training)
             if not session.captured():

@@ -28,6 +28,25 @@ class _CaptureFallbackWarnings(logging.Filter):
 logging.getLogger("torch._dynamo.exc").addFilter(_CaptureFallbackWarnings())
 
 
+class _MetaKernelErrors(logging.Filter):
+    """Drops fake tensors' log of an op whose meta kernel raised (a wrong input shape: ~300 lines
+    of traceback at ERROR): the same error is raised, and the capture's error names it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta for")
+
+
+@contextlib.contextmanager
+def meta_kernel_errors_unlogged():
+    """While a capture of fxdream's runs: ``_MetaKernelErrors`` on torch's fake-tensor logger."""
+    logger, quiet = logging.getLogger("torch._subclasses.fake_tensor"), _MetaKernelErrors()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
     """torch.compile with static shapes (one capture per input shape, as CUDA graphs need);
     ``session`` is the backend (a ``CaptureSession``: it takes the notes said here)."""
