@@ -135,7 +135,7 @@ def _sample_host_gaps(module, inputs, samples: list) -> None:
 
 def _predict_local(captured, cost, step_samples: list):
     from fxdream.capturing.host_gaps import StepCalls
-    from fxdream.sim.lower import SGD
+    from fxdream.sim.optimizer_step import SGD
     from fxdream.sim.prediction import predict
     return predict(captured, cost, True, SGD, step=StepCalls.median(step_samples) if step_samples else None)
 

@@ -30,7 +30,7 @@ from fxdream.cli_arguments import (
 from fxdream.explain import crossover
 from fxdream.measure import time_interleaved
 from fxdream.plan import plan
-from fxdream.sim.lower import OPTIMIZERS
+from fxdream.sim.optimizer_step import OPTIMIZERS
 from fxdream.sim.prediction import predict
 from fxdream.sim.profile.machine_load import watch_machine_load
 from fxdream.sim.profile.store import PROFILE_DIR_ENV
@@ -285,7 +285,8 @@ def _add_predicting_commands(sub) -> None:
     model_args(sim)
     sim.add_argument("--device", type=device_name, default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     sim.add_argument("--cost", default="auto", choices=("auto", "profiled", "analytic"))
-    sim.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"))
+    sim.add_argument("--optimizer", default="sgd", choices=(*OPTIMIZERS, "none"),
+                     help="sgd (with momentum), sgd_plain (momentum=0), adam, or none")
     sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--plot", help="write a PNG timeline here")
     sim.add_argument("--top", type=positive_int, default=10)
@@ -296,7 +297,7 @@ def _add_predicting_commands(sub) -> None:
     model_args(wif, batch=32, training=False)
     wif.add_argument("--device", type=device_name, default="h100", help="v100, a100, h100, h200 or cpu")
     wif.add_argument("--cost", default="analytic", choices=("auto", "profiled", "analytic"))
-    wif.add_argument("--optimizer", default="adam", choices=("sgd", "adam"))
+    wif.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS))
     wif.add_argument("--json", help="write the scenarios as JSON here")
     wif.set_defaults(run=cmd_whatif)
 
@@ -304,7 +305,7 @@ def _add_predicting_commands(sub) -> None:
     model_args(exp)
     exp.add_argument("--device", type=device_name, default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     exp.add_argument("--pass", dest="passes", default="auto", help='"auto" or pass name(s), comma-separated')
-    exp.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "none"),
+    exp.add_argument("--optimizer", default="sgd", choices=(*OPTIMIZERS, "none"),
                      help="the optimizer step a training step includes (as simulate's)")
     exp.add_argument("--out", help="file stem for the .trace.json and .png")
     exp.add_argument("--top", type=positive_int, default=10)

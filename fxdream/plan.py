@@ -19,7 +19,7 @@ from fxdream.pass_runner import PassPipeline
 from fxdream.report import PassReport
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.cost.profiled import Profiled
-from fxdream.sim.lower import OptimizerModel
+from fxdream.sim.optimizer_step import OptimizerModel
 from fxdream.sim.prediction import Prediction, predict
 
 

@@ -18,7 +18,7 @@ from fxdream.capturing.meta import check_meta_on_both_sides, meta_copy, on_meta
 from fxdream.ops.rnn_cell import cells_as_on
 from fxdream.plan import plan
 from fxdream.sim.cost import CostModel, DeviceSpec, Profiled
-from fxdream.sim.lower import OPTIMIZERS, OptimizerModel
+from fxdream.sim.optimizer_step import OPTIMIZERS, OptimizerModel
 from fxdream.sim.prediction import Prediction, predict
 from fxdream.sim.profile.machine_load import watch_machine_load
 
@@ -30,7 +30,8 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     """Predict one iteration of ``model`` on ``device`` (a DeviceSpec name such as "h100"), called
     with ``example_inputs`` and the keyword inputs ``example_kwargs``.
 
-    Training includes backward and the optimizer step (``optimizer``: "sgd", "adam" or None).
+    Training includes backward and the optimizer step (``optimizer``: "sgd" with momentum,
+    "sgd_plain" (torch's default ``momentum=0``: no state), "adam", or None).
     ``passes`` ("auto" or names) rewrite the captured graphs for ``device`` first (nothing runs
     there: a GPU works from a CPU machine); the rows say what each did (``.passes``).
     """

@@ -5,17 +5,18 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from conftest import graph_with_values
+from test_sim_lower import CPU, GPU, FixedCost, _relu_view_add
 
 import fxdream
+from fxdream.build import cost_model_for
 from fxdream.capturing import host_gaps
 from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.capturing.host_gaps import END, StepCalls, SubgraphClock, measure_host_gaps, step_calls
+from fxdream.sim.lower import lower
+from fxdream.sim.optimizer_step import SGD
 from fxdream.sim.prediction import predict
-from fxdream.build import cost_model_for
-from fxdream.sim.lower import SGD, lower
 from fxdream.sim.simulate import simulate
-from conftest import graph_with_values
-from test_sim_lower import CPU, GPU, FixedCost, _relu_view_add
 
 # SlowEagerBetween sleeps in forward on purpose: dynamo runs that builtin eagerly and says so
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin")

@@ -9,7 +9,7 @@ import torch.nn as nn
 import fxdream
 from fxdream.build import cost_model_for
 from fxdream.capturing.meta import meta_copy, on_meta
-from fxdream.sim.lower import SGD
+from fxdream.sim.optimizer_step import SGD
 from fxdream.sim.prediction import predict
 
 

@@ -3,15 +3,16 @@ import dataclasses
 
 import pytest
 import torch
-
-from fxdream.ir.nodes import is_view
-from fxdream.sim.cost.devices import DeviceSpec
-from fxdream.sim.lower import STREAM, OptimizerModel, lower
-from fxdream.sim.simulate import Contention, simulate
-from fxdream.sim.taskgraph import DepKind, TaskKind
 import torch.fx as fx
-
 from conftest import RecordValues, TwoSubgraphs, graph_with_values
+
+import fxdream
+from fxdream.ir.nodes import is_view
+from fxdream.sim.cost.devices import DeviceSpec, get_device
+from fxdream.sim.lower import STREAM, lower
+from fxdream.sim.optimizer_step import ADAM, PLAIN_SGD, SGD, OptimizerModel, append_optimizer_step
+from fxdream.sim.simulate import Contention, simulate
+from fxdream.sim.taskgraph import DepKind, TaskGraph, TaskKind
 
 aten = torch.ops.aten
 GPU = DeviceSpec("toy-gpu", "cuda", {"float32": 1e12}, 1e9, launch_overhead_us=0.0,
@@ -191,7 +192,7 @@ def test_optimizer_updates_the_parameters_of_every_subgraph():
     import fxdream
     from fxdream.sim.cost.analytic import Analytic
     from fxdream.sim.cost.devices import get_device
-    from fxdream.sim.lower import SGD, lower_captured
+    from fxdream.sim.lower import lower_captured
 
     captured = fxdream.capture(TwoSubgraphs(), (torch.randn(3, 4),), training=True)
     assert len(captured) == 2
@@ -240,3 +241,22 @@ def test_an_op_returning_a_list_beside_tensors_allocates_every_tensor_in_it():
     lowered = lower([("g.fw", gm)], FixedCost(CPU))
     pair = next(t for t in lowered.graph.tasks if "lambda" in t.name)
     assert pair.mem_alloc == 16 + 8 + 8  # the tensor and both tensors of its list
+
+
+@pytest.mark.parametrize("device, extra", [("cpu", 2), ("h100", 1)])
+def test_adams_temporaries_are_in_the_optimizer_steps_memory(device, extra):
+    """torch's Adam makes sqrt(v) and its quotient before its addcdiv: two temporaries of one
+    parameter at a time in its loop (a CPU), sqrt(v) of every parameter at once in its
+    multi-tensor step (a GPU). SGD with momentum updates in place."""
+    for optimizer, copies in ((ADAM, extra), (SGD, 0), (PLAIN_SGD, 0)):
+        tg = TaskGraph()
+        append_optimizer_step(tg, [(4096, 1024), (4096, 1024)], get_device(device), optimizer, device != "cpu")
+        assert simulate(tg).peak_memory_bytes == copies * 4096 * (1 if device == "cpu" else 2)
+
+
+def test_plain_sgd_keeps_no_state_and_sgd_with_momentum_one_copy():
+    model, x = torch.nn.Linear(256, 256), torch.randn(4, 256)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    peaks = {name: fxdream.simulate(model, (x,), device="h100", training=True, optimizer=name).static_bytes
+             for name in ("sgd_plain", "sgd", "adam")}
+    assert peaks["sgd"] - peaks["sgd_plain"] == weights and peaks["adam"] - peaks["sgd_plain"] == 2 * weights

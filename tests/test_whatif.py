@@ -4,16 +4,16 @@ import math
 
 import pytest
 import torch
+from conftest import TwoSubgraphs
 from torch import nn
 
 import fxdream
 from fxdream import whatif as W
-from fxdream.sim.prediction import Prediction, predict
 from fxdream.sim import DepKind, Task, TaskGraph
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import datasheet_device, with_parameters
-from fxdream.sim.lower import ADAM, SGD
-from conftest import TwoSubgraphs
+from fxdream.sim.optimizer_step import ADAM, SGD
+from fxdream.sim.prediction import Prediction, predict
 
 H100 = datasheet_device("h100")  # hand-computed from its datasheet figures
 MB = 2 ** 20
@@ -387,6 +387,7 @@ def test_what_ifs_count_every_call_of_a_graph_called_per_layer():
     """A block with a graph break inside, four times: its graphs run four times per step, each
     call with its own layer's parameters and gradients."""
     from test_host_gaps import _Blocks
+
     from fxdream.simulation import capture_for_prediction, prediction_inputs
     from fxdream.whatif.gradients import gradients
     model, x = _Blocks(4), torch.randn(8, 32)

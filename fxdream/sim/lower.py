@@ -24,7 +24,6 @@ are ignored (there are no CUDA graphs).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -40,6 +39,7 @@ from fxdream.sim.call_order import EAGER, append_host_gap, as_called
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.graph_regions import CUDA_GRAPH_REGION, GraphRegion, cuda_graph_regions, inline_cuda_graph_runners
 from fxdream.sim.liveness import Buffers
+from fxdream.sim.optimizer_step import OptimizerModel, append_optimizer_step
 from fxdream.sim.profile.op_keys import HOST_SYNC_OPS
 from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
 from fxdream.sim.workspaces import workspace_bytes
@@ -50,40 +50,6 @@ STREAM = "stream"  # node.meta key: the GPU stream a node's kernel runs on
 # Estimates; the GPU benchmark measures the runner's overhead on a tiny graph.
 GRAPH_RUNNER_DISPATCHES = 3
 GRAPH_LAUNCH_PER_KERNEL_US = 0.01
-
-
-@dataclass(frozen=True)
-class OptimizerModel:
-    """The optimizer step as kernels: bytes moved per gradient byte, kernels per parameter.
-
-    SGD with momentum reads p, g, buf and writes p, buf (5x); Adam reads p, g, m, v and
-    writes p, m, v (7x). ``fused=True`` is one kernel for all parameters. Otherwise torch's
-    default: on a CPU a loop over the parameters (``kernels_per_param`` each); on a GPU
-    (``foreach``) its multi-tensor implementation, ``foreach_ops`` ops for all parameters (SGD:
-    buf·momentum, buf + g, p − lr·buf; Adam: lerp, mul, addcmul, sqrt, div, add, addcdiv),
-    each launching a kernel per group of tensors; ``foreach=False`` is the loop there too
-    (torch's ``foreach=False``, or P3's updates as each gradient arrives). Its state (momentum;
-    Adam's two moments) is ``state_copies`` tensors the size of each updated parameter, made
-    on the first step and kept: static memory in every step after it.
-    """
-    name: str = "sgd"
-    bytes_per_grad_byte: float = 5.0
-    kernels_per_param: int = 2
-    fused: bool = False
-    state_copies: int = 1
-    foreach_ops: int = 3
-    foreach: bool = True
-    # (bytes, elements) of each gradient of a parameter no captured graph takes (eager code's),
-    # which the step updates beside the graphs' gradients
-    outside_gradients: tuple[tuple[int, int], ...] = ()
-
-
-SGD = OptimizerModel("sgd", 5.0, 2, state_copies=1, foreach_ops=3)
-ADAM = OptimizerModel("adam", 7.0, 5, state_copies=2, foreach_ops=7)
-# torch's multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): one launch holds at most
-# 64 tensors (two tensor lists) and 320 blocks of 65536 elements
-FOREACH_TENSORS_PER_LAUNCH, FOREACH_ELEMENTS_PER_LAUNCH = 64, 320 * 65536
-OPTIMIZERS = {"sgd": SGD, "adam": ADAM}
 
 
 @dataclass(frozen=True)
@@ -339,44 +305,6 @@ def _lower_optimizer(tg: TaskGraph, backwards: list[fx.GraphModule], cost: CostM
     grads = [g for bw in backwards for g in gradient_values(bw)]
     append_optimizer_step(tg, [(tensor_bytes(g), size_hint(g.numel())) for g in grads] + list(
         optimizer.outside_gradients), cost.device, optimizer, on_gpu)
-
-
-def append_optimizer_step(tg: TaskGraph, gradients: list[tuple[int, int]], device, optimizer: OptimizerModel,
-                          on_gpu: bool) -> None:
-    """Tasks ``optim:<i>`` (and ``optim:<i>:k``, a kernel on a GPU) updating ``gradients``
-    ((bytes, elements) each): one per parameter on a CPU or without ``foreach``, one per
-    multi-tensor op on a GPU, one when fused (see OptimizerModel)."""
-    if not gradients:
-        return
-    launch = device.dispatch_overhead_us + (device.launch_overhead_us if on_gpu else 0.0)
-    moved = [optimizer.bytes_per_grad_byte * nbytes for nbytes, _ in gradients]
-    if optimizer.fused:
-        steps = [(sum(moved), 1, launch)]
-    elif not on_gpu or not optimizer.foreach:
-        steps = [(m, optimizer.kernels_per_param, optimizer.kernels_per_param * launch) for m in moved]
-    else:
-        launches = max(math.ceil(len(gradients) / FOREACH_TENSORS_PER_LAUNCH),
-                       math.ceil(sum(elements for _, elements in gradients) / FOREACH_ELEMENTS_PER_LAUNCH))
-        host_us = device.dispatch_overhead_us + launches * device.launch_overhead_us
-        steps = [(sum(moved) / optimizer.foreach_ops, launches, host_us)] * optimizer.foreach_ops
-    common = dict(layer="", op=f"optimizer.{optimizer.name}", phase="optim")
-    for i, (nbytes, kernels, host_us) in enumerate(steps):
-        kernel_us = device.kernel_time_us(0, nbytes, kernels=kernels)  # memory-bound, as the fused what-if's
-        name = f"optim:{i}"
-        if not on_gpu:
-            tg.append(Task(name, TaskKind.CPU, host_us + kernel_us, "cpu:0", **common))
-        else:
-            tg.append(Task(name, TaskKind.CPU, host_us, "cpu:0", **common))
-            tg.append(Task(f"{name}:k", TaskKind.GPU, kernel_us, "stream:0", **common),
-                      deps=[(name, DepKind.LAUNCH)])
-
-
-def optimizer_in(tg: TaskGraph) -> tuple[list[str], OptimizerModel | None, bool]:
-    """A lowered step's optimizer tasks (phase ``"optim"``), the OptimizerModel their op names
-    (``optimizer.<name>``; None for none or an unknown name) and whether they launch GPU kernels."""
-    optim = tg.select(phase="optim")
-    model = OPTIMIZERS.get(tg.task(optim[0]).op.split(".", 1)[-1]) if optim else None
-    return optim, model, any(tg.task(n).kind is TaskKind.GPU for n in optim)
 
 
 def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None = None,

@@ -13,7 +13,8 @@ from fxdream.sim.cost.devices import DEVICES, DeviceSpec
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.cost.profiled import Profiled
 from fxdream.sim.cost.spread import SpreadBound
-from fxdream.sim.lower import OptimizerModel, lower, lower_captured
+from fxdream.sim.lower import lower, lower_captured
+from fxdream.sim.optimizer_step import OptimizerModel
 from fxdream.sim.simulate import Contention, Timeline
 from fxdream.sim.simulate import simulate as simulate_graph
 from fxdream.sim.taskgraph import TaskGraph, TaskKind

@@ -5,7 +5,8 @@ optimizer state (``OptimizerModel.bytes_per_grad_byte``), as the lowering models
 from __future__ import annotations
 
 from fxdream.ir.tensors import tensor_bytes
-from fxdream.sim.lower import gradient_values, optimizer_in
+from fxdream.sim.lower import gradient_values
+from fxdream.sim.optimizer_step import optimizer_in
 from fxdream.sim.taskgraph import TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _graphs_by_label, _spec, _start, _with_durations, call_scopes
 

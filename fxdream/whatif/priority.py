@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from fxdream.sim.lower import append_optimizer_step, optimizer_in
+from fxdream.sim.optimizer_step import append_optimizer_step, optimizer_in
 from fxdream.sim.prediction import Prediction
 from fxdream.sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _simulate, _Start, _start
