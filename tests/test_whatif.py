@@ -296,6 +296,22 @@ def test_ddp_waits_for_the_slowest_rank(captured_mlp):
         W.ddp(base, cluster, captured=captured, step_jitter_ms=-1.0)
 
 
+@pytest.mark.parametrize("call, error, message", [
+    (lambda base, cap: W.p3(base, W.Cluster(2, 1), captured=cap, slice_bytes=0), ValueError,
+     "slice_bytes must be a number of bytes >= 1, got 0"),
+    (lambda base, cap: W.ddp(base, W.Cluster(2, 1), captured=cap, bucket_cap_mb=-1), ValueError,
+     "bucket_cap_mb must be a number of MiB > 0, got -1"),
+    (lambda base, cap: W.ddp(base, 8, captured=cap), TypeError, "cluster must be a fxdream.whatif.Cluster"),
+    (lambda base, cap: W.Cluster(1.5, 8), TypeError, "machines must be an integer, got 1.5"),
+    (lambda base, cap: W.Cluster(2, 8, network_gbps="10"), TypeError, "network_gbps must be a number"),
+    (lambda base, cap: W.faster_gpu(base, "2"), ValueError, "factor must be a finite number > 0, got '2'"),
+])
+def test_bad_what_if_arguments_get_one_line_and_never_a_hang(captured_mlp, call, error, message):
+    _, captured = captured_mlp
+    with pytest.raises(error, match=message):
+        call(h100_prediction(captured), captured)
+
+
 # ---- P3 ------------------------------------------------------------------------------------------
 def test_p3_lets_the_next_forward_start_before_all_gradients_arrive(captured_mlp):
     _, captured = captured_mlp

@@ -251,8 +251,8 @@ def _through_views(node: fx.Node) -> fx.Node:
 def faster_gpu(x, factor: float = 2.0, *, contention: bool | None = None) -> WhatIf:
     """What if every GPU kernel ran ``factor`` times faster?  Every GPU-kind task scaled by
     ``1/factor``; host tasks (dispatch, launch) unchanged."""
-    if not (factor > 0 and math.isfinite(factor)):
-        raise ValueError(f"factor must be finite and > 0, got {factor}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
     s = _start(x, contention=contention)
     tg = s.current.task_graph
     kernels = tg.select(kind="gpu")

@@ -84,6 +84,14 @@ class Cluster:
     topology: str = "hierarchical"
 
     def __post_init__(self):
+        for name in ("machines", "gpus_per_machine"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+        for name in ("network_gbps", "network_latency_us", "nvlink_GBps", "nvlink_latency_us"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
         if self.machines < 1 or self.gpus_per_machine < 1:
             raise ValueError(f"machines and gpus_per_machine must be >= 1, got "
                              f"{self.machines} x {self.gpus_per_machine}")
@@ -126,6 +134,12 @@ class Cluster:
                 f"({self.topology})")
 
 
+def check_cluster(cluster) -> None:
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a fxdream.whatif.Cluster (e.g. Cluster(machines=2, gpus_per_machine=8)), "
+                        f"got {type(cluster).__name__}")
+
+
 def ddp_buckets(grads: Sequence[Gradient], bucket_cap_mb: float = 25.0,
                 first_bucket_mb: float = 1.0, ready_us: Mapping[int, float] | None = None
                 ) -> tuple[tuple[Gradient, ...], ...]:
@@ -133,6 +147,9 @@ def ddp_buckets(grads: Sequence[Gradient], bucket_cap_mb: float = 25.0,
     bucket's cap is ``first_bucket_mb``; MiB as DDP counts).  Gradients in reverse parameter
     order, or, given ``ready_us`` (gradient index -> time it is produced), in the order they
     become ready, as DDP lays its buckets out again after the first iteration."""
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number of MiB > 0, got {value!r}")
     caps = [first_bucket_mb * MiB, bucket_cap_mb * MiB]
     order = list(reversed(list(grads)))
     if ready_us is not None:
@@ -221,6 +238,7 @@ def ddp(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float
     the step then waits for the slowest rank (module docstring)."""
     if not step_jitter_ms >= 0:
         raise ValueError(f"step_jitter_ms must be >= 0, got {step_jitter_ms}")
+    check_cluster(cluster)
     s = _start(x, None, captured, graphs, contention)
     tg = s.current.task_graph
     spec = s.current.device

@@ -23,7 +23,7 @@ from fxdream.sim.optimizer_step import append_optimizer_step, optimizer_in
 from fxdream.sim.prediction import Prediction
 from fxdream.sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _simulate, _Start, _start
-from fxdream.whatif.data_parallel import Cluster, MiB, _comm_deps, _ready_times, ddp_buckets
+from fxdream.whatif.data_parallel import Cluster, MiB, _comm_deps, _ready_times, check_cluster, ddp_buckets
 from fxdream.whatif.gradients import Gradient, need_gradients
 
 
@@ -171,6 +171,9 @@ def p3(x, cluster: Cluster, *, captured=None, graphs=None, slice_bytes: int = 4 
     ``details`` also give DDP's period in the same window.  ``slice_bytes``: P3 slices
     (the paper's 50,000 parameters = 200 kB suit a parameter server; each ring allreduce
     pays 2(n-1) latencies, so larger slices are the default here)."""
+    check_cluster(cluster)
+    if isinstance(slice_bytes, bool) or not isinstance(slice_bytes, (int, float)) or not slice_bytes >= 1:
+        raise ValueError(f"slice_bytes must be a number of bytes >= 1, got {slice_bytes!r}")
     s = _start(x, None, captured, graphs, contention)
     tg = s.current.task_graph
     grads = need_gradients(s, tg)
