@@ -269,7 +269,7 @@ def test_simulate_with_fusion_folds_batch_norm_and_counts_the_fused_convs_flops(
     (dict(device="tpu9"), "unknown device 'tpu9'; valid names: cpu, v100, a100, h100, h200"),
     (dict(device="h100", cost="profiled"), "cost='profiled' measures on this machine"),
     (dict(cost="guess"), "cost='guess' is not a cost model; valid: 'profiled', 'analytic', 'auto'"),
-    (dict(training=True, optimizer="lamb"), "optimizer='lamb' is not known; valid: sgd, adam or None"),
+    (dict(training=True, optimizer="lamb"), "optimizer='lamb' is not known; valid: sgd, sgd_plain, adam or None"),
 ])
 def test_simulate_bad_arguments(kwargs, message):
     if kwargs.get("device") == "h100" and torch.cuda.is_available():

@@ -180,8 +180,9 @@ def test_empty_and_cpu_only_per_layer():
     g = TaskGraph()
     g.append(Task.cpu("a", 3, layer="enc.0"))
     g.append(Task.cpu("b", 4, layer="enc.0"))
-    g.append(Task.cpu("c", 5))                                 # no layer: the model's own
-    g.append(Task("o", TaskKind.CPU, 2, "cpu:0", phase="optim"))  # the optimizer's, apart
+    g.append(Task("c", TaskKind.CPU, 5, "cpu:0", fx_node="relu"))  # an op of no layer: the model's own
+    g.append(Task("o", TaskKind.CPU, 2, "cpu:0", phase="optim"))    # the optimizer's, apart
+    g.append(Task.cpu("gap", 6))                                    # host work around the ops: no row
     assert simulate(g).per_layer_us == {"enc.0": 7.0, "": 5.0, OPTIMIZER_STEP: 2.0}  # CPU time (no kernels)
 
 

@@ -66,8 +66,8 @@ class Timeline:
     busy_us: Mapping[str, float]               # resource -> time it was running a task
     critical_path: tuple[str, ...]             # first task ... last-finishing task
     per_layer_us: Mapping[str, float]          # layer -> simulated GPU-kernel time (CPU-task
-                                               # time if no GPU tasks); "" the model's own ops and
-                                               # other untagged tasks, OPTIMIZER_STEP the optimizer's
+                                               # time if no GPU tasks); "" the model's own ops,
+                                               # OPTIMIZER_STEP the optimizer's; host work around skipped
     peak_memory_bytes: int
     memory_curve: tuple[tuple[float, int], ...]  # (time, bytes) after each change, in order
     initial_memory_bytes: int = 0
@@ -291,6 +291,15 @@ def simulate(graph: TaskGraph, contention: Contention | bool | None = None, *,
     return _timeline(c, start, end, rprev, trig, mem, int(initial_memory_bytes))
 
 
+def _unlayered(task) -> str | None:
+    """The per-layer row of a task no layer names: "" for an op of the model's own forward,
+    ``OPTIMIZER_STEP`` for the optimizer's; None (no row) for host work around the ops (the
+    calls between graphs, autograd's engine, a graph's launch)."""
+    if task.phase == "optim":
+        return OPTIMIZER_STEP
+    return "" if task.fx_node is not None else None
+
+
 def _timeline(c: TaskArrays, start, end, rprev, trig, mem, init) -> Timeline:
     names, tasks, res = c.names, c.tasks, c.res
     makespan = max(end, default=0.0)
@@ -305,8 +314,9 @@ def _timeline(c: TaskArrays, start, end, rprev, trig, mem, init) -> Timeline:
     per_layer: dict[str, float] = {}
     layers = c.layer
     for i in sel:
-        layer = layers[i] or (OPTIMIZER_STEP if tasks[i].phase == "optim" else "")
-        per_layer[layer] = per_layer.get(layer, 0.0) + end[i] - start[i]
+        layer = layers[i] or _unlayered(tasks[i])
+        if layer is not None:
+            per_layer[layer] = per_layer.get(layer, 0.0) + end[i] - start[i]
     cur = peak = init
     curve = [(0.0, init)]
     for tm, d in mem:
