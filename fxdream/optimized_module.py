@@ -76,8 +76,10 @@ class OptimizedModule(torch.nn.Module):
         self._capture = capture
         self._rebuild: Callable[[torch.nn.Module], "OptimizedModule"] | None = None
         self._extras: dict = {}  # whole-model predictions, verification, measurements
-        self._compilations: dict[tuple, int] = {}  # call signature → compilations for it
+        self._compilations: dict[tuple, int] = {}  # call signature → compilations for it, call after call
         self._compiled_codes: dict[tuple, set] = {}  # call signature → functions compiled for it
+        self._compiled_at: dict[tuple, tuple[int, int]] = {}  # call signature → its last compilation's counts
+        self.__dict__["_calls"] = [0, 0]  # calls, calls that compiled (a list: no Module.__setattr__ per call)
 
     def forward(self, *args, **kwargs):
         if self._fallback_reason is not None:
@@ -93,6 +95,7 @@ class OptimizedModule(torch.nn.Module):
             except (TypeError, ValueError):  # a keyword forward's signature does not place: passed on as it is
                 pass
         compiled = len(self._session.records)
+        self._calls[0] += 1
         try:
             output = self._call(self._runner, args, kwargs)
         except Exception as error:
@@ -134,20 +137,26 @@ class OptimizedModule(torch.nn.Module):
 
     def _count_compilation(self, key: tuple, records: list) -> None:
         """Run eagerly once dynamo has compiled calls of one kind (``key``: ``call_kind``)
-        ``RECOMPILE_LIMIT`` times: a guard on something that changes every call (a counter the
-        forward increments) recompiles on every call, each time running the passes again, up to
-        dynamo's recompile limit. A call that compiled only functions not compiled for its kind before (the
-        code after a data-dependent branch, compiled when a call first takes it) is not counted."""
+        ``RECOMPILE_LIMIT`` times with no call between that did not compile: a guard on something
+        that changes every call (a counter the forward increments) recompiles on every call, each
+        time running the passes again, up to dynamo's recompile limit. Compilations calls apart (a
+        layer unfrozen, BatchNorm put in eval mid-training) start the count again. A call that
+        compiled only functions not compiled for its kind before (the code after a data-dependent
+        branch, compiled when a call first takes it) is not counted."""
+        self._calls[1] += 1
         codes = self._compiled_codes.setdefault(key, set())
         again = any(r.code in codes for r in records)
         codes.update(r.code for r in records)
         if not again and key in self._compilations:
             return
-        count = self._compilations[key] = self._compilations.get(key, 0) + 1
+        previous, self._compiled_at[key] = self._compiled_at.get(key), (self._calls[0], self._calls[1])
+        every_call = previous is not None and self._calls[0] - previous[0] == self._calls[1] - previous[1]
+        count = self._compilations[key] = self._compilations.get(key, 0) + 1 if every_call else 1
         if count >= RECOMPILE_LIMIT and not self._strict:
-            self._fall_back(f"dynamo compiled calls with the same input shapes {count} times: something its "
-                            f"guards check changes on every call (e.g. a Python number the forward updates, "
-                            f"such as a call counter), and each compilation runs the passes again")
+            self._fall_back(f"dynamo compiled calls with the same input shapes {count} times in a row: something "
+                            f"its guards check changes on every call (a Python number the forward updates, such "
+                            f"as a call counter, or a tensor's value read as a number), and each compilation "
+                            f"runs the passes again")
 
     @property
     def _cost_model(self):

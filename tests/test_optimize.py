@@ -155,6 +155,22 @@ def test_a_model_dynamo_compiles_on_every_call_runs_eagerly_with_the_reason(trai
     assert model.calls > 6
 
 
+def test_layers_unfrozen_calls_apart_recompile_without_sending_the_module_to_eager():
+    """Gradual unfreezing: each layer unfrozen is one compilation, calls apart, not a guard that
+    changes on every call."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(4, 8)
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(False)
+    optimized = fxdream.optimize(model, (x,), training=True, cost=None)
+    for layer in (None, 2, 0):
+        if layer is not None:
+            model[layer].requires_grad_(True)
+        for _ in range(3):
+            assert_same_training_step(model, optimized, (x,))
+    assert optimized.report.fallback_reason is None and len(optimized.report.graphs) == 3
+
+
 def test_a_torch_module_dynamo_gave_up_on_does_not_leave_the_next_ones_uncaptured():
     """dynamo gives up on an nn.LSTM in training and marks the frame it entered, the wrapper every
     torch.nn module shares, to be skipped: the next torch.nn module built must still be captured."""
