@@ -46,12 +46,12 @@ class OptimizerModel:
 
 
 SGD = OptimizerModel("sgd", 5.0, 2, state_copies=1, foreach_ops=3)
+PLAIN_SGD = OptimizerModel("sgd_plain", 3.0, 1, state_copies=0, foreach_ops=1)  # p − lr·g
 ADAM = OptimizerModel("adam", 7.0, 5, state_copies=2, foreach_ops=7, loop_temporaries=2.0, foreach_temporaries=1.0,
                       foreach_temporary_ops=4)
 # torch's multi_tensor_apply (ATen/native/cuda/MultiTensorApply.cuh): one launch holds at most
 # 64 tensors (two tensor lists) and 320 blocks of 65536 elements
 FOREACH_TENSORS_PER_LAUNCH, FOREACH_ELEMENTS_PER_LAUNCH = 64, 320 * 65536
-PLAIN_SGD = OptimizerModel("sgd_plain", 3.0, 1, state_copies=0, foreach_ops=1)  # p − lr·g
 # "sgd" is SGD with momentum, as models are usually trained; "sgd_plain" torch's SGD(momentum=0)
 OPTIMIZERS = {"sgd": SGD, "sgd_plain": PLAIN_SGD, "adam": ADAM}
 

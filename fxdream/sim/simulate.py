@@ -292,7 +292,7 @@ def simulate(graph: TaskGraph, contention: Contention | bool | None = None, *,
 
 
 def _unlayered(task) -> str | None:
-    """The per-layer row of a task no layer names: "" for an op of the model's own forward,
+    """The per-layer row of a task no layer names: "" for an op of the model's own (in no submodule),
     ``OPTIMIZER_STEP`` for the optimizer's; None (no row) for host work around the ops (the
     calls between graphs, autograd's engine, a graph's launch)."""
     if task.phase == "optim":
