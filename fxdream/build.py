@@ -21,7 +21,12 @@ from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_br
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.keywords import WithKeywords, bind_keywords, user_model
-from fxdream.capturing.model_state import preserved_inputs, preserved_state, switch_to_build_mode
+from fxdream.capturing.model_state import (
+    initialize_lazy_modules,
+    preserved_inputs,
+    preserved_state,
+    switch_to_build_mode,
+)
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import breaks_after_the_first_call, run_once, seeded_step
 from fxdream.capturing.torch_fx import compile_model
@@ -100,6 +105,7 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     selected = resolve_passes(available_passes() if auto else passes)
     first = resolve_passes(PRECISIONS[precision])
     selected = first + tuple(p for p in selected if p not in first)
+    initialize_lazy_modules(model, inputs)
     target = resolve_device(device, model, inputs)
     on_meta = target.type == "meta"
     if on_meta:  # no data: nothing to time, compare or pack

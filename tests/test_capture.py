@@ -281,6 +281,23 @@ def test_a_lazy_module_keeps_what_its_first_call_set(training):
         torch.testing.assert_close(optimized(x), model(x))
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_lazy_batch_norm_buffers_are_initialized_without_a_statistics_update_and_equal_eager(training):
+    """A lazy BatchNorm's buffers do not exist before its first call, and a build keeps buffers as
+    they were: the call that gives them their shapes updates no statistics (eval mode)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyConv2d(8, 3), nn.LazyBatchNorm2d(), nn.ReLU()).train(training)
+    x = torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), training=training, cost=None)
+    assert model[1].num_batches_tracked.item() == 0 and bool((model[1].running_var == 1).all())
+    assert fxdream.capture(model, (x,), training=training) is not None
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).train(training)
+    plain.load_state_dict(model.state_dict())
+    with torch.set_grad_enabled(training):
+        torch.testing.assert_close(optimized(x), plain(x))
+    torch.testing.assert_close(model[1].running_mean, plain[1].running_mean)
+
+
 def test_a_training_capture_leaves_the_callers_autograd_graph_alone():
     """An input made by the caller's graph (``leaf * 2``): capturing, simulating and verifying
     a training step must not backpropagate into that graph (adding to ``leaf.grad``, freeing the

@@ -18,7 +18,7 @@ from fxdream.capturing.eager_ops import record_model_calls
 from fxdream.capturing.host_gaps import StepCalls, describe_calls, describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.meta import on_meta, traceable_on_meta
-from fxdream.capturing.model_state import preserved_modes, switch_to_build_mode
+from fxdream.capturing.model_state import initialize_lazy_modules, preserved_modes, switch_to_build_mode
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once, tracing_config
 from fxdream.capturing.torch_fx import compile_model
@@ -45,6 +45,7 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs=(), training: 
     calls, without times (``record_model_calls``)."""
     check_model(model)
     model, inputs = bind_keywords(model, example_inputs, example_kwargs)
+    initialize_lazy_modules(model, inputs)
     with preserved_modes(model), dynamo_state_kept():
         switch_to_build_mode(model, training)
         return _capture(model, inputs, training, measure, call_order)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from fxdream.runtime.graph_guards import tensor_version
 
@@ -32,6 +33,24 @@ def preserved_inputs(inputs):
                     grad.copy_(values)
                 else:
                     tensor.grad = grad
+
+
+def initialize_lazy_modules(model: torch.nn.Module, inputs: tuple) -> None:
+    """Lazy modules (``nn.LazyLinear``, ``nn.LazyBatchNorm2d``) not yet called take their shapes
+    from one call, as eager's first call would: neither a trace nor dynamo can read an
+    uninitialized weight, nor can the build's own state keeping. The call runs in eval mode
+    without grad (no statistics updated, no dropout drawn), the RNG and the inputs as they were."""
+    if not any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in model.modules()):
+        return
+    modes, rng = [(m, m.training) for m in model.modules()], torch.random.get_rng_state()
+    try:
+        model.eval()
+        with torch.no_grad(), preserved_inputs(inputs):
+            model(*inputs)
+    finally:
+        torch.random.set_rng_state(rng)
+        for module, mode in modes:
+            module.training = mode
 
 
 def switch_to_build_mode(model: torch.nn.Module, training: bool) -> str | None:

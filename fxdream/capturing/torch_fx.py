@@ -25,7 +25,6 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils import _pytree as pytree
 
 from fxdream.capturing.constants import copy_constant_outputs
@@ -88,7 +87,6 @@ def compile_model(model: torch.nn.Module, inputs: tuple, session: CaptureSession
                   training: bool) -> tuple[Callable, str]:
     """(runner, how it was captured): in inference torch.fx's trace when the model traces whole,
     else (training, or the reason) dynamo, both compiling through ``session``."""
-    _initialize_lazy_modules(model, inputs)
     reason = "training"
     if not training:
         with torch.no_grad(), preserved_state(model):
@@ -96,14 +94,6 @@ def compile_model(model: torch.nn.Module, inputs: tuple, session: CaptureSession
         if runner is not None:
             return runner, "torch.fx symbolic_trace"
     return compile_with(model, session), f"dynamo ({reason})"
-
-
-def _initialize_lazy_modules(model: torch.nn.Module, inputs: tuple) -> None:
-    """Lazy modules (``nn.LazyLinear``) not yet called take their shapes from a first eager call,
-    as eager's own first call would; neither a trace nor dynamo can read an uninitialized weight."""
-    if any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in model.modules()):
-        with torch.no_grad(), preserved_state(model):
-            model(*inputs)
 
 
 def trace_and_compile(model: torch.nn.Module, inputs: tuple,
