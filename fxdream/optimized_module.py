@@ -124,6 +124,22 @@ class OptimizedModule(torch.nn.Module):
             self.__dict__["_signature"] = inspect.signature(self.model.forward)
         return self.__dict__["_signature"]
 
+    def __getattr__(self, name: str):
+        """The model's own attributes where this module has none (``config``, ``generate``, a
+        submodule by name), as ``torch.compile``'s module passes them through: a method called
+        so runs the model itself, eagerly (``generate`` calls the model's forward, not this one)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(user_model(model), name)
+            except AttributeError:
+                raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}, nor has the "
+                                     f"{type(user_model(model)).__name__} it was built from") from None
+
     def __deepcopy__(self, memo) -> "OptimizedModule":
         """The same build of a deep copy of the model: the graphs run on this model's own tensors
         (the torch.fx path's are bound at compile time) and on oneDNN-packed constants, which

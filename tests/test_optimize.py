@@ -395,3 +395,25 @@ def test_a_full_dynamo_cache_shared_by_torchs_own_modules_is_cleared_and_said(mo
         notes.extend(optimized.report.notes)
     assert "dynamo's cache for Linear.forward (a frame every torch.nn module shares) was full (2 compilations " \
            "earlier in this process); cleared it to capture this one" in notes
+
+
+class WithExtras(Small):
+    """A model with what users read from it besides calling it: a config, a method."""
+    def __init__(self):
+        super().__init__()
+        self.config = {"classes": 4}
+
+    def predict_class(self, x):
+        return self(x).argmax(-1)
+
+
+def test_the_models_attributes_pass_through_as_under_torch_compile():
+    model, x = WithExtras().eval(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), cost=None)
+    assert optimized.config is model.config and optimized.fc is model.fc
+    with torch.no_grad():
+        torch.testing.assert_close(optimized.predict_class(x), model(x).argmax(-1))
+    assert optimized.report.model == "WithExtras"  # the module's own attributes come first
+    with pytest.raises(AttributeError, match="'OptimizedModule' object has no attribute 'nothing', nor has the "
+                                             "WithExtras it was built from"):
+        optimized.nothing
