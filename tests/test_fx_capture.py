@@ -7,9 +7,9 @@ import inspect
 import pytest
 import torch
 import torch.nn as nn
+from conftest import ConvBnNet, assert_step_matches
 
 import fxdream
-from conftest import ConvBnNet, assert_step_matches
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import trace_and_compile
 from fxdream.capturing.trace_check import one_sample
@@ -541,13 +541,15 @@ def test_a_model_with_forward_hooks_is_not_traced_and_its_hooks_run_at_every_cal
 
 
 class ScaledBy(nn.Module):
-    def forward(self, x, scale, shift):
+    def forward(self, x, scale, shift=None):
         return x * scale + (0 if shift is None else shift)
 
 
 def test_a_non_tensor_example_input_is_named_by_position_and_value_in_the_capture_reason():
     model, x = ScaledBy(), torch.randn(3)
     optimized = fxdream.optimize(model.eval(), (x, 2.0, None), cost=None)
-    assert optimized.report.capture == "dynamo (a non-tensor example input (at position 1: 2.0 and 1 more))"
+    assert optimized.report.capture == "dynamo (a non-tensor example input (scale=2.0, at position 1 and 1 more))"
     with torch.no_grad():
         torch.testing.assert_close(optimized(x, 2.0, None), x * 2)
+    only_shift = fxdream.optimize(model.eval(), (x, torch.tensor(2.0), None), cost=None)
+    assert only_shift.report.capture == "dynamo (a non-tensor example input (shift=None, at position 2 (its default)))"

@@ -208,7 +208,7 @@ def _flat_trace(model: torch.nn.Module, inputs: tuple):
     if other:  # the trace takes tensors only: a value would be fixed in it
         where, value = other[0]
         more = f" and {len(other) - 1} more" if len(other) > 1 else ""
-        return None, None, f"a non-tensor example input (at position {where}: {reprlib.repr(value)}{more})"
+        return None, None, f"a non-tensor example input ({_described_input(model, where, value)}{more})"
     if any(t.device.type not in ("cpu", "cuda") for t in list(model.parameters()) + list(inputs)):
         return None, None, "tensors on a device whose values cannot be compared with eager's (meta)"
     traced, reason = _trace(model, len(inputs))
@@ -218,6 +218,24 @@ def _flat_trace(model: torch.nn.Module, inputs: tuple):
     if out_spec is None:
         return None, None, "an output that is not a tensor"
     return traced, out_spec, None
+
+
+def _described_input(model: torch.nn.Module, position: int, value) -> str:
+    """``name=value, at position N`` for forward's positional parameter at ``position`` (the
+    model's own forward where ``WithKeywords`` wraps it), with "(its default)" where the value is
+    the default: a call by keyword fills the positions before its keywords with them."""
+    try:
+        signature = model.__dict__.get("_signature") or inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        signature = None
+    positional = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)] if signature else []
+    text = f"{reprlib.repr(value)}, at position {position}"
+    if position >= len(positional):
+        return text
+    parameter = positional[position]
+    default = " (its default)" if parameter.default is not parameter.empty and parameter.default is value else ""
+    return f"{parameter.name}={text}{default}"
 
 
 def _rnns_called_eagerly(gm: fx.GraphModule) -> None:
