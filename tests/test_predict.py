@@ -486,3 +486,12 @@ def test_the_pipeline_predicts_a_copy_of_a_graph_from_the_first_prediction(monke
     doubled.meta.update(relu.meta)
     relu.replace_all_uses_with(doubled, delete_user_cb=lambda user: user is not doubled)
     assert pipeline.predict(changed, "fw") != first and len(calls) == 2  # other nodes: simulated
+
+
+def test_the_summarys_ms_column_lines_up_under_long_layer_names():
+    model = nn.Sequential()
+    model.add_module("a_layer_name_longer_than_the_forty_characters_the_column_had", nn.Linear(8, 8))
+    model.add_module("short", nn.Linear(8, 8))
+    lines = fxdream.simulate(model, (torch.randn(2, 8),), device="h100").summary().splitlines()
+    rows = [line for line in lines if line.endswith("%") and " ms " in line]
+    assert len(rows) == 2 and len({line.index(" ms ") for line in rows}) == 1

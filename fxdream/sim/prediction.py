@@ -97,8 +97,10 @@ class Prediction:
         lines.append(f"busy: {busy}")
         lines.append(f"top layers ({'GPU' if self.device.kind == 'cuda' else 'CPU'} time):")
         total = sum(self.timeline.per_layer_us.values()) or 1.0
-        for layer, us in self.top_layers(top):
-            lines.append(f"  {layer or '(model)':<40} {us / 1e3:9.3f} ms  {100 * us / total:5.1f} %")
+        rows = [(layer or "(model)", us) for layer, us in self.top_layers(top)]
+        width = max([40] + [len(name) for name, _ in rows])  # the ms column lines up under long names
+        for name, us in rows:
+            lines.append(f"  {name:<{width}} {us / 1e3:9.3f} ms  {100 * us / total:5.1f} %")
         lines += [f"note: {n}" for n in self.notes]
         if self.passes:
             lines.append("passes:")
