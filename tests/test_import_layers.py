@@ -30,7 +30,8 @@ LAYERS = (
              "fxdream.pass_runner", "fxdream.eager_check", "fxdream.plan", "fxdream.simulation",
              "fxdream.optimized_module", "fxdream.build", "fxdream.explain",
              "fxdream.ab", "fxdream.whatif", "fxdream.models")),
-    ("entry", ("fxdream.cli", "fxdream.cli_arguments", "fxdream.__main__", "fxdream.backend", "fxdream.pytest_plugin", "fxdream")),
+    ("entry", ("fxdream.cli", "fxdream.cli_arguments", "fxdream.__main__", "fxdream.backend",
+               "fxdream.pytest_plugin", "fxdream")),
 )
 
 
