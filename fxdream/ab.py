@@ -12,6 +12,7 @@ prediction ``optimize`` made at build time is kept beside it (``predicted_at_bui
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
@@ -27,7 +28,7 @@ from fxdream.capturing.arguments import check_counts, check_inputs
 from fxdream.capturing.host_gaps import StepCalls, measure_host_gaps, worth_measuring
 from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.meta import on_meta
-from fxdream.capturing.model_state import preserved_state
+from fxdream.capturing.model_state import preserved_modes, preserved_state
 from fxdream.capturing.steps import cut_from_callers_graph, differentiable_scalar
 from fxdream.measure import Measurement, time_interleaved
 from fxdream.numerics import max_abs_diff
@@ -220,7 +221,8 @@ def ab(model: str | Callable | torch.nn.Module, passes, batch_sizes=None, traini
     tuple, or a dict of keyword arguments) and optional ``loss_fn``: one row, at the batch of those
     inputs (their first tensor's leading size). ``batch_sizes``: (1,) unless said.
     """
-    if isinstance(model, torch.nn.Module):
+    user_module = model if isinstance(model, torch.nn.Module) else None
+    if user_module is not None:
         model, batch = _module_as_build(model, example_inputs, loss_fn)
         if batch_sizes not in (None, batch, (batch,), [batch]):
             raise ValueError(f"batch_sizes={batch_sizes!r}: a module with its example_inputs is measured at their "
@@ -242,33 +244,35 @@ def ab(model: str | Callable | torch.nn.Module, passes, batch_sizes=None, traini
     selected = resolve_passes(passes)
     names = tuple(p.name for p in selected)
     spec = this_machine_device(device)
-    rows = []
-    for batch in batch_sizes:
-        model, inputs, loss_fn = build(batch)
-        if on_meta(model, inputs):
-            raise ValueError(f"{model_name}: the model is on the meta device (shapes, no data), and an A/B runs it "
-                             f"here; predict it instead: fxdream.simulate(model, inputs, device=...)")
-        model.train(training)
-        baseline = optimize(model, inputs, training=training, device=device)
-        optimized = optimize(model, inputs, passes=selected, training=training, device=device)
-        profile, cost = interleaved_profiler(optimized.captured, block, optimized.rewritten_graphs, spec)
-        # one measured step for both: passes rewrite the graphs, not the eager code around them
-        # (two measurements would differ by noise and give an unchanged graph a predicted delta)
-        step = measured_step(baseline, model, inputs, loss_fn, training, cost)
-        measured = time_interleaved(
-            {"eager": step_fn(model, inputs, loss_fn, training),
-             "baseline": step_fn(baseline.called_positionally(), inputs, loss_fn, training),
-             "optimized": step_fn(optimized.called_positionally(), inputs, loss_fn, training), PROFILING: profile},
-            rounds=rounds, block=block, progress=progress, desc=f"{model_name} bs{batch}")
-        before = predict(baseline.captured, cost, training, step=step)
-        after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs, step=step)
-        reasons = tuple(f"{r.graph_index}/{r.phase}: {'applied' if r.applied else 'not applied'}: {r.reason}"
-                        for r in optimized.report.passes)
-        rows.append(ABRow(model_name, batch, training, names, measured["eager"], measured["baseline"],
-                          measured["optimized"], before.time_ms, after.time_ms,
-                          max_abs_diff(model, optimized.called_positionally(), inputs, training, loss_fn), reasons,
-                          optimized.report.predicted_optimized_ms, after.range_ms,
-                          optimized.report.predicted_optimized_ms_range))
+    # a module of the user's own: its train/eval flags as they were (each row sets the mode it measures)
+    with preserved_modes(user_module) if user_module is not None else contextlib.nullcontext():
+        rows = []
+        for batch in batch_sizes:
+            model, inputs, loss_fn = build(batch)
+            if on_meta(model, inputs):
+                raise ValueError(f"{model_name}: the model is on the meta device (shapes, no data), and an A/B runs it "
+                                 f"here; predict it instead: fxdream.simulate(model, inputs, device=...)")
+            model.train(training)
+            baseline = optimize(model, inputs, training=training, device=device)
+            optimized = optimize(model, inputs, passes=selected, training=training, device=device)
+            profile, cost = interleaved_profiler(optimized.captured, block, optimized.rewritten_graphs, spec)
+            # one measured step for both: passes rewrite the graphs, not the eager code around them
+            # (two measurements would differ by noise and give an unchanged graph a predicted delta)
+            step = measured_step(baseline, model, inputs, loss_fn, training, cost)
+            measured = time_interleaved(
+                {"eager": step_fn(model, inputs, loss_fn, training),
+                 "baseline": step_fn(baseline.called_positionally(), inputs, loss_fn, training),
+                 "optimized": step_fn(optimized.called_positionally(), inputs, loss_fn, training), PROFILING: profile},
+                rounds=rounds, block=block, progress=progress, desc=f"{model_name} bs{batch}")
+            before = predict(baseline.captured, cost, training, step=step)
+            after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs, step=step)
+            reasons = tuple(f"{r.graph_index}/{r.phase}: {'applied' if r.applied else 'not applied'}: {r.reason}"
+                            for r in optimized.report.passes)
+            rows.append(ABRow(model_name, batch, training, names, measured["eager"], measured["baseline"],
+                              measured["optimized"], before.time_ms, after.time_ms,
+                              max_abs_diff(model, optimized.called_positionally(), inputs, training, loss_fn), reasons,
+                              optimized.report.predicted_optimized_ms, after.range_ms,
+                              optimized.report.predicted_optimized_ms_range))
     return ABResult(spec, torch.__version__, datetime.date.today().isoformat(), tuple(rows))
 
 

@@ -126,9 +126,11 @@ def test_a_module_with_its_example_inputs_is_measured_at_their_batch():
     model, x = _mlp(3)
     (row,) = ab(model, [RemoveDoubleNeg()], example_inputs=(x,), rounds=1, block=1, progress=False).rows
     assert (row.model, row.batch, row.max_abs_diff) == ("Sequential", 3, 0.0)
+    model.eval()
     (row,) = ab(model, ["reinplace"], example_inputs=x, loss_fn=lambda out: out.square().sum(), training=True,
                 batch_sizes=3, rounds=1, block=1, progress=False).rows
     assert row.training and row.max_abs_diff == 0.0
+    assert not any(m.training for m in model.modules())  # the user's module left in its mode
 
 
 @pytest.mark.parametrize("call, error, message", [
