@@ -6,7 +6,7 @@ import torch.fx as fx
 
 import fxdream
 from fxdream.memory_check import allocated_peak_bytes_during
-from fxdream.sim.workspaces import workspace_bytes
+from fxdream.sim.workspaces import CHANNEL_BLOCK, workspace_bytes
 from conftest import RecordValues
 
 aten = torch.ops.aten
@@ -41,6 +41,9 @@ def test_an_nchw_convolution_holds_its_reordered_input_and_weight_or_its_blocked
 def test_a_few_channels_are_read_as_they_are_and_channels_last_reorders_only_the_weight():
     rgb = _conv_node(torch.randn(2, 3, 6, 6), 16)
     assert workspace_bytes(rgb, "cpu") == max(16 * 3 * 9 * FLOAT, 2 * 16 * 36 * FLOAT)  # the blocked output
+    # fewer output channels than a block: the blocked output holds the padded channels
+    narrow = _conv_node(torch.randn(2, 3, 6, 6), 8)
+    assert workspace_bytes(narrow, "cpu") == 2 * max(8, CHANNEL_BLOCK) * 36 * FLOAT
     channels_last = _conv_node(torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last), 16)
     assert workspace_bytes(channels_last, "cpu") == 16 * 8 * 9 * FLOAT
     assert workspace_bytes(channels_last, "cuda") == 0  # cuDNN's: chosen at run time, not held
