@@ -28,7 +28,8 @@ class DenseNetConfig:
 
 CONFIGS = {
     ("densenet121", False): DenseNetConfig(32, (6, 12, 24, 16), 64, 224, 1000),
-    ("densenet121", True): DenseNetConfig(8, (2, 2, 2, 2), 16, 32, 10),
+    # 64x64 images leave the last block 2x2, as the tiny ResNets (BatchNorm in training at batch 1)
+    ("densenet121", True): DenseNetConfig(8, (2, 2, 2, 2), 16, 64, 10),
 }
 
 

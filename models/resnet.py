@@ -28,8 +28,10 @@ CONFIGS = {
     ("resnet50", False): ResNetConfig("bottleneck", (3, 4, 6, 3), 64, 224, 1000),
     # One block per stage still gives a downsample branch in every stage but the first
     # (and in layer1 too for the bottleneck, whose expansion changes the channel count).
-    ("resnet18", True): ResNetConfig("basic", (1, 1, 1, 1), 8, 32, 10),
-    ("resnet50", True): ResNetConfig("bottleneck", (1, 1, 1, 1), 8, 32, 10),
+    # 64x64 images leave the last stage 2x2: BatchNorm in training needs more than one value
+    # per channel, which a 1x1 map at batch 1 does not give.
+    ("resnet18", True): ResNetConfig("basic", (1, 1, 1, 1), 8, 64, 10),
+    ("resnet50", True): ResNetConfig("bottleneck", (1, 1, 1, 1), 8, 64, 10),
 }
 
 
