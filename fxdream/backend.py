@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from fxdream.build import COSTS, cost_model_for
+from fxdream.build import check_cost, cost_model_for
 from fxdream.capturing.arguments import parse_device
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.session import CaptureSession
@@ -38,8 +38,7 @@ def fxdream_backend(gm: fx.GraphModule, example_inputs: Sequence, options: dict 
         raise ValueError(f"unknown fxdream option(s) {unknown}; valid options: {', '.join(OPTIONS)}")
     passes = resolve_passes(options.get("passes", ()))
     cost = options.get("cost", "auto")
-    if cost not in COSTS:  # checked without passes too: a typo must not pass silently
-        raise ValueError(f"cost={cost!r} is not a cost model; valid: {', '.join(map(repr, COSTS))}")
+    check_cost(cost)
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device = _device(options.get("device"), tensors)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

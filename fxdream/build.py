@@ -100,8 +100,7 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         else check_flag("eager_check", eager_check)
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not known; valid: {', '.join(PRECISIONS)}")
-    if cost not in COSTS:  # checked with no passes too: a typo must not pass silently
-        raise ValueError(f"cost={cost!r} is not a cost model; valid: {', '.join(map(repr, COSTS))}")
+    check_cost(cost)
     selected = resolve_passes(available_passes() if auto else passes)
     first = resolve_passes(PRECISIONS[precision])
     selected = first + tuple(p for p in selected if p not in first)
@@ -145,6 +144,12 @@ PRECISIONS = {"fp32": (), "bf16": ("bf16",)}
 COSTS = ("auto", "profiled", "analytic", None)
 META_BUILD = ("the model is on the meta device (shapes, no data): captured without passes, timing or checks, which "
               "need values; fxdream.simulate(model, inputs, device=...) predicts it on any device")
+
+
+def check_cost(cost) -> None:
+    """One of ``COSTS``, checked with no passes too: a typo must not pass silently."""
+    if cost not in COSTS:
+        raise ValueError(f"cost={cost!r} is not a cost model; valid: {', '.join(map(repr, COSTS))}")
 
 
 def _numeric_rows(module: OptimizedModule, selected) -> list:
