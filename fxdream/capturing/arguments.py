@@ -172,9 +172,14 @@ def check_flag(name: str, value) -> bool:
     return value
 
 
+def is_number(value) -> bool:
+    """An int or a float, not a bool (``True`` passes ``isinstance(value, int)``) nor a string."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_memory_budget(value) -> int | None:
     """None, or a number of bytes ≥ 0 (``memory_budget``): else one clear line."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
+    if value is not None and not (is_number(value) and value >= 0):
         raise ValueError(f"memory_budget must be None or a number of bytes ≥ 0 (e.g. 2 * 2**30), got {value!r}")
     return value
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
+from fxdream.capturing.arguments import is_number
 from fxdream.ir.nodes import is_view
 from fxdream.sim.cost.devices import DeviceSpec, get_device
 from fxdream.sim.prediction import Prediction
@@ -251,7 +252,7 @@ def _through_views(node: fx.Node) -> fx.Node:
 def faster_gpu(x, factor: float = 2.0, *, contention: bool | None = None) -> WhatIf:
     """What if every GPU kernel ran ``factor`` times faster?  Every GPU-kind task scaled by
     ``1/factor``; host tasks (dispatch, launch) unchanged."""
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor > 0 and math.isfinite(factor)):
+    if not (is_number(factor) and factor > 0 and math.isfinite(factor)):
         raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
     s = _start(x, contention=contention)
     tg = s.current.task_graph

@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from fxdream.capturing.arguments import is_number
 from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.taskgraph import DepKind, Task, TaskGraph, TaskKind
 from fxdream.whatif.core import WhatIf, _finish, _prediction, _start
@@ -89,9 +90,8 @@ class Cluster:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an integer, got {value!r}")
         for name in ("network_gbps", "network_latency_us", "nvlink_GBps", "nvlink_latency_us"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} must be a number, got {value!r}")
+            if not is_number(getattr(self, name)):
+                raise TypeError(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.machines < 1 or self.gpus_per_machine < 1:
             raise ValueError(f"machines and gpus_per_machine must be >= 1, got "
                              f"{self.machines} x {self.gpus_per_machine}")
@@ -148,7 +148,7 @@ def ddp_buckets(grads: Sequence[Gradient], bucket_cap_mb: float = 25.0,
     order, or, given ``ready_us`` (gradient index -> time it is produced), in the order they
     become ready, as DDP lays its buckets out again after the first iteration."""
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if not (is_number(value) and value > 0):
             raise ValueError(f"{name} must be a number of MiB > 0, got {value!r}")
     caps = [first_bucket_mb * MiB, bucket_cap_mb * MiB]
     order = list(reversed(list(grads)))

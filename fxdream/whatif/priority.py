@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from fxdream.capturing.arguments import is_number
 from fxdream.sim.optimizer_step import append_optimizer_step, optimizer_in
 from fxdream.sim.prediction import Prediction
 from fxdream.sim.taskgraph import SEQUENTIAL_DEPS, DepKind, Task, TaskGraph, TaskKind
@@ -172,7 +173,7 @@ def p3(x, cluster: Cluster, *, captured=None, graphs=None, slice_bytes: int = 4 
     (the paper's 50,000 parameters = 200 kB suit a parameter server; each ring allreduce
     pays 2(n-1) latencies, so larger slices are the default here)."""
     check_cluster(cluster)
-    if isinstance(slice_bytes, bool) or not isinstance(slice_bytes, (int, float)) or not slice_bytes >= 1:
+    if not (is_number(slice_bytes) and slice_bytes >= 1):
         raise ValueError(f"slice_bytes must be a number of bytes >= 1, got {slice_bytes!r}")
     s = _start(x, None, captured, graphs, contention)
     tg = s.current.task_graph
