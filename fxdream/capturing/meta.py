@@ -11,9 +11,10 @@ import itertools
 import torch
 from torch._C import DispatchKey
 from torch._subclasses.fake_tensor import fake_tensor_tls
-from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
+
+from fxdream.capturing.model_state import uninitialized_lazy_modules
 
 
 def on_meta(model: torch.nn.Module, inputs=(), kwargs=None) -> bool:
@@ -65,8 +66,7 @@ def meta_copy(model: torch.nn.Module, inputs: tuple, kwargs: dict | None = None,
 
 def _refuse_uninitialized(model: torch.nn.Module) -> None:
     """A lazy module not yet called has no shapes, and only a call on real data gives them."""
-    lazy = [f"{name or '(the model)'} ({type(m).__name__})" for name, m in model.named_modules()
-            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    lazy = [f"{name or '(the model)'} ({type(m).__name__})" for name, m in uninitialized_lazy_modules(model)]
     if lazy:
         raise ValueError(f"lazy module {', '.join(lazy[:3])}{' and more' if len(lazy) > 3 else ''} not yet called: "
                          f"its weights have no shape, and this prediction runs nothing on real data; call the "

@@ -35,12 +35,18 @@ def preserved_inputs(inputs):
                     tensor.grad = grad
 
 
+def uninitialized_lazy_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each lazy module (``nn.LazyLinear``) not yet called: no shapes yet."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+
+
 def initialize_lazy_modules(model: torch.nn.Module, inputs: tuple) -> None:
     """Lazy modules (``nn.LazyLinear``, ``nn.LazyBatchNorm2d``) not yet called take their shapes
     from one call, as eager's first call would: neither a trace nor dynamo can read an
     uninitialized weight, nor can the build's own state keeping. The call runs in eval mode
     without grad (no statistics updated, no dropout drawn), the RNG and the inputs as they were."""
-    if not any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in model.modules()):
+    if not uninitialized_lazy_modules(model):
         return
     modes, rng = [(m, m.training) for m in model.modules()], torch.random.get_rng_state()
     try:
