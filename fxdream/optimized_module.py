@@ -76,9 +76,9 @@ class OptimizedModule(torch.nn.Module):
         self._capture = capture
         self._rebuild: Callable[[torch.nn.Module], "OptimizedModule"] | None = None
         self._extras: dict = {}  # whole-model predictions, verification, measurements
-        self._compilations: dict[tuple, int] = {}  # call signature → compilations for it, call after call
+        # call signature → (compilations for it call after call, then ``_calls`` at the last of them)
+        self._compilations: dict[tuple, tuple[int, int, int]] = {}
         self._compiled_codes: dict[tuple, set] = {}  # call signature → functions compiled for it
-        self._compiled_at: dict[tuple, tuple[int, int]] = {}  # call signature → its last compilation's counts
         self.__dict__["_calls"] = [0, 0]  # calls, calls that compiled (a list: no Module.__setattr__ per call)
 
     def forward(self, *args, **kwargs):
@@ -165,9 +165,11 @@ class OptimizedModule(torch.nn.Module):
         codes.update(r.code for r in records)
         if not again and key in self._compilations:
             return
-        previous, self._compiled_at[key] = self._compiled_at.get(key), (self._calls[0], self._calls[1])
-        every_call = previous is not None and self._calls[0] - previous[0] == self._calls[1] - previous[1]
-        count = self._compilations[key] = self._compilations.get(key, 0) + 1 if every_call else 1
+        calls, compiling = self._calls
+        previous = self._compilations.get(key)
+        every_call = previous is not None and calls - previous[1] == compiling - previous[2]
+        count = previous[0] + 1 if every_call else 1
+        self._compilations[key] = (count, calls, compiling)
         if count >= RECOMPILE_LIMIT and not self._strict:
             self._fall_back(f"dynamo compiled calls with the same input shapes {count} times in a row: something "
                             f"its guards check changes on every call (a Python number the forward updates, such "
