@@ -14,9 +14,8 @@ one call (torch.profiler, ``profile_memory=True``):
   the weight, computes a blocked output, then reorders that into the output. Beside the output
   the simulator already holds, that is the larger of (input + weight) and the blocked output,
   whose channels are padded up to ``CHANNEL_BLOCK`` (an 8-channel output's is twice its size
-  with AVX-512). Measured against the allocator (3x3 and 7x7, batch 2): exact for 3 → 8,
-  3 → 24, 8 → 8, 8 → 16 and 32 → 32 channels; 16 → 8 and 24 → 40 held 52 % and 40 % more,
-  not modelled. Where the
+  with AVX-512). Some channel pairs (16 → 8, 24 → 40) reorder more than this inside the op;
+  that is not modelled (docs/measurements.md). Where the
   input or the weight is channels_last (ATen runs the convolution channels_last then; a trace on
   the meta device may give the input contiguous strides) only the weight is reordered. A
   prepacked convolution (a pass's) reorders nothing and is not ``aten.convolution``.
