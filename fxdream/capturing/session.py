@@ -31,6 +31,7 @@ from fxdream.ops.keep_whole import keep_ops_whole, outside_keep_ops_whole
 from fxdream.runtime.boxed import boxed_runner
 from fxdream.runtime.direct_calls import call_ops_directly
 from fxdream.runtime.graph_guards import captured_if_rewrite_raises, same_state_or, weights_as_built_or
+from fxdream.runtime.unused_outputs import UnusedOutputs, reached_returns
 
 GraphTransform = Callable[[fx.GraphModule, str, int, dict, object], fx.GraphModule]
 """(graph_module, phase "fw"|"bw", subgraph index, {placeholder: model tensor},
@@ -123,6 +124,7 @@ class CaptureSession:
         record.state_positions = frozenset(i for i, x in enumerate(state) if x is not None)
         parameter_positions = frozenset(range(len(own))) | {i for i, x in enumerate(state)
                                                             if isinstance(x, torch.nn.Parameter)}
+        unused_outputs = UnusedOutputs()  # learns the forward's data flow once compiled (training only)
 
         @outside_keep_ops_whole()
         def compile_forward(fw: fx.GraphModule, _inputs):
@@ -136,6 +138,8 @@ class CaptureSession:
                                       f"nothing else reads (aot_autograd makes them, e.g. one per eval-mode dropout)")
             self._fold_input_free(fw, record.index, "forward")
             record.forward = fw
+            if record.training:
+                unused_outputs.track(*_returns_of_compiling(fw))
             # state the step itself updates (a counter buffer: aot_autograd copies its new value
             # in after the graph) is neither a constant a pass may take nor a change to watch for
             updated = _inputs_aot_updates()
@@ -170,14 +174,20 @@ class CaptureSession:
             if runnable is bw:
                 bw.recompile()
             record.compile_seconds += time.perf_counter() - started
-            return self.clock.wrap(boxed_runner(runnable), f"g{record.index}.bw")  # frees saved tensors early
+            run = boxed_runner(runnable)  # frees saved tensors early
+            if unused_outputs.needed:
+                run = unused_outputs.dropping(run)
+            return self.clock.wrap(run, f"g{record.index}.bw")
 
         with keep_ops_whole(gm):
             fw = _traced_once(gm, example_inputs) if one_trace and not record.training else None
             if fw is not None:
                 return boxed_caller(compile_forward(fw, None), own)
-            return aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
-                                         bw_compiler=compile_backward)
+            compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
+                                             bw_compiler=compile_backward)
+            if unused_outputs.needed:
+                return unused_outputs.hooked(compiled)
+            return compiled
 
     def _note_recompilation(self, record: _SubgraphRecord) -> None:
         """A graph compiled again from the same code for the same inputs is a recompilation: a
@@ -241,6 +251,22 @@ def _inputs_aot_updates() -> frozenset[int]:
     metadata = getattr(context, "fw_metadata", None)
     infos = getattr(metadata, "input_info", None) or ()
     return frozenset(i for i, info in enumerate(infos) if getattr(info, "mutates_data", False))
+
+
+def _returns_of_compiling(fw: fx.GraphModule) -> tuple[tuple[frozenset[int], ...], frozenset[int], frozenset[int]]:
+    """The forward graph aot_autograd is compiling: which of the Function's outputs (its metadata's
+    mutated inputs, outputs and intermediate bases, in that order) each input reaches, which of
+    them carry gradients and which inputs require one. Nothing where the metadata is not there or the graph also threads effect
+    tokens (their inputs and outputs come first)."""
+    context = torch._guards.TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None)
+    if metadata is None or getattr(metadata, "tokens", None) or not hasattr(metadata, "num_forward_returns"):
+        return (), frozenset(), frozenset()
+    returns = [metadata.input_info[i] for i in metadata.mutated_inp_runtime_indices] + list(metadata.output_info)
+    differentiable = frozenset(i for i, info in enumerate(returns) if info.requires_grad) | \
+        frozenset(range(len(returns), metadata.num_forward_returns))  # intermediate bases
+    requiring_gradients = frozenset(i for i, info in enumerate(metadata.input_info) if info.requires_grad)
+    return reached_returns(fw, metadata.num_forward_returns), differentiable, requiring_gradients
 
 
 def _state_names_from_sources(gm: fx.GraphModule, example_inputs: Sequence) -> dict[int, str]:
