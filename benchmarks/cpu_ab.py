@@ -65,6 +65,8 @@ def _build_runner(name: str, model, inputs, passes, training: bool = False):
     return fn, time.perf_counter() - started, report
 
 
+PEER_RECOMPILE_LIMIT = 256  # dynamo's limit while peers compile: each copy is a cache entry of its own
+
 def compile_inductor(model, inputs, freezing: bool, training: bool = False):
     """torch.compile (inductor) of a copy of ``model``, compiled now, with or without freezing.
 
@@ -80,8 +82,7 @@ def compile_inductor(model, inputs, freezing: bool, training: bool = False):
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
-    from fxdream.capturing.dynamo import _raise_recompile_limit
-    _raise_recompile_limit(256)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, PEER_RECOMPILE_LIMIT)
     compiled = []
 
     def inductor(gm, example_inputs):

@@ -134,13 +134,12 @@ def test_fidelity_fails_when_every_case_is_skipped(tmp_path, capsys):
 def test_a_peer_that_dynamo_ran_eagerly_is_an_error_not_a_row(monkeypatch):
     """Past dynamo's recompile limit a compiled copy runs eagerly, silently: cpu_ab must say so."""
     import torch
-    from fxdream.capturing import dynamo as dynamo_glue
     from fxdream import models
     cpu_ab = _script("cpu_ab")
     model, inputs, _ = models.build("mnist_convnet", 1, tiny=True)
     model.eval()
     cpu_ab.compile_inductor(model, inputs, freezing=False)  # fills the class's cache entry
-    monkeypatch.setattr(dynamo_glue, "_raise_recompile_limit", lambda at_least=64: 1)
+    monkeypatch.setattr(cpu_ab, "PEER_RECOMPILE_LIMIT", 1)
     with torch._dynamo.config.patch(recompile_limit=1), \
             pytest.raises(RuntimeError, match="dynamo compiled no graph"):
         cpu_ab.compile_inductor(model, inputs, freezing=False)

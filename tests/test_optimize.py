@@ -370,7 +370,7 @@ def test_a_full_dynamo_cache_for_the_models_forward_is_cleared_and_said(monkeypa
 
         def forward(self, x):
             return torch.relu(self.lin(x))
-    monkeypatch.setattr(dynamo_glue, "_raise_recompile_limit", lambda: 2)  # dynamo's real limit: 64
+    monkeypatch.setattr(dynamo_glue, "_recompile_limit", lambda: 2)  # dynamo's real limit: 64
     x = torch.randn(2, 4)
     notes = []
     for _ in range(3):
@@ -386,7 +386,7 @@ def test_a_full_dynamo_cache_shared_by_torchs_own_modules_is_cleared_and_said(mo
     """dynamo compiles a torch.nn module (nn.Linear) through one wrapper frame all of them share:
     past the limit every later build of any of them would run eagerly."""
     from fxdream.capturing import dynamo as dynamo_glue
-    monkeypatch.setattr(dynamo_glue, "_raise_recompile_limit", lambda: 2)
+    monkeypatch.setattr(dynamo_glue, "_recompile_limit", lambda: 2)
     x = torch.randn(2, 4)
     notes = []
     for _ in range(3):

@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from fxdream.capturing.dynamo import graph_break_counts, new_graph_breaks
+from fxdream.capturing.dynamo import compiled_through, graph_break_counts, new_graph_breaks
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
 from fxdream.capturing.torch_fx import capture_from_trace
@@ -106,7 +106,7 @@ def _own_call(block: torch.nn.Module, index: int, path: str) -> _Call:
 def _compiled_call(block: torch.nn.Module, index: int, session: CaptureSession, path: str):
     """``block``'s call through dynamo with ``session``, for ``block._compiled_call_impl``; while
     it runs the slot is empty, so that the block's own ``__call__`` does not come back here."""
-    compiled = torch.compile(_own_call(block, index, path), backend=session, dynamic=False)
+    compiled = compiled_through(_own_call(block, index, path), session)
 
     def call(*args, **kwargs):
         block._compiled_call_impl = None

@@ -8,6 +8,7 @@ import copy
 import logging
 import os
 import re
+import weakref
 from typing import Callable
 
 import torch
@@ -47,10 +48,51 @@ def meta_kernel_errors_unlogged():
         logger.removeFilter(quiet)
 
 
+RAISED_RECOMPILE_LIMIT = 64
+_LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+class _RecompileLimitHits(logging.Filter):
+    """Dynamo's warning that a function reached its recompile limit, past which dynamo runs the
+    calls no compiled graph matches eagerly, silently: it goes to the notes of every build whose
+    graphs came from that function (the warning is let through)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sessions = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) >= 3:
+            for session in list(self.sessions):
+                _note_limit_hit(session, str(record.args[2]), record.args[1])
+        return True
+
+
+def _note_limit_hit(session, function: str, limit) -> None:
+    """A note in ``session`` where one of its graphs was compiled from ``function`` (dynamo's
+    "'name' (file:line)"), once."""
+    if not any(r.code is not None and function == f"'{r.code.co_name}' ({r.code.co_filename}:"
+               f"{r.code.co_firstlineno})" for r in session.records):
+        return
+    note = (f"dynamo reached its recompile limit ({limit}) for {function}: calls whose input shapes (or "
+            f"the values its guards check) match no graph compiled so far run eagerly from then on "
+            f"(each new shape compiles a graph of its own: pad inputs to a few sizes, or raise "
+            f"torch._dynamo.config.{_LIMIT_NAME})")
+    if note not in session.notes:
+        session.notes.append(note)
+
+
+_LIMIT_HITS = _RecompileLimitHits()
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_HITS)
+
+
 def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
     """torch.compile with static shapes (one capture per input shape, as CUDA graphs need);
-    ``session`` is the backend (a ``CaptureSession``: it takes the notes said here)."""
-    limit = _raise_recompile_limit()
+    ``session`` is the backend (a ``CaptureSession``: it takes the notes said here). Its calls
+    run with dynamo's recompile limit at least ``RAISED_RECOMPILE_LIMIT``: one graph per input
+    shape reaches dynamo's default (8) soon (the last batch of an epoch, sequence lengths), and
+    past it dynamo runs new shapes eagerly; the process's own limit is left as it is."""
+    limit = _recompile_limit()
     code = _compiled_code(model)
     if code is not None and len(_cache_entries(code)) >= limit:
         # each optimize() is a new backend: with the cache full, dynamo would run this one eagerly, silently
@@ -60,7 +102,27 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
         session.notes.append(f"dynamo's cache for {type(model).__name__}.forward{shared} was full ({limit} "
                              f"compilations earlier in this process); cleared it to capture this one")
     _clear_skip_marks(model, code)
-    return torch.compile(model, backend=session, dynamic=False)
+    return compiled_through(model, session)
+
+
+def compiled_through(function: Callable, session: Callable) -> Callable:
+    """``torch.compile(function)`` with ``session`` as its backend and static shapes, each call
+    with dynamo's recompile limit raised to ``RAISED_RECOMPILE_LIMIT`` where it is lower, and
+    put back after (~2 µs a call); a hit of that limit goes to ``session``'s notes."""
+    _LIMIT_HITS.sessions.add(session)
+    compiled = torch.compile(function, backend=session, dynamic=False)
+    config = torch._dynamo.config
+
+    def call(*args, **kwargs):
+        limit = getattr(config, _LIMIT_NAME)
+        if limit >= RAISED_RECOMPILE_LIMIT:
+            return compiled(*args, **kwargs)
+        setattr(config, _LIMIT_NAME, RAISED_RECOMPILE_LIMIT)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            setattr(config, _LIMIT_NAME, limit)
+    return call
 
 
 @contextlib.contextmanager
@@ -75,12 +137,11 @@ def dynamo_state_kept():
     except Exception:  # another torch: nothing to keep
         pgo = saved = None
     config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    limit = getattr(config, name)
+    limit = getattr(config, _LIMIT_NAME)
     try:
         yield
     finally:
-        setattr(config, name, limit)
+        setattr(config, _LIMIT_NAME, limit)
         if pgo is not None:
             pgo._CODE_STATE = saved
 
@@ -139,14 +200,11 @@ def _cache_entries(code) -> list:
         return []
 
 
-def _raise_recompile_limit(at_least: int = 64) -> int:
-    # Every optimize() call is a distinct backend, and dynamo counts one cache entry per
-    # backend against a per-function limit (default 8) after which it silently runs eager.
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    if getattr(config, name) < at_least:
-        setattr(config, name, at_least)
-    return getattr(config, name)
+def _recompile_limit() -> int:
+    """The recompile limit fxdream's compilations run with (``compiled_through``). Every
+    optimize() call is a distinct backend, and dynamo counts one cache entry per backend
+    against a per-function limit after which it silently runs eager."""
+    return max(getattr(torch._dynamo.config, _LIMIT_NAME), RAISED_RECOMPILE_LIMIT)
 
 
 _SKIPPED = "\0skipped\0"  # marks a reason dynamo gave for running a whole function eagerly

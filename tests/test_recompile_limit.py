@@ -1,0 +1,54 @@
+"""A built module compiles a graph per new input shape past dynamo's default recompile limit (8),
+leaves the process's limit as it was, and says so where its own limit is reached."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxdream
+from fxdream.capturing import dynamo as dynamo_glue
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _limit_name():
+    config = torch._dynamo.config
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_every_new_batch_size_compiles_past_dynamos_default_limit(training):
+    torch.manual_seed(0)
+    model = Net().train(training)
+    fast = fxdream.optimize(model, (torch.randn(2, 3, 8, 8),), training=training, cost=None)
+    with torch._dynamo.config.patch(**{_limit_name(): 8}):
+        for batch in range(3, 14):
+            x = torch.randn(batch, 3, 8, 8)
+            graphs = len(fast.report.graphs)
+            with torch.set_grad_enabled(training):
+                out = fast(x)
+            assert len(fast.report.graphs) == graphs + 1, batch  # a graph of its own, not eager
+            assert getattr(torch._dynamo.config, _limit_name()) == 8
+    assert not any("recompile limit" in note for note in fast.report.notes)
+    if not training:
+        torch.testing.assert_close(out, model(x))
+
+
+def test_reaching_the_raised_limit_is_said(monkeypatch):
+    monkeypatch.setattr(dynamo_glue, "RAISED_RECOMPILE_LIMIT", 3)
+    model = Net().train()
+    with torch._dynamo.config.patch(**{_limit_name(): 3}):
+        fast = fxdream.optimize(model, (torch.randn(2, 3, 8, 8),), training=True, cost=None)
+        for batch in range(3, 7):
+            fast(torch.randn(batch, 3, 8, 8)).sum().backward()
+    notes = [n for n in fast.report.notes if "recompile limit" in n]
+    assert len(notes) == 1 and notes[0].startswith("dynamo reached its recompile limit (3) for 'forward' (")
+    assert "run eagerly from then on" in notes[0]
