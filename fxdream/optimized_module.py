@@ -143,8 +143,18 @@ class OptimizedModule(torch.nn.Module):
     def __deepcopy__(self, memo) -> "OptimizedModule":
         """The same build of a deep copy of the model: the graphs run on this model's own tensors
         (the torch.fx path's are bound at compile time) and on oneDNN-packed constants, which
-        cannot be copied; a copy of the graphs would read the original's weights or fail."""
-        return self._rebuild(copy.deepcopy(self.model, memo))
+        cannot be copied; a copy of the graphs would read the original's weights or fail. The
+        copy's submodules take this module's train/eval flags as they are now (``fast.eval()``
+        after a training build), as ``copy.deepcopy`` of the model keeps them, not the build's."""
+        rebuilt = self._rebuild(copy.deepcopy(self.model, memo))
+        flags = [(copied, original.training) for copied, original in zip(rebuilt.modules(), self.modules())
+                 if copied.training != original.training]
+        for copied, training in flags:
+            copied.training = training
+        if flags:
+            rebuilt._note("a copy (copy.deepcopy) of a module whose train/eval flags changed after its build: "
+                          "built as that build was, then given the flags the original has now")
+        return rebuilt
 
     def __reduce__(self):
         raise TypeError("an fxdream OptimizedModule cannot be pickled (its graphs are compiled code bound to "

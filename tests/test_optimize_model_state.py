@@ -102,6 +102,23 @@ def test_a_deep_copy_is_built_again_for_a_copy_of_the_model(training, passes):
         assert not torch.allclose(copied(x), optimized(x))
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_a_deep_copy_keeps_the_modes_set_after_the_build(training):
+    """``best = copy.deepcopy(fast)`` after ``fast.eval()`` (or ``fast.train()`` for MC dropout)
+    is a copy in that mode, as a copy of the model is, not in the build's."""
+    torch.manual_seed(0)
+    model, x = Small().train(training), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), training=training, eager_check=False)
+    optimized.train(not training)
+    copied = copy.deepcopy(optimized)
+    assert [m.training for m in copied.modules()] == [m.training for m in optimized.modules()]
+    assert all(m.training == (not training) for m in copied.model.modules())
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x), reference(x))
+    assert any("copy.deepcopy" in note for note in copied.report.notes)
+
+
 class PaddedEncoder(nn.Module):
     def __init__(self):
         super().__init__()
