@@ -22,7 +22,9 @@ from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
 from fxdream.capturing.keywords import WithKeywords, bind_keywords, user_model
 from fxdream.capturing.model_state import (
+    StateSamples,
     initialize_lazy_modules,
+    moved_parameters_note,
     preserved_inputs,
     preserved_state,
     switch_to_build_mode,
@@ -111,6 +113,7 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         selected, cost, verify, measure, eager_check = (), None, False, False, False
     switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
+    parameters = StateSamples.of(model, buffers=False)
     # the user's RNG, BN statistics, grads, inputs
     with preserved_state(model), preserved_inputs(inputs), older_objects_frozen(), dynamo_state_kept():
         started, name = time.perf_counter(), type(user_model(model)).__name__
@@ -131,6 +134,9 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
         _check_precision(module, model, inputs, numeric_rows, precision)
         log.info("built %s in %.1f s (%s)%s", name, time.perf_counter() - started, module._capture,
                  f"; runs eagerly: {module._fallback_reason}" if module._fallback_reason else "")
+    moved = moved_parameters_note(parameters.changed())
+    if moved:
+        module._note(moved)
     save_profile(module._cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     module._finish(build_seconds, functools.partial(
         optimize, example_inputs=inputs, passes=passes, training=training, device=device, strict=strict, cost=cost,

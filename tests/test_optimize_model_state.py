@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import fxdream
+from fxdream.capturing.model_state import StateSamples
 from conftest import assert_same_training_step
 from test_optimize import Small
 
@@ -153,3 +154,53 @@ def test_pickling_says_what_to_save_instead():
     for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
         with pytest.raises(TypeError, match=r"cannot be pickled .*\(torch\.save\(optimized\.model\.state_dict\(\)\)\)"):
             save(optimized)
+
+
+class MomentumEncoder(nn.Module):
+    """MoCo's key encoder: forward moves it toward the query encoder, through ``.data``."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 4), nn.Linear(8, 4)
+        for p in self.k.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pq, pk in zip(self.q.parameters(), self.k.parameters()):
+                pk.data.mul_(0.9).add_(pq.data, alpha=0.1)
+        return (self.q(x) * self.k(x)).sum(-1)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_forward_updating_parameters_through_data_keeps_updating_them(training):
+    """A torch.fx trace runs such an update once, at trace time: the built module would never
+    move the key encoder (its version counter does not say it, its values do)."""
+    torch.manual_seed(0)
+    model, x = MomentumEncoder().train(training), torch.randn(5, 8)
+    optimized = fxdream.optimize(model, (x,), training=training, eager_check=False)
+    assert not optimized.report.capture.startswith("torch.fx")
+    assert any(note.startswith("forward updates parameters in place (k.weight, k.bias)")
+               for note in optimized.report.notes)
+    reference = copy.deepcopy(model)
+    for _ in range(3):
+        with torch.set_grad_enabled(training):
+            torch.testing.assert_close(optimized(x), reference(x))
+        torch.testing.assert_close(model.k.weight, reference.k.weight)
+
+
+def test_state_samples_see_updates_through_data_and_take_nan_as_itself():
+    model = nn.Linear(64, 64)
+    with torch.no_grad():
+        model.bias[3] = float("nan")
+    samples = StateSamples.of(model)
+    assert samples.changed() == []
+    model.weight.data.mul_(0.5)  # a counter of its own: only the values say it
+    assert samples.changed() == ["weight"]
+    assert StateSamples.of(nn.Linear(4, 4, device="meta")).changed() == []
+
+
+def test_a_model_that_updates_no_parameter_gets_no_note():
+    model, x = Small().eval(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), eager_check=False)
+    assert not any("updates parameters" in note for note in optimized.report.notes)

@@ -4,6 +4,7 @@ a model built for the other mode."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
@@ -125,3 +126,60 @@ def _refresh_rnn_weights(model: torch.nn.Module) -> None:
         if isinstance(m, torch.nn.RNNBase) and hasattr(m, "_weights_have_changed") \
                 and m._weights_have_changed():  # private torch API, guarded
             m._update_flat_weights()
+
+
+_SAMPLED_VALUES = 32  # values read from each tensor: a forward's in-place update changes more than one
+
+
+@dataclass(frozen=True)
+class StateSamples:
+    """The version counters of a model's parameters (and buffers) and a few values of each,
+    evenly spread: whether a forward updated one in place, also through ``.data`` (which has a
+    version counter of its own, as MoCo's momentum encoder is written). A copy of every tensor
+    would say it for every element, at the price of the model's size in memory and time."""
+    names: tuple[str, ...]
+    tensors: tuple
+    versions: tuple
+    values: tuple
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, buffers: bool = True) -> "StateSamples":
+        named = list(model.named_parameters()) + (list(model.named_buffers()) if buffers else [])
+        tensors = tuple(t for _, t in named)
+        return cls(tuple(name for name, _ in named), tensors, tuple(tensor_version(t) for t in tensors),
+                   tuple(_sampled(t) for t in tensors))
+
+    def changed(self) -> list[str]:
+        """Names of the tensors whose version or sampled values differ from when these were taken."""
+        return [name for name, tensor, version, values in zip(self.names, self.tensors, self.versions, self.values)
+                if tensor_version(tensor) != version or not _same_bits(values, _sampled(tensor))]
+
+
+def moved_parameters_note(names: list[str]) -> str | None:
+    """What the report says of parameters the model's forward updated in place during a build (a
+    momentum encoder, an EMA kept in a parameter, ``nn.Embedding(max_norm=...)``'s renorm): the
+    build's own calls updated them too. They are not put back, as buffers are: that would hold a
+    copy of every parameter through every build."""
+    if not names:
+        return None
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"forward updates parameters in place ({shown}): the build's own calls of the model updated them "
+            f"as well; keep a copy (copy.deepcopy(model.state_dict())) before the build where their values "
+            f"before it matter")
+
+
+def _sampled(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A copy of up to ``_SAMPLED_VALUES`` of ``tensor``'s values, evenly spread; None where
+    there are none to read (the meta device) or not cheaply (a non-contiguous tensor)."""
+    if tensor.device.type == "meta" or not tensor.is_contiguous() or tensor.numel() == 0:
+        return None
+    with torch.no_grad():
+        flat = tensor.detach().view(-1)
+        return flat[::max(1, flat.numel() // _SAMPLED_VALUES)].clone()
+
+
+def _same_bits(before: torch.Tensor | None, after: torch.Tensor | None) -> bool:
+    """Bit for bit (NaN equals NaN); two tensors not read count as the same."""
+    if before is None or after is None:
+        return before is None and after is None
+    return before.shape == after.shape and torch.equal(before.view(torch.uint8), after.view(torch.uint8))

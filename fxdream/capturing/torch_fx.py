@@ -29,10 +29,10 @@ from torch.utils import _pytree as pytree
 
 from fxdream.capturing.constants import copy_constant_outputs
 from fxdream.capturing.dynamo import compile_with, graph_break_counts, new_graph_breaks
-from fxdream.capturing.model_state import preserved_state
+from fxdream.capturing.model_state import StateSamples, preserved_state
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
-from fxdream.capturing.trace_check import module_state, run_both, same, same_leaves, state_versions
+from fxdream.capturing.trace_check import module_state, run_both, same, same_leaves
 
 
 def _signature(args: tuple) -> tuple:
@@ -122,7 +122,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
     if hooked:
         return None, (f"forward hooks on {', '.join(hooked[:3])}{' and more' if len(hooked) > 3 else ''} (a trace "
                       f"would run their Python, such as storing an activation, once at trace time)")
-    versions = state_versions(model)
+    samples = StateSamples.of(model)  # versions and values: through ``.data`` only the values change
     traced, out_spec, reason = _flat_trace(model, inputs)
     if traced is None:
         return None, reason
@@ -139,7 +139,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
             return None, "an output that is not a tensor"
     if module_state(model) != before:
         return None, "forward changes the modules' Python attributes (a trace would do it only once)"
-    if state_versions(model) != versions:
+    if samples.changed():
         return None, "forward updates a parameter or buffer in place (a trace would do it only once)"
     if not same(runs.expected, actual):
         if not same_leaves(runs.expected, values):

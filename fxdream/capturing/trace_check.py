@@ -78,12 +78,6 @@ def module_state(model: torch.nn.Module) -> list:
             for key, value in vars(m).items() if key not in skip]
 
 
-def state_versions(model: torch.nn.Module) -> list:
-    """Version counters of the parameters and buffers: an in-place update (``self.steps += 1``)
-    bumps them. A trace runs such an update once, at trace time, and records nothing."""
-    return [tensor_version(t) for t in list(model.parameters()) + list(model.buffers())]
-
-
 def same_leaves(expected, values: list) -> bool:
     """Whether eager's output holds the trace's values, in order, whatever its containers (a
     ``ModelOutput`` where the trace builds a plain dict)."""
