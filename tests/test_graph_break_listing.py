@@ -91,3 +91,29 @@ def test_a_prediction_that_measures_nothing_says_what_became_of_the_eager_code_a
     here = fxdream.simulate(model, (x,), device="cpu", training=True)  # measured: the gaps are tasks
     assert not any(n.startswith("not in this prediction") for n in here.notes)
     assert any(n.startswith("measured host time outside the graphs") for n in here.notes)
+
+
+class Energy(torch.nn.Module):
+    """Forces as the gradient of an energy, taken inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            energy = self.b(torch.tanh(self.a(x))).sum()
+            force, = torch.autograd.grad(energy, x)
+        return -force
+
+
+def test_a_backward_a_forward_runs_lists_only_the_models_own_breaks():
+    """The backward graph is compiled at its first call, here while dynamo traces the forward's
+    frames: fxdream's compiler and runner are not traced as the model's code."""
+    model, x = Energy().eval(), torch.randn(4, 8)
+    optimized = fxdream.optimize(model, (x,), eager_check=False, cost=None)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))
+    breaks = optimized.report.graph_breaks
+    assert len(breaks) == 2 and any("torch.autograd.grad" in b for b in breaks), breaks

@@ -177,14 +177,17 @@ class CaptureSession:
             run = boxed_runner(runnable)  # frees saved tensors early
             if unused_outputs.needed:
                 run = unused_outputs.dropping(run)
-            return self.clock.wrap(run, f"g{record.index}.bw")
+            return torch._dynamo.disable(self.clock.wrap(run, f"g{record.index}.bw"))
 
         with keep_ops_whole(gm):
             fw = _traced_once(gm, example_inputs) if one_trace and not record.training else None
             if fw is not None:
                 return boxed_caller(compile_forward(fw, None), own)
+            # the backward is compiled at, and runs from, its first backward call: one a forward
+            # makes (``torch.autograd.grad`` in an energy model's forward) runs while dynamo traces
+            # that forward's frames, and dynamo would trace fxdream's code as the model's
             compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compile_forward,
-                                             bw_compiler=compile_backward)
+                                             bw_compiler=torch._dynamo.disable(compile_backward))
             if unused_outputs.needed:
                 return unused_outputs.hooked(compiled)
             return compiled
