@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import warnings
 from typing import Callable
 
 import torch
@@ -63,6 +64,7 @@ class OptimizedModule(torch.nn.Module):
                  capture: str = "dynamo", graph_breaks: tuple[str, ...] = (), fallback_reason: str | None = None):
         super().__init__()
         self.model = model
+        self.training = model.training  # as torch.compile's module mirrors it
         # The compiled runner wraps ``model``; keep it out of the module tree (no duplicate params).
         self.__dict__["_runner"] = runner
         self.__dict__["_session"] = session
@@ -214,6 +216,12 @@ class OptimizedModule(torch.nn.Module):
 
     def _call(self, fn: Callable, args, kwargs):
         if self._inference:
+            if torch.is_grad_enabled() and "_warned_no_grad" not in self.__dict__ and _requires_grad(args, kwargs):
+                self.__dict__["_warned_no_grad"] = True
+                warnings.warn("this module was built for inference (optimize(..., training=False)) and runs under "
+                              "torch.no_grad(): its outputs carry no gradient, though an input requires one; for "
+                              "gradients with respect to inputs build with training=True, then call .eval() on "
+                              "the built module", stacklevel=5)  # the caller of the module
             with torch.no_grad():
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
@@ -241,6 +249,10 @@ class OptimizedModule(torch.nn.Module):
     def rewritten_graphs(self) -> dict:
         """(subgraph index, phase) → the graph the passes produced (absent: ran as captured)."""
         return dict(self._pipeline.rewritten)
+
+
+def _requires_grad(args, kwargs) -> bool:
+    return any(isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values()))
 
 
 def _graphs_with_ops(captured) -> tuple[GraphReport, ...]:

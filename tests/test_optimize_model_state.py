@@ -1,6 +1,7 @@
 """What a build leaves as it was (RNG, statistics, grads, modes), copies, pickling, and the
 known causes of a verified difference."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -204,3 +205,24 @@ def test_a_model_that_updates_no_parameter_gets_no_note():
     model, x = Small().eval(), torch.randn(2, 3, 8, 8)
     optimized = fxdream.optimize(model, (x,), eager_check=False)
     assert not any("updates parameters" in note for note in optimized.report.notes)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_built_modules_own_flag_is_the_models(training):
+    optimized = fxdream.optimize(Small().train(not training), (torch.randn(2, 3, 8, 8),), training=training,
+                                 cost=None)
+    assert optimized.training == optimized.model.training == training
+
+
+def test_an_input_gradient_asked_of_an_inference_build_is_warned_of_once():
+    model, x = Small().eval(), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), cost=None)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimized(x.clone().requires_grad_(True))  # no gradient asked for: nothing said
+    with pytest.warns(UserWarning, match="build with training=True, then call .eval"):
+        out = optimized(x.clone().requires_grad_(True))
+    assert not out.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimized(x.clone().requires_grad_(True))  # once
