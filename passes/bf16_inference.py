@@ -5,7 +5,7 @@ It changes numerics, so ``passes="auto"`` never picks it on its own (``changes_n
 user asks for it, and the report gives the measured deviation from float32 on the example inputs.
 
 The rule, CPU autocast's: the ops oneDNN runs fast in bf16 (convolution, the matrix products,
-scaled-dot-product attention) take bf16 inputs (float32 inputs are cast where they meet such an
+scaled-dot-product attention; PReLU, as autocast casts it) take bf16 inputs (float32 inputs are cast where they meet such an
 op), and, as the inference engines do and autocast does not, so do embedding lookups, whose bf16
 tables keep a transformer's residual stream in bf16 (no cast before each linear layer).
 Recurrent layers take float32 (their weights stay float32; oneDNN's RNN primitive takes no bf16
@@ -47,7 +47,9 @@ IN_BF16 = frozenset({
     aten.convolution.default, aten.addmm.default, aten.mm.default, aten.bmm.default, aten.baddbmm.default,
     aten.linear.default, aten.matmul.default, aten.scaled_dot_product_attention.default,
     aten.embedding.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._prelu_kernel.default,  # autocast's too; its kernel takes no float32 weight beside a bf16 input
 })
+PRELU = aten._prelu_kernel.default
 # Recurrent layers keep float32: their weights stay float32 and oneDNN's RNN primitive takes no
 # bf16 input beside them; a bf16 value reaching one is cast up.
 IN_FP32 = frozenset(op for op in (
@@ -141,7 +143,10 @@ class _Rewriter:
         first = next(n for n in self.graph.nodes if n.op != "placeholder")
         with self.graph.inserting_before(first):
             node = self.graph.get_attr(name)
-        node.meta.update({"val": self.fake_mode.from_tensor(getattr(self.gm, name)), LAYER: source.meta.get(LAYER, "")})
+        # static: a constant's sizes are no symbols of the shape environment (dynamo's guards for
+        # a recompilation would find symbols without a source, and fail)
+        fake = self.fake_mode.from_tensor(getattr(self.gm, name), static_shapes=True)
+        node.meta.update({"val": fake, LAYER: source.meta.get(LAYER, "")})
         self.constants += 1
         return node
 
@@ -187,6 +192,6 @@ class Bf16Inference(PassBase):
         rewriter.run()
         gm.graph.eliminate_dead_code()
         gm.recompile()
-        ran = sum(n.op == "call_function" and n.target in IN_BF16 for n in gm.graph.nodes)
+        ran = sum(n.op == "call_function" and n.target in IN_BF16 and n.target is not PRELU for n in gm.graph.nodes)
         return PassResult.changed(gm, f"{ran} convolutions and matrix products in bf16; {rewriter.constants} "
                                       f"weights made bf16 once, {rewriter.cast_ops} casts per call")

@@ -156,3 +156,41 @@ def test_verify_does_not_call_bf16s_expected_deviation_a_wrong_result():
     module = fxdream.optimize(model, (x,), precision="bf16", cost=None, verify=True)
     assert module.report.verified_max_abs_diff > 1e-2 and not module.report.verified_beyond_rounding
     assert "More than rounding" not in module.report.to_markdown()
+
+
+@needs_bf16
+def test_a_new_batch_size_compiles_in_bf16_again():
+    """The bf16 constants' fake values carry no size symbols: dynamo's guards for the graph of
+    another batch size would find symbols without a source and fail, sending the module to eager
+    float32 for good."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv1d(8, 4, 3, padding=1)).eval()
+    module = fxdream.optimize(model, (torch.randn(2, 4, 16),), precision="bf16", cost=None)
+    for batch in (5, 3, 2):
+        x = torch.randn(batch, 4, 16)
+        with torch.no_grad():
+            difference = (module(x) - model(x)).abs().max().item()
+        assert 0 < difference < 5e-2, batch  # bf16's rounding: neither float32 nor wrong
+    assert not module.report.ran_eagerly and all(r.applied for r in module.report.passes if r.name == "bf16")
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.prelu = torch.nn.PReLU(8)
+
+    def forward(self, x):
+        y = self.prelu(self.conv(x))
+        return y * 2 if x.sum() > 0 else y  # a data-dependent branch: dynamo captures it
+
+
+@needs_bf16
+def test_a_model_dynamo_captures_and_a_prelu_run_in_bf16():
+    torch.manual_seed(0)
+    model, x = Branchy().eval(), torch.randn(2, 3, 8, 8).abs()
+    module = fxdream.optimize(model, (x,), precision="bf16", cost=None)
+    assert module.report.capture.startswith("dynamo")
+    assert _row(module).applied and _row(module).reason.startswith("1 convolutions and matrix products in bf16")
+    assert module.report.precision_deviation is not None and module.report.precision_deviation.max_abs > 0
