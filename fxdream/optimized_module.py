@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from fxdream.capturing.arguments import positional_call
-from fxdream.capturing.dynamo import describe_error
+from fxdream.capturing.dynamo import describe_error, raised_compiling
 from fxdream.capturing.keywords import WithKeywords, user_model
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import autocast_enabled
@@ -101,7 +101,7 @@ class OptimizedModule(torch.nn.Module):
         try:
             output = self._call(self._runner, args, kwargs)
         except Exception as error:
-            compiling = isinstance(error, torch._dynamo.exc.TorchDynamoException)
+            compiling = raised_compiling(error)
             if self._strict or not (compiling or any(row.applied for row in self._pipeline.rows)):
                 raise
             output = self._call(self.model, args, kwargs)  # raises too where the call itself is wrong

@@ -52,3 +52,22 @@ def test_reaching_the_raised_limit_is_said(monkeypatch):
     notes = [n for n in fast.report.notes if "recompile limit" in n]
     assert len(notes) == 1 and notes[0].startswith("dynamo reached its recompile limit (3) for 'forward' (")
     assert "run eagerly from then on" in notes[0]
+
+
+def _raised_from(filename: str) -> BaseException:
+    scope = {}
+    exec(compile("def fail():\n    raise AssertionError('sources must not be empty for symbol s29')\n",
+                 filename, "exec"), scope)
+    try:
+        scope["fail"]()
+    except AssertionError as error:
+        return error
+
+
+def test_an_error_inside_dynamos_frame_conversion_is_a_compilation_failure():
+    """An assertion while dynamo builds a recompilation's guards is not a TorchDynamoException:
+    the fallback reason must not blame the rewritten graphs for it."""
+    convert_frame = torch._dynamo.convert_frame.__file__
+    assert dynamo_glue.raised_compiling(_raised_from(convert_frame))
+    assert not dynamo_glue.raised_compiling(_raised_from("model.py"))
+    assert dynamo_glue.raised_compiling(torch._dynamo.exc.Unsupported("no"))

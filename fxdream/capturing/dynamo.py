@@ -8,6 +8,7 @@ import copy
 import logging
 import os
 import re
+import traceback
 import weakref
 from typing import Callable
 
@@ -246,6 +247,16 @@ def _first_line(reason: str) -> str:
 
 
 _ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")  # an object's repr names its memory address
+
+
+def raised_compiling(error: BaseException) -> bool:
+    """Whether ``error`` came from dynamo compiling a frame (its own exceptions, and any other
+    raised inside its frame conversion, such as an assertion while it builds guards), not from
+    running what it compiled."""
+    if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(f.filename.endswith(os.path.join("_dynamo", "convert_frame.py")) for f in frames)
 
 
 def describe_error(error: BaseException) -> str:
