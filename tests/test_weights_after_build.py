@@ -1,5 +1,7 @@
 """An inference module whose weights change in place after the build runs its graphs as captured
 (reading the weights live) instead of the rewritten ones, which hold folded and packed copies."""
+import copy
+
 import pytest
 import torch
 
@@ -134,3 +136,30 @@ def test_state_the_forward_updates_itself_is_no_change_after_the_build():
         model.net.conv.weight.mul_(2)  # a real change is still seen
         torch.testing.assert_close(optimized(x), model.net(x))
     assert _changed(optimized.report)
+
+
+class HalfFrozen(torch.nn.Module):
+    """One BatchNorm left in train mode inside an eval model, one folded."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn2(self.conv2(torch.relu(self.bn(self.conv(x))))))
+
+
+def test_a_batchnorm_in_train_mode_counting_its_own_batches_is_no_change():
+    torch.manual_seed(0)
+    model = HalfFrozen().eval()
+    model.bn.train()
+    reference = copy.deepcopy(model)
+    optimized = fxdream.optimize(model, (torch.randn(3, 4, 6, 6),), passes=["fuse_conv_bias_act"], cost=None)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 4, 6, 6)
+            torch.testing.assert_close(optimized(x), reference(x))
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean)
+    assert int(model.bn.num_batches_tracked) == int(reference.bn.num_batches_tracked) == 3
+    assert optimized.report.passes[0].applied and not _changed(optimized.report)

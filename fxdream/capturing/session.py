@@ -152,8 +152,11 @@ class CaptureSession:
             frozen = runnable is not fw and not record.training  # inference: state may be constants
             run = same_state_or(runnable.forward, fw.forward, state, len(own)) if frozen else runnable.forward
             if frozen:
-                run = weights_as_built_or(run, fw.forward, kept + self.batches_tracked,
-                                          lambda: self._weights_changed(record))
+                # a BatchNorm in train mode within an eval model counts its own batches: the
+                # graph's update, not a change
+                own_updates = {id(t) for i, t in enumerate(state) if i in updated and t is not None}
+                counts = [b for b in self.batches_tracked if id(b) not in own_updates]
+                run = weights_as_built_or(run, fw.forward, kept + counts, lambda: self._weights_changed(record))
                 if any(isinstance(t, torch.Tensor) and t.is_inference() for t in state):
                     self.notes.append(f"graph {record.index}: the model's tensors were made under "
                                       f"torch.inference_mode(), which keeps no version counters: a weight "
