@@ -222,6 +222,25 @@ class SharedConvOutput(nn.Module):
         return torch.relu(y), y * 2
 
 
+class BiasWrittenOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, bias=False)
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return torch.relu(self.conv(x) + self.bias.view(1, -1, 1, 1))
+
+
+def test_an_add_whose_other_addend_broadcasts_is_not_fused_and_the_note_says_why():
+    model, x = BiasWrittenOut().eval(), torch.randn(1, 3, 8, 8)
+    captured = fxdream.capture(model, (x,), training=False)
+    result = resolve_passes([PASS])[0](captured.forward, pass_context(model, captured, False))
+    assert "conv: add+relu not fused: the other addend is not a tensor of the convolution's shape and dtype " \
+           "(float32 (1, 4, 1, 1))" in result.notes, result.notes
+    assert not any("also used by" in n for n in result.notes)
+
+
 @pytest.mark.parametrize("training", [False, True])
 def test_site_with_another_user_is_skipped_with_a_note(training):
     model, x = SharedConvOutput(), torch.randn(1, 3, 8, 8, requires_grad=training)

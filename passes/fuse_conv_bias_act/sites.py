@@ -47,6 +47,12 @@ def _users(node: fx.Node) -> str:
     return ", ".join(u.name for u in node.users)
 
 
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+    return f"the number {value}" if isinstance(value, (int, float)) else "not a tensor"
+
+
 def _conv_problem(conv: fx.Node, ctx: PassContext) -> str | None:
     """Why this convolution cannot be fused, or None."""
     if len(conv.args) != 9 or conv.kwargs:
@@ -144,8 +150,11 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
                     and other.shape == value_of(cur).shape and other.dtype == value_of(cur).dtype and relu is not None):
                 site.add, site.other_index, site.act, cur = add, index, relu, relu
                 site.parts += ["add", "relu"]
-            elif any(u.target is RELU for u in add.users):
+            elif relu is None and any(u.target is RELU for u in add.users):
                 notes.append(f"{site.layer}: add+relu not fused: the sum is also used by {_users(add)}")
+            elif relu is not None:
+                notes.append(f"{site.layer}: add+relu not fused: the other addend is not a tensor of the "
+                             f"convolution's shape and dtype ({_described(other)})")
         if site.act is None:
             acts = fusable_acts(ctx)
             site.act = next((u for u in [_sole_user(cur, t) for t in acts] if u is not None), None)
