@@ -5,8 +5,8 @@ It changes numerics, so ``passes="auto"`` never picks it on its own (``changes_n
 user asks for it, and the report gives the measured deviation from float32 on the example inputs.
 
 The rule, CPU autocast's: the ops oneDNN runs fast in bf16 (convolution, the matrix products,
-scaled-dot-product attention; PReLU, as autocast casts it) take bf16 inputs (float32 inputs are cast where they meet such an
-op), and, as the inference engines do and autocast does not, so do embedding lookups, whose bf16
+scaled-dot-product attention; PReLU, as autocast casts it) take bf16 inputs (float32 inputs are
+cast where they meet such an op), and, as the inference engines do and autocast does not, so do embedding lookups, whose bf16
 tables keep a transformer's residual stream in bf16 (no cast before each linear layer).
 Recurrent layers take float32 (their weights stay float32; oneDNN's RNN primitive takes no bf16
 input beside them). Every other op runs in the dtype its inputs bring: a ReLU, a pooling, a

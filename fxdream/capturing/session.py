@@ -262,8 +262,8 @@ def _inputs_aot_updates() -> frozenset[int]:
 def _returns_of_compiling(fw: fx.GraphModule) -> tuple[tuple[frozenset[int], ...], frozenset[int], frozenset[int]]:
     """The forward graph aot_autograd is compiling: which of the Function's outputs (its metadata's
     mutated inputs, outputs and intermediate bases, in that order) each input reaches, which of
-    them carry gradients and which inputs require one. Nothing where the metadata is not there or the graph also threads effect
-    tokens (their inputs and outputs come first)."""
+    them carry gradients and which inputs require one. Nothing where the metadata is not there
+    or the graph also threads effect tokens (their inputs and outputs come first)."""
     context = torch._guards.TracingContext.try_get()
     metadata = getattr(context, "fw_metadata", None)
     if metadata is None or getattr(metadata, "tokens", None) or not hasattr(metadata, "num_forward_returns"):
