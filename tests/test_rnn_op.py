@@ -263,3 +263,33 @@ def test_onednns_lstm_layer_counts_its_two_weight_matrices(bias):
     captured = fxdream.capture(nn.LSTM(8, 16, bias=bias).eval(), (torch.randn(7, 3, 8),))
     (layer,) = [n for n in captured.forward.graph.nodes if str(n.target) == "aten.mkldnn_rnn_layer.default"]
     assert node_flops(layer) == 2 * 21 * (64 * 8 + 64 * 16)
+
+
+class MonteCarlo(nn.Module):
+    """An eval model whose stacked RNN stays in train mode: dropout between its layers per call."""
+
+    def __init__(self, cls):
+        super().__init__()
+        self.rnn = cls(6, 12, num_layers=3, dropout=0.5, batch_first=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("cls", [nn.GRU, nn.RNN, nn.LSTM])
+def test_an_rnn_left_in_train_mode_keeps_its_dropout_in_an_inference_build(cls):
+    """torch's decomposition of a train-mode RNN leaves the dropout between layers out: the
+    layer is kept whole and draws eager's dropout from eager's generator."""
+    torch.manual_seed(0)
+    model, x = MonteCarlo(cls).eval(), torch.randn(2, 5, 6)
+    model.rnn.train()
+    optimized = fxdream.optimize(model, (x,), eager_check=False, cost=None)
+    ops = {str(n.target) for g in optimized.captured for n in g.forward.graph.nodes if n.op == "call_function"}
+    assert ops & {"fxdream.rnn_dropout.default", "fxdream.lstm_dropout.default"}, ops
+    with torch.no_grad():
+        torch.manual_seed(7)
+        expected = model(x)
+        torch.manual_seed(7)
+        torch.testing.assert_close(optimized(x), expected)
+        assert not torch.equal(optimized(x), optimized(x))  # a draw per call

@@ -173,7 +173,7 @@ def _fast_path_transformer_flops(node: fx.Node) -> int:
 _RNN_OPS = frozenset({"aten.lstm", "aten.gru", "aten.rnn_tanh", "aten.rnn_relu", "aten.mkldnn_rnn_layer",
                       "aten._cudnn_rnn", "fxdream.rnn_inference", "fxdream.lstm_inference", "fxdream.lstm_train",
                       "fxdream.lstm_train_backward", "fxdream.rnn_train", "fxdream.rnn_train_backward",
-                      "fxdream.rnn_cell_inference"})
+                      "fxdream.rnn_cell_inference", "fxdream.rnn_dropout", "fxdream.lstm_dropout"})
 # where an op's weight matrices are, where its other arguments hold 2-d tensors that are not
 # weights: a cell's hx; oneDNN's layer without biases, zeros of the weights' shapes in their place
 _RNN_WEIGHT_ARGS = {"fxdream.rnn_cell_inference": slice(2, 4), "aten.mkldnn_rnn_layer": slice(1, 3)}
@@ -198,8 +198,9 @@ def _rnn_flops(node: fx.Node) -> int:
 
 # (index of num_layers, of bidirectional, of batch_first) in each RNN op's arguments
 _RNN_LAYOUT_ARGS = {**{f"aten.{name}": (4, 7, 8) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
-                    **dict.fromkeys(("fxdream.rnn_inference", "fxdream.rnn_train"), (5, 6, 7)),
-                    **dict.fromkeys(("fxdream.lstm_inference", "fxdream.lstm_train"), (4, 5, 6)),
+                    **dict.fromkeys(("fxdream.rnn_inference", "fxdream.rnn_train", "fxdream.rnn_dropout"), (5, 6, 7)),
+                    **dict.fromkeys(("fxdream.lstm_inference", "fxdream.lstm_train", "fxdream.lstm_dropout"),
+                                    (4, 5, 6)),
                     **dict.fromkeys(_RNN_BACKWARD_OPS, (9, 10, 11)), "aten._cudnn_rnn": (9, 13, 10)}
 
 

@@ -82,6 +82,47 @@ def _(input, hx, params, has_biases, num_layers, bidirectional, batch_first):
 
 lstm_inference = torch.ops.fxdream.lstm_inference.default
 
+# A stacked RNN module left in train mode inside an inference build (Monte Carlo dropout): torch's
+# decomposition of a train-mode RNN drops the dropout between layers (``_rnn_helper``'s condition
+# never holds), so a trace would run it without. Kept whole instead, calling the same ``torch._VF``
+# function with ``train=True``: eager's dropout, drawn from the same generator as eager's. Tagged
+# nondeterministic_seeded: two calls on the same inputs are two draws, never one.
+_LIB.define("rnn_dropout(Tensor input, Tensor hx, Tensor[] params, str mode, bool has_biases, int num_layers, "
+            "bool bidirectional, bool batch_first, float dropout) -> (Tensor, Tensor)",
+            tags=(torch.Tag.nondeterministic_seeded,))
+_LIB.define("lstm_dropout(Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
+            "bool bidirectional, bool batch_first, float dropout) -> (Tensor, Tensor, Tensor)",
+            tags=(torch.Tag.nondeterministic_seeded,))
+
+
+def _rnn_dropout(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first, dropout):
+    return FUNCTIONS[mode](input, hx, params, has_biases, num_layers, dropout, True, bidirectional, batch_first)
+
+
+def _lstm_dropout(input, hx, params, has_biases, num_layers, bidirectional, batch_first, dropout):
+    return torch._VF.lstm(input, tuple(hx), params, has_biases, num_layers, dropout, True, bidirectional,
+                          batch_first)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("rnn_dropout", _rnn_dropout, _key)
+    _LIB.impl("lstm_dropout", _lstm_dropout, _key)
+
+
+@torch.library.register_fake("fxdream::rnn_dropout", lib=_LIB)
+def _(input, hx, params, mode, has_biases, num_layers, bidirectional, batch_first, dropout):
+    return torch.ops.fxdream.rnn_inference(input, hx, params, mode, has_biases, num_layers, bidirectional,
+                                           batch_first)
+
+
+@torch.library.register_fake("fxdream::lstm_dropout", lib=_LIB)
+def _(input, hx, params, has_biases, num_layers, bidirectional, batch_first, dropout):
+    return torch.ops.fxdream.lstm_inference(input, hx, params, has_biases, num_layers, bidirectional, batch_first)
+
+
+rnn_dropout = torch.ops.fxdream.rnn_dropout.default
+lstm_dropout = torch.ops.fxdream.lstm_dropout.default
+
 # A training LSTM on the meta device (a prediction's capture: nothing is computed) as one op and
 # its backward as another, the way oneDNN and cuDNN run them, instead of the step-by-step graph
 # and gradients ATen would trace there. Meta only: no kernel runs real data through these.
@@ -182,16 +223,26 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _monte_carlo_dropout(input, dropout, train, num_layers, *tensors) -> bool:
+    """A stacked RNN in train mode with dropout between its layers, run without gradients on real
+    data (an inference build's Monte Carlo dropout): ``rnn_dropout`` / ``lstm_dropout``."""
+    return train is True and dropout > 0 and num_layers > 1 and input.device.type != "meta" \
+        and not _needs_grad(input, *tensors)
+
+
 def redirect_lstm(args, kwargs):
     """For an LSTM as nn.LSTM calls ``_VF.lstm`` (9 arguments): in inference (train=False)
     ``lstm_inference(...)`` on the meta device or on a CPU with projections; in training
     ``lstm_train(...)`` on the meta device; else None."""
     if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)):
         return None
-    input, (h, c), params, has_biases, num_layers, _dropout, train, bidirectional, batch_first = args
+    input, (h, c), params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
     if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or autocast_on("cpu"):
         return None
-    if train is not False or _needs_grad(input, h, c, *params):  # dropout between layers is left out
+    if _monte_carlo_dropout(input, dropout, train, num_layers, h, c, *params):
+        return tuple(lstm_dropout(input, [h, c], list(params), has_biases, num_layers, bidirectional, batch_first,
+                                  dropout))
+    if train is not False or _needs_grad(input, h, c, *params):
         if input.device.type != "meta":
             return None
         output, hy, cy, _ = lstm_train(input, [h, c], list(params), has_biases, num_layers, bidirectional,
@@ -210,8 +261,11 @@ def redirect_rnn(mode, args, kwargs):
     if kwargs or len(args) != 9 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor) \
             or not isinstance(args[2], (list, tuple)) or autocast_on(args[0].device):
         return None  # (the packed-sequence overload has 9 arguments too: data, batch_sizes, hx, params, ...)
-    input, hx, params, has_biases, num_layers, _dropout, train, bidirectional, batch_first = args
-    if train is not False or _needs_grad(input, hx, *params):  # dropout between layers is left out
+    input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
+    if _monte_carlo_dropout(input, dropout, train, num_layers, hx, *params):
+        return tuple(rnn_dropout(input, hx, list(params), mode, has_biases, num_layers, bidirectional, batch_first,
+                                 dropout))
+    if train is not False or _needs_grad(input, hx, *params):
         if input.device.type != "meta":
             return None
         output, hy, _ = rnn_train(input, hx, list(params), mode, has_biases, num_layers, bidirectional,
