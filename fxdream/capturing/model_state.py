@@ -77,6 +77,25 @@ def switch_to_build_mode(model: torch.nn.Module, training: bool) -> str | None:
 
 
 @contextlib.contextmanager
+def attributes_kept(model: torch.nn.Module):
+    """Every module's attributes, parameters, buffers and submodules as they were, whatever runs
+    inside: a symbolic trace runs forward on proxies, and a forward that rebinds its state
+    (``self.state = h.detach()``, a buffer reassigned) would leave a proxy in the model."""
+    saved = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes, parameters, buffers, submodules in saved:
+            for key in [k for k in vars(module) if k not in attributes]:
+                del module.__dict__[key]
+            module.__dict__.update(attributes)
+            for table, entries in ((module._parameters, parameters), (module._buffers, buffers),
+                                   (module._modules, submodules)):
+                table.clear()
+                table.update(entries)
+
+
+@contextlib.contextmanager
 def preserved_modes(model: torch.nn.Module):
     """Every submodule's train/eval flag as it was, whatever runs inside."""
     modes = [(m, m.training) for m in model.modules()]

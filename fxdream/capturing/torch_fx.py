@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from fxdream.capturing.constants import copy_constant_outputs
 from fxdream.capturing.dynamo import compile_with, graph_break_counts, new_graph_breaks
-from fxdream.capturing.model_state import StateSamples, preserved_state
+from fxdream.capturing.model_state import StateSamples, attributes_kept, preserved_state
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
 from fxdream.capturing.trace_check import module_state, run_both, same, same_leaves
@@ -128,7 +128,9 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         return None, reason
     before = module_state(model)
     try:
-        runs = run_both(model, traced, inputs)
+        with attributes_kept(model):  # a probe's: eager's state rebound on one sample stays out of the model
+            runs = run_both(model, traced, inputs)
+            rebinds_state = module_state(model) != before
     except Exception as error:
         return None, f"the torch.fx trace does not run ({_headline(error)})"
     values = runs.values
@@ -137,7 +139,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         out_spec = _expand_outputs(traced, values, out_spec)
         if out_spec is None:
             return None, "an output that is not a tensor"
-    if module_state(model) != before:
+    if rebinds_state:
         return None, "forward changes the modules' Python attributes (a trace would do it only once)"
     if samples.changed():
         return None, "forward updates a parameter or buffer in place (a trace would do it only once)"
@@ -289,7 +291,8 @@ def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None
     if any(p.default is p.empty for p in rest):
         return None, "fewer example inputs than forward requires"
     try:
-        gm = fx.symbolic_trace(model, concrete_args={p.name: p.default for p in rest} or None)
+        with attributes_kept(model):  # a forward that rebinds its state would keep a proxy
+            gm = fx.symbolic_trace(model, concrete_args={p.name: p.default for p in rest} or None)
     except Exception as error:
         return None, f"torch.fx cannot trace it ({_headline(error)}{_in_model_code(error)})"
     # a fixed argument stays a placeholder guarded by an assert (on ``arg == default`` for a

@@ -71,11 +71,11 @@ def _run_both(model, traced, inputs: tuple, on_one_sample: bool) -> BothRuns:
 
 
 def module_state(model: torch.nn.Module) -> list:
-    """Every module's plain attributes (identity of each value): what a forward with Python
-    side effects (a counter, a cache) changes."""
+    """Every module's plain attributes, parameters and buffers (identity of each value): what a
+    forward with Python side effects (a counter, a cache, a state rebound) changes."""
     skip = {"_parameters", "_buffers", "_modules", "training"}
     return [(name, key, id(value)) for name, m in model.named_modules()
-            for key, value in vars(m).items() if key not in skip]
+            for key, value in [*vars(m).items(), *m._parameters.items(), *m._buffers.items()] if key not in skip]
 
 
 def same_leaves(expected, values: list) -> bool:
