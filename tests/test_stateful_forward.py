@@ -54,3 +54,51 @@ def test_a_forward_that_rebinds_its_state_builds_and_carries_it_as_eager(cls, tr
             torch.testing.assert_close(optimized(x), reference(x))
     with torch.set_grad_enabled(training):
         model(xs[0])  # the model itself still runs
+
+
+class ScaledByBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale.exp()  # an op on a buffer before any input reaches it
+
+
+def test_a_value_computed_from_a_buffer_follows_the_buffer_after_the_build():
+    model, x = ScaledByBuffer().eval(), torch.randn(2, 4)
+    optimized = fxdream.optimize(model, (x,), eager_check=False, cost=None)
+    assert optimized.report.capture.startswith("torch.fx")
+    with torch.no_grad():
+        model.scale.fill_(2.0)
+        torch.testing.assert_close(optimized(x), model(x))
+        model.load_state_dict({**model.state_dict(), "scale": torch.full((4,), 3.0)})
+        torch.testing.assert_close(optimized(x), model(x))
+
+
+class StateCopiedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(7, 12, batch_first=True), nn.Linear(12, 2)
+        self.register_buffer("h", torch.zeros(1, 4, 12))
+
+    def forward(self, x):
+        out, h = self.rnn(x, self.h.clone())
+        self.h.copy_(h.detach())
+        return self.fc(out)
+
+
+def test_a_state_buffer_updated_in_place_is_read_afresh_by_every_training_step():
+    torch.manual_seed(0)
+    model = StateCopiedInPlace().train()
+    optimized = fxdream.optimize(model, (torch.randn(4, 8, 7),), training=True, passes=[], eager_check=False,
+                                 cost=None)
+    reference = copy.deepcopy(model)
+    for _ in range(3):
+        x = torch.randn(4, 8, 7)
+        for module in (optimized, reference):
+            module(x).pow(2).mean().backward()
+        torch.testing.assert_close(model.h, reference.h)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)

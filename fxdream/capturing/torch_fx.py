@@ -292,7 +292,7 @@ def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None
         return None, "fewer example inputs than forward requires"
     try:
         with attributes_kept(model):  # a forward that rebinds its state would keep a proxy
-            gm = fx.symbolic_trace(model, concrete_args={p.name: p.default for p in rest} or None)
+            gm = _symbolic_trace(model, {p.name: p.default for p in rest} or None)
     except Exception as error:
         return None, f"torch.fx cannot trace it ({_headline(error)}{_in_model_code(error)})"
     # a fixed argument stays a placeholder guarded by an assert (on ``arg == default`` for a
@@ -311,6 +311,17 @@ def _trace(model: torch.nn.Module, n_inputs: int) -> tuple[fx.GraphModule | None
         gm.graph.erase_node(placeholder)
     gm.recompile()
     return gm, None
+
+
+def _symbolic_trace(model: torch.nn.Module, concrete_args: dict | None) -> fx.GraphModule:
+    """``fx.symbolic_trace`` with buffers read as proxies: by default torch.fx runs an op on a
+    buffer that forward reads before any input (``x * self.scale.exp()``) at trace time and
+    keeps its result as a constant, which a later change of the buffer (``load_state_dict``) would
+    not reach."""
+    tracer = fx.Tracer()
+    tracer.proxy_buffer_attributes = True
+    graph = tracer.trace(model, concrete_args)
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def _is_assert(node: fx.Node) -> bool:
