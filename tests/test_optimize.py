@@ -382,6 +382,30 @@ def test_a_full_dynamo_cache_for_the_models_forward_is_cleared_and_said(monkeypa
                         "process); cleared it to capture this one",)
 
 
+class BreaksOnce(nn.Module):  # a class of its own: no cache entries from other tests
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_a_full_dynamo_cache_of_the_code_after_a_break_is_cleared_and_said(monkeypatch):
+    """Each build compiles the function dynamo resumes at after the break once more: past the
+    limit, later builds of the class would run that part eagerly."""
+    from fxdream.capturing import dynamo as dynamo_glue
+    monkeypatch.setattr(dynamo_glue, "_recompile_limit", lambda: 2)
+    x = torch.randn(2, 4)
+    for build in range(3):
+        optimized = fxdream.optimize(BreaksOnce(), (x,), training=True, cost=None)
+        assert len(optimized.report.graphs) == 2, build  # both sides of the break captured
+    assert any(note.startswith("dynamo's cache for 1 function(s) resuming BreaksOnce.forward after a graph break "
+                               "was full (2 compilations") for note in optimized.report.notes)
+
+
 def test_a_full_dynamo_cache_shared_by_torchs_own_modules_is_cleared_and_said(monkeypatch):
     """dynamo compiles a torch.nn module (nn.Linear) through one wrapper frame all of them share:
     past the limit every later build of any of them would run eagerly."""

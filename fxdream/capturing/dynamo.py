@@ -102,8 +102,34 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
         shared = "" if code is own else " (a frame every torch.nn module shares)"
         session.notes.append(f"dynamo's cache for {type(model).__name__}.forward{shared} was full ({limit} "
                              f"compilations earlier in this process); cleared it to capture this one")
+    full = [resume for resume in _resume_functions(model) if len(_cache_entries(resume)) >= limit]
+    for resume in full:  # the code after a graph break, compiled once per build too
+        torch._dynamo.eval_frame.remove_from_cache(resume)  # private, isolated
+    if full:
+        session.notes.append(f"dynamo's cache for {len(full)} function(s) resuming {type(model).__name__}.forward "
+                             f"after a graph break was full ({limit} compilations earlier in this process); "
+                             f"cleared to capture this one")
     _clear_skip_marks(model, code)
     return compiled_through(model, session)
+
+
+def _resume_functions(model: torch.nn.Module) -> list:
+    """The code objects dynamo made to resume the model's own functions after a graph break."""
+    try:  # private, isolated
+        from torch._dynamo.convert_frame import input_codes
+        files = _model_files(model)
+        return [code for ref in list(input_codes.seen) if (code := ref()) is not None
+                and code.co_name.startswith("torch_dynamo_resume_in_") and code.co_filename in files]
+    except Exception:
+        return []
+
+
+def _model_files(model: torch.nn.Module) -> set[str]:
+    """The source files of the model's own modules' forwards (not torch's)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    return {code.co_filename for m in model.modules()
+            if (code := getattr(type(m).forward, "__code__", None)) is not None
+            and not code.co_filename.startswith(torch_dir)}
 
 
 def compiled_through(function: Callable, session: Callable) -> Callable:
@@ -159,10 +185,7 @@ def _clear_skip_marks(model: torch.nn.Module, compiled_code=None) -> None:
         from torch._C._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.convert_frame import input_codes
         from torch._dynamo.types import FrameAction, FrameExecStrategy
-        torch_dir = os.path.dirname(torch.__file__)
-        files = {code.co_filename for m in model.modules()
-                 if (code := getattr(type(m).forward, "__code__", None)) is not None
-                 and not code.co_filename.startswith(torch_dir)}
+        files = _model_files(model)
         for ref in list(input_codes.seen):
             code = ref()
             if code is not None and (code.co_filename in files or code is compiled_code):
