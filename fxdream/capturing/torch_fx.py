@@ -133,16 +133,16 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
             rebinds_state = module_state(model) != before
     except Exception as error:
         return None, f"the torch.fx trace does not run ({_headline(error)})"
+    if samples.changed():
+        return None, "forward updates a parameter or buffer in place (a trace would do it only once)"
+    if rebinds_state:
+        return None, "forward changes the modules' Python attributes (a trace would do it only once)"
     values = runs.values
     actual = pytree.tree_unflatten(values, out_spec)
     if not all(isinstance(v, torch.Tensor) for v in values):
         out_spec = _expand_outputs(traced, values, out_spec)
         if out_spec is None:
             return None, "an output that is not a tensor"
-    if rebinds_state:
-        return None, "forward changes the modules' Python attributes (a trace would do it only once)"
-    if samples.changed():
-        return None, "forward updates a parameter or buffer in place (a trace would do it only once)"
     if not same(runs.expected, actual):
         if not same_leaves(runs.expected, values):
             return None, "the torch.fx trace's output differs from eager on the example" + (
