@@ -17,10 +17,13 @@ Values change in the last bits (another summation order): max abs diff ~1e-7 on 
 query row the mask excludes entirely (filled, or -inf added) gives 0 where eager's softmax gives
 NaN: a block whose mask is a constant of the model that does so is left as it is, and where the
 mask is only known at the call the pass's notes say so (a causal mask never excludes a whole
-row). An add with ``alpha`` (mask weighted) is not SDPA's and is not matched. SDPA's output
+row). An add with ``alpha`` (mask weighted) is not SDPA's and is not matched. SDPA takes a float
+mask in the queries' dtype: a float32 mask beside bf16 queries is clamped to bf16's range and
+cast (its lowest values stay finite, as in eager's float32 softmax); beside float16 queries,
+whose range would lose them, the block is not matched. SDPA's output
 follows q's layout ([b, s, h, d] in memory on CPU) where the bmm's was contiguous: the values
 downstream are re-derived, and where the difference would show (a returned tensor's strides, a
-``view`` that needs the old ones) a clone makes it contiguous again.
+``view`` that needs the old ones, an ``as_strided`` reading any) a clone makes it contiguous again.
 Training is left alone: its backward graph holds the unfused gradients.
 """
 from __future__ import annotations
@@ -49,6 +52,8 @@ _COPIES = {aten.expand.default, aten.clone.default}
 _PLUMBING = _FLATTEN | _COPIES
 _SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
 TO_COPY = aten._to_copy.default
+# ops that take any layout and read the elements its strides say (another layout: other elements)
+_READS_STRIDES = frozenset({aten.as_strided.default, aten.as_strided_.default, aten.as_strided_scatter.default})
 
 
 def _float_cast(node: fx.Node) -> bool:
@@ -58,8 +63,8 @@ def _float_cast(node: fx.Node) -> bool:
     return node.target is TO_COPY and set(node.kwargs) == {"dtype"} and node.kwargs["dtype"].is_floating_point
 
 
-FULLY_MASKED_ROWS = ("a query row whose mask excludes every key (masked_fill(-inf), or -inf added) gives 0 "
-                     "with SDPA where eager softmax gives NaN (a causal mask never does)")
+FULLY_MASKED_ROWS = ("a query row whose mask excludes every key with -inf (masked_fill(-inf), or -inf added) "
+                     "gives 0 with SDPA where eager softmax gives NaN (a causal mask alone never does)")
 
 
 @dataclass(frozen=True)
@@ -184,13 +189,21 @@ def match(softmax: fx.Node) -> Attention | None:
     (b, h, s, d), (_, _, t, _), (_, _, _, dv) = shapes[q[0]], shapes[key], shapes[value[0]]
     if shapes[key] != (b, h, t, d) or shapes[value[0]] != (b, h, t, dv) or shapes[output] != (b, h, s, dv):
         return None
+    if len({_dtype(q[0]), _dtype(key), _dtype(value[0])}) != 1:
+        return None  # SDPA takes one dtype for all three
+    any_mask = mask if fill_mask is None else fill_mask
+    if any_mask is not None and len(_shape(any_mask) or ()) < 2:
+        return None  # SDPA takes a mask of (query, key) at least
+    if mask is not None and _dtype(mask) != _dtype(q[0]) and _dtype(q[0]) == torch.float16:
+        return None  # SDPA takes the mask in float16, whose range loses a float32 mask's lowest values
     order = {n: i for i, n in enumerate(softmax.graph.nodes)}
     return Attention(q[0], key, value[0], mask if fill_mask is None else fill_mask, scale, output,
                      tuple(sorted(set(replaced), key=order.__getitem__)), fill_mask is not None)
 
 
-_FORM = ("between the matmuls only a scale by a number, then one float mask added or masked_fill(-inf), "
-         "softmax, eval dropout; each intermediate used once")
+_FORM = ("between the matmuls only a scale by a number, then one float mask added (in the queries' dtype, or "
+         "float32 beside bfloat16 ones) or masked_fill(-inf), softmax, eval dropout; each intermediate used once; "
+         "query, key and value of one dtype")
 
 
 def softmaxes_between_matmuls(gm: fx.GraphModule, hops: int = 6) -> int:
@@ -221,9 +234,11 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
                 mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(mask)})
             mask_dtype, query_dtype = _dtype(mask), _dtype(query)
             if mask_dtype is not None and mask_dtype.is_floating_point and mask_dtype != query_dtype:
-                # SDPA takes a float mask in the query's dtype (a float32 mask beside bf16 queries)
-                mask = graph.call_function(TO_COPY, (mask,), {"dtype": query_dtype})
-                mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(mask)})
+                # SDPA takes a float mask in the query's dtype (a float32 mask beside bf16 queries),
+                # clamped to its range first: float32's lowest (a Hugging Face padding mask) or -1e9
+                # would become -inf there, and a query row it masks whole 0 where eager averages
+                mask = _layer_call(graph, site, aten.clamp.default, (mask, torch.finfo(query_dtype).min))
+                mask = _layer_call(graph, site, TO_COPY, (mask,), {"dtype": query_dtype})
             fused = graph.call_function(aten.scaled_dot_product_attention.default,
                                         (query, key, value, mask, 0.0, False), {"scale": site.scale})
         fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(fused)})
@@ -243,6 +258,12 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
     gm.recompile()
 
 
+def _layer_call(graph: fx.Graph, site: Attention, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    node = graph.call_function(target, args, kwargs or {})
+    node.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(node)})
+    return node
+
+
 def _dtype(node) -> torch.dtype | None:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return value.dtype if isinstance(value, torch.Tensor) else None
@@ -257,8 +278,8 @@ def _settle_layout(graph: fx.Graph, fused: fx.Node) -> bool:
     for node in list(graph.nodes)[list(graph.nodes).index(fused) + 1:]:
         if not changed.intersection(node.all_input_nodes):
             continue
-        settled = node.op == "call_function" and not (  # else the output (or anything) sees new strides
-            node.target in _FLATTEN and 1 in getattr(node.args[0].meta.get("val"), "shape", (1,)))
+        settled = node.op == "call_function" and node.target not in _READS_STRIDES and not (  # else the output
+            node.target in _FLATTEN and 1 in getattr(node.args[0].meta.get("val"), "shape", (1,)))  # sees them
         try:  # (a reshape reads a size-1 dim's stride, where SDPA's fake and real kernels differ)
             val = fake_value(node) if settled else None
         except Exception:  # noqa: BLE001 - e.g. view: "size is not compatible with ... stride"

@@ -234,3 +234,73 @@ def test_a_mask_given_at_the_call_is_fused_with_the_note():
     assert count == 1 and FULLY_MASKED_ROWS in optimized.report.passes[0].notes
     with torch.no_grad():
         torch.testing.assert_close(optimized(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
+
+
+class HalfAttention(nn.Module):
+    """q, k, v in half precision; the mask float32, added and softmaxed in float32 (HF style)."""
+
+    def __init__(self, tail=None):
+        super().__init__()
+        self.tail = tail
+
+    def forward(self, q, k, v, mask):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        out = (scores + mask).softmax(-1).to(q.dtype) @ v
+        if self.tail == "as_strided":  # equal to reshape(b, -1) on the matmul's contiguous output
+            return torch.as_strided(out, (out.shape[0], out[0].numel()), (out[0].numel(), 1)) + 0.0
+        return out
+
+
+def _half_case(dtype, seq=8):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, seq, 16, dtype=dtype) for _ in range(3))
+    mask = torch.zeros(1, 1, seq, seq)
+    mask[..., 3, :] = torch.finfo(torch.float32).min  # query row 3 sees no key: eager averages v
+    mask[..., :, 6:] = torch.finfo(torch.float32).min
+    return q, k, v, mask
+
+
+def test_a_float32_lowest_mask_beside_bf16_queries_stays_finite_in_the_fused_call():
+    model, args = HalfAttention().eval(), _half_case(torch.bfloat16)
+    fast = fxdream.optimize(model, args, passes=["fuse_attention"], eager_check=False, cost=None)
+    assert fast.report.passes[0].applied
+    with torch.no_grad():
+        out, expected = fast(*args), model(*args)
+    torch.testing.assert_close(out[:, :, 3], expected[:, :, 3], atol=1e-2, rtol=1e-2)  # not 0
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+
+
+def test_a_float32_mask_beside_fp16_queries_is_left_as_it_is():
+    """float16's range loses the mask's lowest values: a fully masked row would differ."""
+    model, args = HalfAttention().eval(), _half_case(torch.float16)
+    fast = fxdream.optimize(model, args, passes=["fuse_attention"], eager_check=False, cost=None)
+    assert not fast.report.passes[0].applied
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*args), model(*args))
+
+
+def test_an_as_strided_of_the_output_reads_the_matmuls_layout():
+    """q, k, v as heads split from a linear layer's output: SDPA's output is [b, s, h, d] in
+    memory where the matmul's was contiguous."""
+    q, k, v, mask = _half_case(torch.float32)
+    model, args = HalfAttention("as_strided").eval(), (*(t.transpose(1, 2).contiguous().transpose(1, 2)
+                                                         for t in (q, k, v)), mask)
+    fast = fxdream.optimize(model, args, passes=["fuse_attention"], eager_check=False, cost=None)
+    assert fast.report.passes[0].applied
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*args), model(*args))
+
+
+def test_blocks_sdpa_cannot_take_are_declined_not_raised():
+    q, k, v, _ = _half_case(torch.float32)
+    cases = [(q, k, v, torch.zeros(8)),  # a 1-d mask
+             (q, k, v.bfloat16(), torch.zeros(1, 1, 8, 8))]  # value in another dtype
+    for args in cases:
+
+        class Mixed(nn.Module):
+            def forward(self, q, k, v, mask):
+                probs = (q @ k.transpose(-2, -1) / 4 + mask).softmax(-1)
+                return probs.to(v.dtype) @ v
+        fast = fxdream.optimize(Mixed().eval(), args, passes=["fuse_attention"], eager_check=False, cost=None)
+        row = fast.report.passes[0]
+        assert not row.applied and "raised" not in row.reason and "none in the form" in row.reason, row.reason
