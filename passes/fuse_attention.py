@@ -52,6 +52,7 @@ _COPIES = {aten.expand.default, aten.clone.default}
 _PLUMBING = _FLATTEN | _COPIES
 _SCALES = {aten.div.Tensor: lambda c: 1.0 / c, aten.mul.Tensor: lambda c: c}
 TO_COPY = aten._to_copy.default
+_WIDE = (torch.float32, torch.float64)
 # ops that take any layout and read the elements its strides say (another layout: other elements)
 _READS_STRIDES = frozenset({aten.as_strided.default, aten.as_strided_.default, aten.as_strided_scatter.default})
 
@@ -125,8 +126,8 @@ def _scores_to_softmax(node: fx.Node):
     scale, mask, fill_mask, between = None, None, None, []
     while len(node.users) == 1:
         args = node.args
-        if _float_cast(node) and not between:  # right above the softmax only
-            pass
+        if _float_cast(node) and not between and node.kwargs["dtype"] in _WIDE:  # right above the softmax only
+            pass  # (a cast to a narrower dtype rounds the scores, which SDPA's float softmax would not)
         elif node.target is aten.add.Tensor and isinstance(args[1], fx.Node) and node.kwargs.get("alpha", 1) == 1 \
                 and mask is None and fill_mask is None and scale is None:  # added after the scale: SDPA's order
             mask_val, scores_val = args[1].meta.get("val"), node.meta.get("val")
@@ -326,7 +327,8 @@ class FuseAttention(PassBase):
         left_exact = (f"; {whole_rows} more left as they are (a constant mask excludes a whole query row: eager's "
                       f"softmax gives NaN there, SDPA 0)") if whole_rows else ""
         if not sites:
-            return PassResult(gm, False, f"{whole_rows} attention block(s) found, none fused{left_exact}")
+            return PassResult(gm, False, f"{whole_rows} attention block(s) found, none fused: a constant mask "
+                                         f"excludes a whole query row (eager's softmax gives NaN there, SDPA 0)")
         layers = tuple(dict.fromkeys(s.output.meta.get(LAYER) or s.output.name for s in sites))
         fuse(fused, sites)
         if judged:

@@ -221,8 +221,8 @@ def test_a_constant_mask_is_checked_for_rows_it_masks_whole(masked_row):
     (row,) = optimized.report.passes
     assert count == (0 if masked_row else 1) and FULLY_MASKED_ROWS not in row.notes
     if masked_row:
-        assert row.reason == ("1 attention block(s) found, none fused; 1 more left as they are (a constant mask "
-                              "excludes a whole query row: eager's softmax gives NaN there, SDPA 0)")
+        assert row.reason == ("1 attention block(s) found, none fused: a constant mask excludes a whole query "
+                              "row (eager's softmax gives NaN there, SDPA 0)")
     with torch.no_grad():
         torch.testing.assert_close(optimized(*qkv), model(*qkv), rtol=1e-5, atol=1e-6, equal_nan=True)
 
@@ -304,3 +304,16 @@ def test_blocks_sdpa_cannot_take_are_declined_not_raised():
         fast = fxdream.optimize(Mixed().eval(), args, passes=["fuse_attention"], eager_check=False, cost=None)
         row = fast.report.passes[0]
         assert not row.applied and "raised" not in row.reason and "none in the form" in row.reason, row.reason
+
+
+class NarrowSoftmax(nn.Module):
+    def forward(self, q, k, v):
+        return (q @ k.transpose(-2, -1) / 4).to(torch.bfloat16).softmax(-1).float() @ v
+
+
+def test_a_softmax_taken_in_a_narrower_dtype_is_not_matched():
+    """SDPA's softmax accumulates in float: the model's rounding to bf16 would be lost."""
+    q, k, v = (torch.randn(2, 4, 16, 16) for _ in range(3))
+    fast = fxdream.optimize(NarrowSoftmax().eval(), (q, k, v), passes=["fuse_attention"], eager_check=False,
+                            cost=None)
+    assert not fast.report.passes[0].applied
