@@ -39,7 +39,7 @@ from fxdream.optimized_module import OptimizedModule, call_kind
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
 from fxdream.pass_runner import PassPipeline, not_run
-from fxdream.runtime.host_memory import fresh_memory_note, timed_fresh_memory_note
+from fxdream.runtime.host_memory import fresh_memory_note, settle_dynamic_thresholds, timed_fresh_memory_note
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
 from fxdream.sim.measured_scale import graph_scale, rescaled_ms
 from fxdream.sim.prediction import predict, this_machine_device
@@ -111,6 +111,8 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     on_meta = target.type == "meta"
     if on_meta:  # no data: nothing to time, compare or pack
         selected, cost, verify, measure, eager_check = (), None, False, False, False
+    if target.type == "cpu":
+        settle_dynamic_thresholds()  # timed in the allocator's state the module will run in
     switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
     parameters = StateSamples.of(model, buffers=False)

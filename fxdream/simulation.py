@@ -17,6 +17,7 @@ from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.meta import check_meta_on_both_sides, meta_copy, on_meta
 from fxdream.ops.rnn_cell import cells_as_on
 from fxdream.plan import plan
+from fxdream.runtime.host_memory import settle_dynamic_thresholds
 from fxdream.sim.cost import CostModel, DeviceSpec, Profiled
 from fxdream.sim.optimizer_step import OPTIMIZERS, OptimizerModel
 from fxdream.sim.prediction import Prediction, predict
@@ -41,6 +42,8 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     check_memory_budget(memory_budget)
     model, example_inputs = bind_keywords(model, example_inputs, example_kwargs)  # all positional from here
     captured_model, inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
+    if isinstance(model_cost, Profiled) and model_cost.device.kind == "cpu":
+        settle_dynamic_thresholds()  # timed in the allocator's state later calls run in
     with watch_machine_load() as load:  # where costs are measured here: did other processes run beside them?
         prediction = _simulate((model, example_inputs), captured_model, inputs, model_cost, device, training,
                                optimizer, contention, passes, memory_budget)

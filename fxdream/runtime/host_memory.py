@@ -16,8 +16,11 @@ the switch that needs nothing installed.
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 from dataclasses import dataclass
+
+import torch
 
 try:
     import resource
@@ -29,6 +32,25 @@ KEPT_BYTES = 2**31 - 1  # mallopt takes a C int: the largest threshold it can be
 # page faults per call past which a measured module's report says what they are: 1024 pages
 # (4 MiB) of fresh memory take a millisecond or more, and their cost moves with the machine
 FAULTS_WORTH_A_NOTE = 1024
+
+
+# glibc's ceiling for the mmap threshold it raises by itself (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+DYNAMIC_MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+@functools.cache
+def settle_dynamic_thresholds() -> None:
+    """Put glibc's malloc where it goes by itself once the process has freed a buffer of 32 MiB:
+    its mmap threshold at its ceiling (32 MiB) and its trim threshold at twice that, so buffers
+    under 32 MiB come from the heap and up to 64 MiB of freed memory stays at its top. Until a
+    process has freed so large a buffer, the thresholds sit at the largest buffer it freed, and a
+    step that frees a few MiB more at the heap's top gives them back to the system and faults them
+    in again on the next step: a build timed in that state (a process's first small model) read up
+    to 17 % slower than the module ran after it; in this one, never (docs/measurements.md). One
+    buffer of that size allocated and freed unwritten (no page touched), once per process; no
+    mallopt, so glibc keeps adjusting them as it would."""
+    if _glibc() is not None:
+        torch.empty(DYNAMIC_MMAP_THRESHOLD_MAX - 2**16, dtype=torch.uint8)  # freed at once
 
 
 @dataclass(frozen=True)
