@@ -44,7 +44,7 @@ from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_devi
 from fxdream.sim.measured_scale import graph_scale, rescaled_ms
 from fxdream.sim.prediction import predict, this_machine_device
 from fxdream.sim.profile.machine_load import watch_machine_load
-from fxdream.sim.profile.store import save_profile, shared_profile
+from fxdream.sim.profile.store import forget_profiles, save_profile, shared_profile
 
 log = logging.getLogger("fxdream")  # INFO: a build's progress (each pass's row as it is decided)
 
@@ -139,7 +139,8 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     moved = moved_parameters_note(parameters.changed())
     if moved:
         module._note(moved)
-    save_profile(module._cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
+    if not module._extras.get("measurements_disturbed"):
+        save_profile(module._cost_model)  # for a later process ($FXDREAM_PROFILE_DIR)
     module._finish(build_seconds, functools.partial(
         optimize, example_inputs=inputs, passes=passes, training=training, device=device, strict=strict, cost=cost,
         memory_budget=memory_budget, verify=verify, measure=measure, eager_check=eager_check,
@@ -196,6 +197,7 @@ def _measured_build(model, inputs, selected, auto, training, target, strict, cos
         measured = isinstance(module._cost_model, Profiled)
         if not (measured and load.disturbed):
             return module, False
+        forget_profiles()  # costs measured beside other processes: not for a later build to reuse
         if not strict:
             module._mark_disturbed(load.describe())
             return module, True

@@ -22,6 +22,7 @@ from fxdream.sim.cost import CostModel, DeviceSpec, Profiled
 from fxdream.sim.optimizer_step import OPTIMIZERS, OptimizerModel
 from fxdream.sim.prediction import Prediction, predict
 from fxdream.sim.profile.machine_load import watch_machine_load
+from fxdream.sim.profile.store import forget_profiles
 
 
 def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec = "cpu",
@@ -47,6 +48,8 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     with watch_machine_load() as load:  # where costs are measured here: did other processes run beside them?
         prediction = _simulate((model, example_inputs), captured_model, inputs, model_cost, device, training,
                                optimizer, contention, passes, memory_budget)
+    if load.disturbed and isinstance(model_cost, Profiled):
+        forget_profiles()  # costs measured beside other processes: not for later predictions to reuse
     disturbed = disturbed_notes(load, model_cost)
     return dataclasses.replace(prediction, notes=prediction.notes + disturbed) if disturbed else prediction
 

@@ -109,3 +109,19 @@ def test_a_cpu_calibration_quiet_on_its_second_try_is_that_one(monkeypatch):
     loads = iter([_busy_machine(1.0), _busy_machine(0.0)])
     monkeypatch.setattr(devices, "watch_machine_load", lambda: next(loads)())
     assert devices.calibrate_cpu(seconds=0.05).calibration_disturbed is None
+
+
+@pytest.mark.parametrize("cores", [1.0, 0.1])
+def test_costs_measured_on_a_busy_machine_are_not_kept_for_later_ones(monkeypatch, cores):
+    """A later prediction or build in the process would reuse them (the store of measured
+    costs), and read the busy machine again on a quiet one."""
+    from fxdream.sim.profile import store
+    model, x = _net()
+    monkeypatch.setattr(simulation, "watch_machine_load", _busy_machine(cores))
+    store.forget_profiles()
+    fxdream.simulate(model, (x,))
+    assert bool(store._STORES) == (cores < 0.25)
+    monkeypatch.setattr(build, "watch_machine_load", _busy_machine(cores))
+    store.forget_profiles()
+    fxdream.optimize(model, (x,), passes="auto")
+    assert bool(store._STORES) == (cores < 0.25)
