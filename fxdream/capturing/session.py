@@ -262,11 +262,13 @@ def _inputs_aot_updates() -> frozenset[int]:
 def _returns_of_compiling(fw: fx.GraphModule) -> tuple[tuple[frozenset[int], ...], frozenset[int], frozenset[int]]:
     """The forward graph aot_autograd is compiling: which of the Function's outputs (its metadata's
     mutated inputs, outputs and intermediate bases, in that order) each input reaches, which of
-    them carry gradients and which inputs require one. Nothing where the metadata is not there
-    or the graph also threads effect tokens (their inputs and outputs come first)."""
+    them carry gradients and which inputs require one. Nothing where the metadata is not there,
+    its inputs are not the graph's one for one, or the graph also threads effect tokens."""
     context = torch._guards.TracingContext.try_get()
     metadata = getattr(context, "fw_metadata", None)
-    if metadata is None or getattr(metadata, "tokens", None) or not hasattr(metadata, "num_forward_returns"):
+    placeholders = sum(1 for n in fw.graph.nodes if n.op == "placeholder")
+    if metadata is None or getattr(metadata, "tokens", None) or not hasattr(metadata, "num_forward_returns") \
+            or len(metadata.input_info) != placeholders:  # (inputs deduplicated or added: positions unknown)
         return (), frozenset(), frozenset()
     returns = [metadata.input_info[i] for i in metadata.mutated_inp_runtime_indices] + list(metadata.output_info)
     differentiable = frozenset(i for i, info in enumerate(returns) if info.requires_grad) | \
