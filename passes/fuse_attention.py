@@ -320,7 +320,8 @@ class FuseAttention(PassBase):
         unmatched = max(0, softmaxes_between_matmuls(fused) - len(sites))
         if not sites:
             return PassResult(gm, False, f"{unmatched} matmul → softmax → matmul block(s), none in the form SDPA "
-                              f"computes ({_FORM})" if unmatched else "no matmul → softmax → matmul attention block")
+                              f"computes ({_FORM}){_in_place_hint(fused)}" if unmatched
+                              else "no matmul → softmax → matmul attention block")
         rows_masked = {s: _whole_row_masked(s, ctx) for s in sites}
         sites = [s for s in sites if rows_masked[s] is not True]
         whole_rows = len(rows_masked) - len(sites)
@@ -342,6 +343,17 @@ class FuseAttention(PassBase):
         left = f"; {unmatched} more left as they are (not in the form SDPA computes: {_FORM})" if unmatched else ""
         return PassResult(fused, True, f"{len(sites)} attention block(s) → scaled_dot_product_attention"
                           f"{left}{left_exact}", notes=layers)
+
+
+_IN_PLACE_SCORES = frozenset({aten.add_.Tensor, aten.div_.Tensor, aten.mul_.Tensor, aten.masked_fill_.Scalar})
+
+
+def _in_place_hint(gm: fx.GraphModule) -> str:
+    """Where the scores' ops are in place (``reinplace`` ran before this pass), say so: the
+    form is matched on the out-of-place ops."""
+    if any(n.op == "call_function" and n.target in _IN_PLACE_SCORES for n in gm.graph.nodes):
+        return "; some ops are in place, as reinplace leaves them: name fuse_attention before reinplace"
+    return ""
 
 
 def _whole_row_masked(site: Attention, ctx: PassContext) -> bool | None:

@@ -317,3 +317,19 @@ def test_a_softmax_taken_in_a_narrower_dtype_is_not_matched():
     fast = fxdream.optimize(NarrowSoftmax().eval(), (q, k, v), passes=["fuse_attention"], eager_check=False,
                             cost=None)
     assert not fast.report.passes[0].applied
+
+
+class PlainAttention(nn.Module):
+    def forward(self, q, k, v, mask):
+        return ((q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])) + mask).softmax(-1) @ v
+
+
+def test_a_block_reinplace_rewrote_first_is_declined_naming_the_order():
+    args = (*(torch.randn(2, 4, 8, 16) for _ in range(3)), torch.randn(2, 1, 8, 8))
+    fast = fxdream.optimize(PlainAttention().eval(), args, passes=["reinplace", "fuse_attention"],
+                            eager_check=False, cost=None)
+    row = next(r for r in fast.report.passes if r.name == "fuse_attention")
+    assert not row.applied and row.reason.endswith("name fuse_attention before reinplace"), row.reason
+    fast = fxdream.optimize(PlainAttention().eval(), args, passes=["fuse_attention", "reinplace"],
+                            eager_check=False, cost=None)
+    assert next(r for r in fast.report.passes if r.name == "fuse_attention").applied
