@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import re
 import warnings
 from typing import Callable
 
@@ -233,7 +234,8 @@ class OptimizedModule(torch.nn.Module):
     def report(self) -> Report:
         """A snapshot of what was captured and what the passes did (complete after one step)."""
         captured = self._session.captured()
-        extras = dict(self._extras, notes=tuple(self._session.notes) + tuple(self._extras.get("notes", ())))
+        extras = dict(self._extras, notes=per_graph_notes_folded(self._session.notes)
+                      + tuple(self._extras.get("notes", ())))
         return Report(model=type(user_model(self.model)).__name__, training=not self._inference,
                       device=str(self._device), graphs=_graphs_with_ops(captured),
                       graph_breaks=self._graph_breaks, fallback_reason=self._fallback_reason,
@@ -249,6 +251,30 @@ class OptimizedModule(torch.nn.Module):
     def rewritten_graphs(self) -> dict:
         """(subgraph index, phase) → the graph the passes produced (absent: ran as captured)."""
         return dict(self._pipeline.rewritten)
+
+
+_GRAPH_NOTE = re.compile(r"graph (\d+): (.*)", re.DOTALL)
+
+
+def per_graph_notes_folded(notes) -> tuple[str, ...]:
+    """Notes that say the same of several graphs ("graph 3: dropped 5 copies ...", one per graph a
+    new input shape compiled) once, naming the graphs ("graphs 0, 3, 4: ..."), where the first
+    of them stood; other notes as they are."""
+    graphs: dict[str, list[str]] = {}
+    for note in notes:
+        match = _GRAPH_NOTE.fullmatch(note)
+        if match:
+            graphs.setdefault(match.group(2), []).append(match.group(1))
+    folded, said = [], set()
+    for note in notes:
+        match = _GRAPH_NOTE.fullmatch(note)
+        if match is None:
+            folded.append(note)
+        elif match.group(2) not in said:
+            said.add(match.group(2))
+            indices = graphs[match.group(2)]
+            folded.append(note if len(indices) == 1 else f"graphs {', '.join(indices)}: {match.group(2)}")
+    return tuple(folded)
 
 
 def _requires_grad(args, kwargs) -> bool:

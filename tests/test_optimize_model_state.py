@@ -226,3 +226,11 @@ def test_an_input_gradient_asked_of_an_inference_build_is_warned_of_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         optimized(x.clone().requires_grad_(True))  # once
+
+
+def test_notes_that_say_the_same_of_several_graphs_are_said_once():
+    from fxdream.optimized_module import per_graph_notes_folded
+    notes = ["graph 0: dropped 5 copies", "first look", "graph 1: dropped 5 copies", "graph 1: 3 values folded",
+             "graph 4: dropped 5 copies"]
+    assert per_graph_notes_folded(notes) == ("graphs 0, 1, 4: dropped 5 copies", "first look",
+                                             "graph 1: 3 values folded")
