@@ -232,8 +232,9 @@ def _monte_carlo_dropout(input, dropout, train, num_layers, *tensors) -> bool:
 
 def redirect_lstm(args, kwargs):
     """For an LSTM as nn.LSTM calls ``_VF.lstm`` (9 arguments): in inference (train=False)
-    ``lstm_inference(...)`` on the meta device or on a CPU with projections; in training
-    ``lstm_train(...)`` on the meta device; else None."""
+    ``lstm_inference(...)`` on the meta device or on a CPU with projections; in train mode without
+    gradients, stacked with dropout, ``lstm_dropout(...)``; in training ``lstm_train(...)`` on the
+    meta device; else None."""
     if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)):
         return None
     input, (h, c), params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
@@ -257,7 +258,8 @@ def redirect_lstm(args, kwargs):
 def redirect_rnn(mode, args, kwargs):
     """For the input-tensor overload of GRU/RNN as nn.GRU / nn.RNN call it (9 arguments),
     outside autocast (it casts the RNN's inputs): ``rnn_inference(...)`` in inference
-    (train=False, no gradient recorded), ``rnn_train(...)`` on the meta device otherwise; else None."""
+    (train=False, no gradient recorded), ``rnn_dropout(...)`` in train mode without gradients
+    when stacked with dropout, ``rnn_train(...)`` on the meta device otherwise; else None."""
     if kwargs or len(args) != 9 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor) \
             or not isinstance(args[2], (list, tuple)) or autocast_on(args[0].device):
         return None  # (the packed-sequence overload has 9 arguments too: data, batch_sizes, hx, params, ...)

@@ -46,9 +46,9 @@ def settle_dynamic_thresholds() -> None:
     process has freed so large a buffer, the thresholds sit at the largest buffer it freed, and a
     step that frees a few MiB more at the heap's top gives them back to the system and faults them
     in again on the next step: a build timed in that state (a process's first small model) read up
-    to 17 % slower than the module ran after it; in this one, never (docs/measurements.md). One
-    buffer of that size allocated and freed unwritten (no page touched), once per process; no
-    mallopt, so glibc keeps adjusting them as it would."""
+    to 17 % slower than the module ran after it (docs/measurements.md). One buffer of that size
+    allocated and freed unwritten (no page touched), once per process; no mallopt, so glibc keeps
+    adjusting them as it would."""
     if _glibc() is not None:
         torch.empty(DYNAMIC_MMAP_THRESHOLD_MAX - 2**16, dtype=torch.uint8)  # freed at once
 
