@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from fxdream.capturing.arguments import positional_call
-from fxdream.capturing.dynamo import describe_error, raised_compiling
+from fxdream.capturing.dynamo import describe_error, raised_compiling, recompile_limit_notes
 from fxdream.capturing.keywords import WithKeywords, user_model
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import autocast_enabled
@@ -234,8 +234,8 @@ class OptimizedModule(torch.nn.Module):
     def report(self) -> Report:
         """A snapshot of what was captured and what the passes did (complete after one step)."""
         captured = self._session.captured()
-        extras = dict(self._extras, notes=per_graph_notes_folded(self._session.notes)
-                      + tuple(self._extras.get("notes", ())))
+        notes = [*self._session.notes, *recompile_limit_notes(self._session)]
+        extras = dict(self._extras, notes=per_graph_notes_folded(notes) + tuple(self._extras.get("notes", ())))
         return Report(model=type(user_model(self.model)).__name__, training=not self._inference,
                       device=str(self._device), graphs=_graphs_with_ops(captured),
                       graph_breaks=self._graph_breaks, fallback_reason=self._fallback_reason,

@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import traceback
-import weakref
 from typing import Callable
 
 import torch
@@ -53,38 +52,18 @@ RAISED_RECOMPILE_LIMIT = 64
 _LIMIT_NAME = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
-class _RecompileLimitHits(logging.Filter):
-    """Dynamo's warning that a function reached its recompile limit, past which dynamo runs the
-    calls no compiled graph matches eagerly, silently: it goes to the notes of every build whose
-    graphs came from that function (the warning is let through)."""
-
-    def __init__(self):
-        super().__init__()
-        self.sessions = weakref.WeakSet()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if str(record.msg).startswith("torch._dynamo hit config.") and len(record.args or ()) >= 3:
-            for session in list(self.sessions):
-                _note_limit_hit(session, str(record.args[2]), record.args[1])
-        return True
-
-
-def _note_limit_hit(session, function: str, limit) -> None:
-    """A note in ``session`` where one of its graphs was compiled from ``function`` (dynamo's
-    "'name' (file:line)"), once."""
-    if not any(r.code is not None and function == f"'{r.code.co_name}' ({r.code.co_filename}:"
-               f"{r.code.co_firstlineno})" for r in session.records):
-        return
-    note = (f"dynamo reached its recompile limit ({limit}) for {function}: calls whose input shapes (or "
-            f"the values its guards check) match no graph compiled so far run eagerly from then on "
-            f"(each new shape compiles a graph of its own: pad inputs to a few sizes, or raise "
-            f"torch._dynamo.config.{_LIMIT_NAME})")
-    if note not in session.notes:
-        session.notes.append(note)
-
-
-_LIMIT_HITS = _RecompileLimitHits()
-logging.getLogger("torch._dynamo.convert_frame").addFilter(_LIMIT_HITS)
+def recompile_limit_notes(session) -> list[str]:
+    """A note for each function ``session``'s graphs were compiled from whose dynamo cache is at
+    the limit fxdream's calls run with: dynamo runs the calls no compiled graph matches eagerly
+    from then on, silently. Read from the cache itself (whatever dynamo's logging shows)."""
+    limit, notes = _recompile_limit(), []
+    for code in dict.fromkeys(r.code for r in session.records if r.code is not None):
+        if len(_cache_entries(code)) >= limit:
+            notes.append(f"dynamo's cache for '{code.co_name}' ({code.co_filename}:{code.co_firstlineno}) holds "
+                         f"{limit} compilations, its limit: calls whose input shapes (or the values its guards "
+                         f"check) match none of them run eagerly from now on (each new shape compiles a graph of "
+                         f"its own: pad inputs to a few sizes, or raise torch._dynamo.config.{_LIMIT_NAME})")
+    return notes
 
 
 def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
@@ -135,8 +114,7 @@ def _model_files(model: torch.nn.Module) -> set[str]:
 def compiled_through(function: Callable, session: Callable) -> Callable:
     """``torch.compile(function)`` with ``session`` as its backend and static shapes, each call
     with dynamo's recompile limit raised to ``RAISED_RECOMPILE_LIMIT`` where it is lower, and
-    put back after (~2 µs a call); a hit of that limit goes to ``session``'s notes."""
-    _LIMIT_HITS.sessions.add(session)
+    put back after (~2 µs a call); a full cache is said by ``recompile_limit_notes``."""
     compiled = torch.compile(function, backend=session, dynamic=False)
     config = torch._dynamo.config
 
