@@ -56,7 +56,7 @@ def recompile_limit_notes(session) -> list[str]:
     """A note for each function ``session``'s graphs were compiled from whose dynamo cache is at
     the limit fxdream's calls run with: dynamo runs the calls no compiled graph matches eagerly
     from then on, silently. Read from the cache itself (whatever dynamo's logging shows)."""
-    limit, notes = _recompile_limit(), []
+    limit, notes = max(getattr(torch._dynamo.config, _LIMIT_NAME), RAISED_RECOMPILE_LIMIT), []  # the calls' own
     for code in dict.fromkeys(r.code for r in session.records if r.code is not None):
         if len(_cache_entries(code)) >= limit:
             notes.append(f"dynamo's cache for '{code.co_name}' ({code.co_filename}:{code.co_firstlineno}) holds "
