@@ -6,8 +6,9 @@ user asks for it, and the report gives the measured deviation from float32 on th
 
 The rule, CPU autocast's: the ops oneDNN runs fast in bf16 (convolution, the matrix products,
 scaled-dot-product attention; PReLU, as autocast casts it) take bf16 inputs (float32 inputs are
-cast where they meet such an op), and, as the inference engines do and autocast does not, so do embedding lookups, whose bf16
-tables keep a transformer's residual stream in bf16 (no cast before each linear layer).
+cast where they meet such an op), and, as the inference engines do and autocast does not, so do
+embedding lookups, whose bf16 tables keep a transformer's residual stream in bf16 (no cast before
+each linear layer).
 Recurrent layers take float32 (their weights stay float32; oneDNN's RNN primitive takes no bf16
 input beside them). Every other op runs in the dtype its inputs bring: a ReLU, a pooling, a
 residual add after a bf16 conv stay bf16; softmax and layer norm take bf16 and accumulate in
