@@ -49,15 +49,13 @@ def initialize_lazy_modules(model: torch.nn.Module, inputs: tuple) -> None:
     without grad (no statistics updated, no dropout drawn), the RNG and the inputs as they were."""
     if not uninitialized_lazy_modules(model):
         return
-    modes, rng = [(m, m.training) for m in model.modules()], torch.random.get_rng_state()
+    rng = torch.random.get_rng_state()
     try:
-        model.eval()
-        with torch.no_grad(), preserved_inputs(inputs):
+        with preserved_modes(model), torch.no_grad(), preserved_inputs(inputs):
+            model.eval()
             model(*inputs)
     finally:
         torch.random.set_rng_state(rng)
-        for module, mode in modes:
-            module.training = mode
 
 
 def switch_to_build_mode(model: torch.nn.Module, training: bool) -> str | None:
