@@ -231,8 +231,7 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
         query, key, value, mask = (now.get(n, n) for n in (site.query, site.key, site.value, site.mask))
         with graph.inserting_before(site.output):
             if site.excludes:
-                mask = graph.call_function(aten.logical_not.default, (mask,))
-                mask.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(mask)})
+                mask = _layer_call(graph, site, aten.logical_not.default, (mask,))
             mask_dtype, query_dtype = _dtype(mask), _dtype(query)
             if mask_dtype is not None and mask_dtype.is_floating_point and mask_dtype != query_dtype:
                 # SDPA takes a float mask in the query's dtype (a float32 mask beside bf16 queries),
@@ -240,16 +239,14 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
                 # would become -inf there, and a query row it masks whole 0 where eager averages
                 mask = _layer_call(graph, site, aten.clamp.default, (mask, torch.finfo(query_dtype).min))
                 mask = _layer_call(graph, site, TO_COPY, (mask,), {"dtype": query_dtype})
-            fused = graph.call_function(aten.scaled_dot_product_attention.default,
-                                        (query, key, value, mask, 0.0, False), {"scale": site.scale})
-        fused.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(fused)})
+            fused = _layer_call(graph, site, aten.scaled_dot_product_attention.default,
+                                (query, key, value, mask, 0.0, False), {"scale": site.scale})
         site.output.replace_all_uses_with(fused)
         if not _settle_layout(graph, fused):  # SDPA's output follows q's layout, the bmm's is contiguous
             with graph.inserting_after(fused):
-                restored = graph.call_function(aten.clone.default, (fused,),
-                                               {"memory_format": torch.contiguous_format})
+                restored = _layer_call(graph, site, aten.clone.default, (fused,),
+                                       {"memory_format": torch.contiguous_format})
             fused.replace_all_uses_with(restored, delete_user_cb=lambda user: user is not restored)
-            restored.meta.update({LAYER: fused.meta[LAYER], "val": fake_value(restored)})
             fused = restored
         now[site.output] = fused
         for node in (site.output, *reversed(site.replaced)):
@@ -260,6 +257,8 @@ def fuse(gm: fx.GraphModule, sites: list[Attention]) -> None:
 
 
 def _layer_call(graph: fx.Graph, site: Attention, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """A node inserted for ``site`` (at the graph's insertion point), with its fake value and
+    the block's layer."""
     node = graph.call_function(target, args, kwargs or {})
     node.meta.update({LAYER: site.output.meta.get(LAYER, ""), "val": fake_value(node)})
     return node
