@@ -56,7 +56,7 @@ def recompile_limit_notes(session) -> list[str]:
     """A note for each function ``session``'s graphs were compiled from whose dynamo cache is at
     the limit fxdream's calls run with: dynamo runs the calls no compiled graph matches eagerly
     from then on, silently. Read from the cache itself (whatever dynamo's logging shows)."""
-    limit, notes = max(getattr(torch._dynamo.config, _LIMIT_NAME), RAISED_RECOMPILE_LIMIT), []  # the calls' own
+    limit, notes = _calls_recompile_limit(), []
     for code in dict.fromkeys(r.code for r in session.records if r.code is not None):
         if len(_cache_entries(code)) >= limit:
             notes.append(f"dynamo's cache for '{code.co_name}' ({code.co_filename}:{code.co_firstlineno}) holds "
@@ -202,11 +202,17 @@ def _cache_entries(code) -> list:
         return []
 
 
-def _recompile_limit() -> int:
-    """The recompile limit fxdream's compilations run with (``compiled_through``). Every
-    optimize() call is a distinct backend, and dynamo counts one cache entry per backend
-    against a per-function limit after which it silently runs eager."""
+def _calls_recompile_limit() -> int:
+    """The recompile limit fxdream's calls run with (``compiled_through``): the process's, raised
+    to ``RAISED_RECOMPILE_LIMIT``."""
     return max(getattr(torch._dynamo.config, _LIMIT_NAME), RAISED_RECOMPILE_LIMIT)
+
+
+def _recompile_limit() -> int:
+    """The cache entries at which a build clears a function's cache (``compile_with``): the
+    calls' limit. Every optimize() call is a distinct backend, and dynamo counts one cache entry
+    per backend against a per-function limit after which it silently runs eager."""
+    return _calls_recompile_limit()
 
 
 _SKIPPED = "\0skipped\0"  # marks a reason dynamo gave for running a whole function eagerly
