@@ -18,6 +18,7 @@ from fxdream import whatif
 from fxdream.ab import ab, check_device_here, plot_ab
 from fxdream.cli_arguments import (
     MODEL_HELP,
+    ROUNDS_HELP,
     batch_sizes,
     build_model,
     device_name,
@@ -256,8 +257,7 @@ def _add_measuring_commands(sub) -> None:
     demo.add_argument("--model", default="resnet50")
     demo.add_argument("--batch", type=positive_int, default=1)
     demo.add_argument("--tiny", action="store_true", help="use the tiny config (fast)")
-    demo.add_argument("--rounds", type=positive_int, default=5,
-                     help="timed rounds, rounded up to a multiple of the runners (each in every position alike)")
+    demo.add_argument("--rounds", type=positive_int, default=5, help=ROUNDS_HELP)
     demo.add_argument("--block", type=positive_int, default=10)
     demo.set_defaults(run=cmd_demo)
 
@@ -268,8 +268,7 @@ def _add_measuring_commands(sub) -> None:
     abp.add_argument("--training", action="store_true")
     abp.add_argument("--device", default="cpu", help="cpu or cuda (runs there; predicts for it)")
     abp.add_argument("--tiny", action="store_true")
-    abp.add_argument("--rounds", type=positive_int, default=5,
-                     help="timed rounds, rounded up to a multiple of the runners (each in every position alike)")
+    abp.add_argument("--rounds", type=positive_int, default=5, help=ROUNDS_HELP)
     abp.add_argument("--block", type=positive_int, default=10)
     abp.add_argument("--json", help="write the rows as JSON here")
     abp.add_argument("--plot", help="write a PNG of measured vs predicted Δ here")

@@ -97,6 +97,7 @@ def model_args(parser, batch: int = 1, training: bool = True) -> None:
         parser.add_argument("--training", action="store_true")
 
 
+ROUNDS_HELP = "timed rounds, rounded up to a multiple of the runners (each in every position alike)"
 MODEL_HELP = ("a zoo model ({}), or your own: FILE.py:FUNCTION or MODULE:FUNCTION, where "
               "FUNCTION(batch_size) returns (model, inputs) or (model, inputs, loss_fn)")
 
