@@ -433,3 +433,32 @@ def test_training_fuses_relu_only():
     assert ("2 convolution(s): followed by batch norm in training, whose batch statistics leave nothing "
             "to fold; 1 convolution(s): not followed by relu or add+relu") in forward.reason
     assert_same_training_step(model, optimized, (x,))
+
+
+class NoisyConvNet(nn.Module):
+    """Noise injection and a dropout left in train mode after convolutions the pass converts to
+    channels_last: which random number lands in which element follows the memory order."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = torch.relu(self.c1(x))
+        y = y + 0.5 * torch.randn_like(y)
+        return self.drop(torch.relu(self.c2(y)))
+
+
+def test_random_numbers_are_drawn_in_eager_order_in_a_channels_last_variant():
+    torch.manual_seed(0)
+    model = NoisyConvNet().eval()
+    model.drop.train()
+    x = torch.randn(2, 3, 10, 10)
+    optimized = fxdream.optimize(model, (x,), passes=[PASS], cost=None)  # CPU default: channels_last
+    assert optimized.report.passes[0].applied
+    with torch.no_grad():
+        torch.manual_seed(1)
+        expected = model(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(optimized(x), expected, atol=1e-5, rtol=1e-5)

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from fxdream.ir.nodes import LAYER, is_view
+from fxdream.ir.nodes import LAYER, draws_random_numbers, is_view
 
 MAX_CONSTANT_BYTES = 16 * 1024 * 1024
 _CLONE = torch.ops.aten.clone.default
@@ -59,7 +59,7 @@ def _input_free_nodes(graph: fx.Graph) -> set[fx.Node]:
     dependent: set[fx.Node] = set()
     free: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op in ("placeholder", "output") or _is_random(node) or \
+        if node.op in ("placeholder", "output") or draws_random_numbers(node) or \
                 any(arg in dependent for arg in node.all_input_nodes):
             dependent.add(node)
         elif node.op in ("call_function", "get_attr"):
@@ -67,11 +67,6 @@ def _input_free_nodes(graph: fx.Graph) -> set[fx.Node]:
         else:  # call_module / call_method: not in ATen graphs; left as they are
             dependent.add(node)
     return free
-
-
-def _is_random(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
 
 
 def _evaluate(gm: fx.GraphModule, node: fx.Node, values: dict):

@@ -70,6 +70,12 @@ def is_view(node: fx.Node) -> bool:
     return node.target is operator.getitem or op_name(node) in VIEW_OPS
 
 
+def draws_random_numbers(node: fx.Node) -> bool:
+    """An op tagged ``nondeterministic_seeded`` (dropout, ``randn_like``, ``bernoulli``): every
+    call is a new draw, and which number lands in which element follows its output's memory order."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 def arg_values(node: fx.Node):
     """(args, kwargs) of ``node`` with every node replaced by its example value."""
     return tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (node.args, node.kwargs))

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map
 
 from fxdream.ir.aliasing import aliases_input
+from fxdream.ir.nodes import draws_random_numbers
 from fxdream.ops import fused_conv as ops
 from fxdream.pass_api import (
     LAYER,
@@ -188,7 +189,9 @@ class _Builder:
     def _propagate(self) -> None:
         """Re-derive every value's fake tensor in order (strides change with channels_last);
         convert conv inputs to channels_last (channels_last_3d) once, and back to the original
-        layout before any view (views depend on strides) and at the outputs; a 1-d conv's input
+        layout before any view (views depend on strides), any op drawing random numbers (which
+        number lands in which element follows memory order: dropout's mask, ``randn_like``, as
+        eager draws them) and at the outputs; a 1-d conv's input
         is converted inside the op, and its (N, L, C) output back before any op but a pointwise
         one or another fused conv: (N, L, C) is no memory format ATen knows, and CPU kernels
         such as GroupNorm's reject it (in Wav2Vec2's feature encoder, say)."""
@@ -203,7 +206,7 @@ class _Builder:
             if self.variant.channels_last and node.target in ops.INFERENCE_OPS:
                 fmt = ops.channels_last_format(value_of(node.args[0]).dim())  # 1-d: inside the op
                 node.args = (self._convert(node.args[0], fmt, node, converted),) + tuple(node.args[1:])
-            elif aliases_input(node):  # e.g. the view before a classifier: depends on the input's strides
+            elif aliases_input(node) or draws_random_numbers(node):  # e.g. the view before a classifier
                 node.args = tree_map(lambda a: self._restore(a, node, converted) if isinstance(a, fx.Node) else a,
                                      node.args)
             elif node.op == "call_function" and not _takes_nlc(node.target):
