@@ -12,7 +12,7 @@ from conftest import ConvBnNet, assert_step_matches
 import fxdream
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.torch_fx import trace_and_compile
-from fxdream.capturing.trace_check import one_sample
+from fxdream.capturing.trace_check import probe_samples
 from fxdream.numerics import max_abs_diff
 
 
@@ -444,11 +444,11 @@ class PerSample(nn.Module):
         return torch.unbind(x * 2)
 
 
-def test_the_trace_is_checked_on_one_sample_of_a_batch():
+def test_the_trace_is_checked_on_two_samples_of_a_batch():
     model, x = IsinstanceBranch(), torch.randn(4, 3)
     optimized = _eval_optimize(model, x)
     assert optimized.report.capture == ("dynamo (the torch.fx trace's output differs from eager on the example "
-                                        "(its first sample))")
+                                        "(its first and last samples))")
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
 
@@ -471,15 +471,68 @@ def test_outputs_whose_number_follows_the_batch_are_checked_on_the_whole_example
         torch.testing.assert_close(g, w)
 
 
-def test_one_sample_needs_a_batch_dimension_every_input_shares():
+def test_probe_samples_need_a_batch_dimension_every_input_shares():
     x, mask = torch.randn(4, 3), torch.ones(4, 7)
-    sample = one_sample((x, mask))
-    assert [tuple(t.shape) for t in sample] == [(1, 3), (1, 7)]
-    sample[0].add_(1)  # copies: an in-place update by forward stays in them
-    assert not torch.equal(x[:1], sample[0])
-    assert one_sample((torch.randn(1, 3),)) is None  # already one sample
-    assert one_sample((torch.randn(20, 4, 3), torch.randn(2, 4, 5))) is None  # sequence-first input, h0
-    assert one_sample((torch.randn(4, 3), torch.tensor(2.0))) is None  # a scalar
+    samples = probe_samples((x, mask))
+    assert [tuple(t.shape) for t in samples] == [(2, 3), (2, 7)]
+    assert torch.equal(samples[0], x[[0, 3]])
+    samples[0].add_(1)  # copies: an in-place update by forward stays in them
+    assert not torch.equal(x[[0, 3]], samples[0])
+    assert probe_samples((torch.randn(2, 3),)) is None  # no fewer than the whole example
+    assert probe_samples((torch.randn(20, 4, 3), torch.randn(2, 4, 5))) is None  # sequence-first input, h0
+    assert probe_samples((torch.randn(4, 3), torch.tensor(2.0))) is None  # a scalar
+
+
+class MaskUnderIsinstance(nn.Module):
+    """An optional padding mask under an isinstance test, which a Proxy fails: the trace drops it."""
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, pad_mask):
+        h = torch.tanh(self.proj(x))
+        if isinstance(pad_mask, torch.Tensor):
+            h = h.masked_fill(pad_mask.unsqueeze(-1), 0.0)
+        return h.sum(1)
+
+
+class OptionalLengths(nn.Module):
+    """Lengths that the trace reads (the mean's divisor) and drops (the mask under isinstance)."""
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, lengths):
+        h = torch.tanh(self.proj(x))
+        if isinstance(lengths, torch.Tensor):
+            h = h * (torch.arange(x.shape[1]) < lengths[:, None]).unsqueeze(-1)
+        return h.sum(1) / lengths[:, None]
+
+
+def _padded_batch():
+    """Three sequences sorted by length: the first unpadded, the last padded the most."""
+    lengths = torch.tensor([5, 4, 2])
+    return torch.randn(3, 5, 4), lengths, torch.arange(5)[None, :] >= lengths[:, None]
+
+
+def test_an_input_the_trace_never_reads_sends_the_model_to_dynamo():
+    x, _, pad_mask = _padded_batch()
+    model = MaskUnderIsinstance().eval()
+    optimized = fxdream.optimize(model, (x, pad_mask))
+    assert optimized.report.capture == (
+        "dynamo (the torch.fx trace never reads the input 'pad_mask' (a branch on its type, such as "
+        "isinstance(x, torch.Tensor), sees a Proxy while tracing))")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x, pad_mask), model(x, pad_mask))
+
+
+def test_a_branch_the_first_sample_does_not_exercise_is_checked_on_the_last():
+    x, lengths, _ = _padded_batch()
+    model = OptionalLengths().eval()
+    optimized = fxdream.optimize(model, (x, lengths))
+    assert optimized.report.capture.endswith("differs from eager on the example (its first and last samples))")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x, lengths), model(x, lengths))
 
 
 @dataclasses.dataclass
@@ -553,3 +606,22 @@ def test_a_non_tensor_example_input_is_named_by_position_and_value_in_the_captur
         torch.testing.assert_close(optimized(x, 2.0, None), x * 2)
     only_shift = fxdream.optimize(model.eval(), (x, torch.tensor(2.0), None), cost=None)
     assert only_shift.report.capture == "dynamo (a non-tensor example input (shift=None, at position 2 (its default)))"
+
+
+def test_a_forward_hook_added_after_the_build_runs_and_leaves_with_its_removal():
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), torch.randn(4, 8)
+    optimized = _eval_optimize(model, x)
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    for register in (model[0].register_forward_hook, model[2].register_forward_pre_hook):
+        handle = register(lambda module, args, *output: (output[0] if output else args[0]) * 2)
+        with torch.no_grad():
+            torch.testing.assert_close(optimized(x), model(x))
+        handle.remove()
+    calls = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: calls.append(module))
+    with torch.no_grad():
+        optimized(x)
+    handle.remove()
+    assert all(any(m is module for m in calls) for module in model.modules())  # a global one runs too
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x))

@@ -62,6 +62,7 @@ class TracedRunner:
         self._shared = _shared_storage(example) if mutates_inputs else None
         self._modules = tuple(model.modules())  # walked once: walking the tree on every call costs host time
         self._holders = tuple(d for m in self._modules for d in (m._parameters, m._buffers, m._modules) if d)
+        self._hook_dicts = tuple(d for m in self._modules for d in (m._forward_hooks, m._forward_pre_hooks))
         self._as_traced = self._module_state()
         self._session = session
         self._fallback: Callable | None = None
@@ -73,9 +74,15 @@ class TracedRunner:
         the one traced, and runs through dynamo, which captures it as it is."""
         return [m.training for m in self._modules] + [id(v) for held in self._holders for v in held.values()]
 
+    def _hooked(self) -> bool:
+        """Whether a forward hook was added since the build (a model with one is never traced):
+        the trace ran no hook, and dynamo, as eager, runs them."""
+        hooks = torch.nn.modules.module
+        return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks or any(self._hook_dicts))
+
     def __call__(self, *args, **kwargs):
         if (not kwargs and torch.is_grad_enabled() == self._grad_enabled and _signature(args) == self._signature
-                and self._module_state() == self._as_traced and not autocast_enabled()
+                and self._module_state() == self._as_traced and not self._hooked() and not autocast_enabled()
                 and (self._shared is None or _shared_storage(args) == self._shared)):
             return pytree.tree_unflatten(list(self._compiled(*args)), self._out_spec)
         if self._fallback is None:
@@ -128,7 +135,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         return None, reason
     before = module_state(model)
     try:
-        with attributes_kept(model):  # a probe's: eager's state rebound on one sample stays out of the model
+        with attributes_kept(model):  # a probe's: eager's state rebound on its samples stays out of the model
             runs = run_both(model, traced, inputs)
             rebinds_state = module_state(model) != before
     except Exception as error:
@@ -146,7 +153,7 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
     if not same(runs.expected, actual):
         if not same_leaves(runs.expected, values):
             return None, "the torch.fx trace's output differs from eager on the example" + (
-                " (its first sample)" if runs.on_one_sample else "")
+                " (its first and last samples)" if runs.on_samples else "")
         out_spec = pytree.tree_flatten(runs.expected)[1]  # only the containers differ: return eager's
     copy_constant_outputs(traced)  # a trace-made constant returned: fresh memory per call, as eager's
     try:
@@ -216,6 +223,10 @@ def _flat_trace(model: torch.nn.Module, inputs: tuple):
     traced, reason = _trace(model, len(inputs))
     if traced is None:
         return None, None, reason
+    unread = [n.target for n in traced.graph.nodes if n.op == "placeholder" and not n.users]
+    if unread:  # eager may well read it: a trace's branch on it saw a Proxy
+        return None, None, (f"the torch.fx trace never reads the input {unread[0]!r} (a branch on its type, such "
+                            f"as isinstance(x, torch.Tensor), sees a Proxy while tracing)")
     out_spec = _flatten_outputs(traced)
     if out_spec is None:
         return None, None, "an output that is not a tensor"

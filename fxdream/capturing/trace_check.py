@@ -1,11 +1,14 @@
 """Whether a torch.fx trace computes what eager does: both run on the example and are compared.
 
 A symbolic trace cannot bake in a batch size (a shape is a Proxy, and a branch on one raises
-while tracing), so where every input has the same batch dimension the two run on its first
-sample alone: the check then costs a fraction of two full calls, which on a large batch are a
-large share of a build. The whole example is run instead where the sample is not a valid input
-(eager or the trace raises on it) and where the trace returns something other than tensors (a
-leaf module's tuple, whose length can follow the batch).
+while tracing), so where every input has the same batch dimension the two run on its first and
+last samples alone: the check then costs a fraction of two full calls, which on a large batch
+are a large share of a build. Two samples, not one: a branch the trace dropped can leave one
+sample as eager computes it (a padding mask the trace never applies, on the batch's longest
+sequence, which a length-sorted batch puts first and its shortest last). The whole example is
+run instead where the samples are not a valid input (eager or the trace raises on them) and
+where the trace returns something other than tensors (a leaf module's tuple, whose length can
+follow the batch).
 """
 from __future__ import annotations
 
@@ -27,35 +30,35 @@ class BothRuns:
     expected: object
     values: list
     mutates_inputs: bool  # forward updated an input in place (or may have: inference tensors)
-    on_one_sample: bool
+    on_samples: bool  # on the first and last samples, not the whole example
 
 
-def one_sample(inputs: tuple) -> tuple | None:
-    """The example's first sample (copies: an in-place update by forward stays in them), where
-    every input is a tensor whose first dimension has the same size, over 1; else None."""
+def probe_samples(inputs: tuple) -> tuple | None:
+    """The example's first and last samples (copies: an in-place update by forward stays in
+    them), where every input is a tensor whose first dimension has the same size, over 2; else None."""
     if not inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
         return None
-    if len({x.shape[0] for x in inputs}) != 1 or inputs[0].shape[0] <= 1:
+    if len({x.shape[0] for x in inputs}) != 1 or inputs[0].shape[0] <= 2:
         return None
-    return tuple(x[:1].clone() for x in inputs)
+    return tuple(x[[0, -1]] for x in inputs)
 
 
 def run_both(model: torch.nn.Module, traced: fx.GraphModule, inputs: tuple) -> BothRuns:
-    """Eager and the trace on one sample of ``inputs`` where that settles it (see the module's
+    """Eager and the trace on two samples of ``inputs`` where that settles it (see the module's
     docstring), else on all of them; each run from the same RNG state. Raises what a run
     on the whole example raises."""
-    sample = one_sample(inputs)
-    if sample is not None:
+    samples = probe_samples(inputs)
+    if samples is not None:
         try:
-            runs = _run_both(model, traced, sample, on_one_sample=True)
-        except Exception:  # the sample may not be a valid input (a batch size forward fixes)
+            runs = _run_both(model, traced, samples, on_samples=True)
+        except Exception:  # the samples may not be a valid input (a batch size forward fixes)
             runs = None
         if runs is not None and all(isinstance(v, torch.Tensor) for v in runs.values):
             return runs
-    return _run_both(model, traced, inputs, on_one_sample=False)
+    return _run_both(model, traced, inputs, on_samples=False)
 
 
-def _run_both(model, traced, inputs: tuple, on_one_sample: bool) -> BothRuns:
+def _run_both(model, traced, inputs: tuple, on_samples: bool) -> BothRuns:
     devices = sorted({t.device.index for t in list(model.parameters()) + list(inputs)
                       if t.device.type == "cuda" and t.device.index is not None})
     with torch.random.fork_rng(devices=devices):
@@ -67,7 +70,7 @@ def _run_both(model, traced, inputs: tuple, on_one_sample: bool) -> BothRuns:
                 None in input_versions and torch.is_inference_mode_enabled())  # unknown: assume it may
         torch.manual_seed(0)
         values = list(traced(*inputs))
-    return BothRuns(expected, values, mutates_inputs, on_one_sample)
+    return BothRuns(expected, values, mutates_inputs, on_samples)
 
 
 def module_state(model: torch.nn.Module) -> list:
