@@ -85,6 +85,8 @@ class OptimizedModule(torch.nn.Module):
         self.__dict__["_calls"] = [0, 0]  # calls, calls that compiled (a list: no Module.__setattr__ per call)
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # inside another capture (a model holding this one): the model's
+            return user_model(self.model)(*args, **kwargs)  # own ops, captured with the rest, as torch.compile's
         if self._fallback_reason is not None:
             return self._call(user_model(self.model), args, kwargs)
         if isinstance(self.model, WithKeywords):  # built with keywords that have no position

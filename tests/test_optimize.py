@@ -441,3 +441,28 @@ def test_the_models_attributes_pass_through_as_under_torch_compile():
     with pytest.raises(AttributeError, match="'OptimizedModule' object has no attribute 'nothing', nor has the "
                                              "WithExtras it was built from"):
         optimized.nothing
+
+
+class HoldsABuiltModule(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.head = inner, nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inner(x)))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_model_holding_a_built_module_is_captured_with_it(training):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    inner = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).train(training)
+    built_inner = fxdream.optimize(inner, (x,), training=training, cost=None)
+    model = HoldsABuiltModule(built_inner).train(training)
+    optimized = fxdream.optimize(model, (x,), training=training, cost=None)
+    assert optimized.report.fallback_reason is None
+    if training:
+        assert_same_training_step(model, optimized, (x,))
+    else:
+        with torch.no_grad():
+            torch.testing.assert_close(optimized(x), model(x))
