@@ -245,8 +245,19 @@ def test_ddp_tiny_bandwidth_communication_dominates(captured_mlp):
     assert comm_ms <= w.time_ms <= comm_ms + base.time_ms
     rates = [W.ddp(base, W.Cluster(2, 8, network_gbps=b), captured=captured).time_ms for b in (10, 20, 40)]
     assert rates[0] >= rates[1] >= rates[2] >= base.time_ms
+    assert W.ddp(base, W.Cluster(2, 8, network_gbps=10)).time_ms == rates[0]  # the prediction's own graphs
     with pytest.raises(ValueError, match="captured"):
-        W.ddp(base, W.Cluster(2, 1))
+        W.ddp(dataclasses.replace(base, captured=None), W.Cluster(2, 1))
+
+
+def test_a_what_if_carries_the_baseline_range_relative_to_its_time(captured_mlp):
+    _, captured = captured_mlp
+    base = dataclasses.replace(h100_prediction(captured), range_ms=None)
+    low, high = 0.8 * base.time_ms, 1.5 * base.time_ms
+    w = W.ddp(dataclasses.replace(base, range_ms=(low, high)), W.Cluster(4, 1, network_gbps=0.001))
+    assert w.time_ms_range == pytest.approx((0.8 * w.time_ms, 1.5 * w.time_ms))
+    faster = W.faster_gpu(base, 2.0)  # a baseline without a range: none around the scenario either
+    assert faster.time_ms_range == pytest.approx((faster.time_ms, faster.time_ms))
 
 
 def test_ddp_on_a_cpu_device_shares_the_host_when_not_overlapping(captured_mlp):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +45,9 @@ class Prediction:
     # of which gradients, in training, (parameter's qualified name, bytes) of each: the optimizer
     # step updates them too, and a data-parallel step reduces them (what-ifs on either need them)
     outside_gradients: tuple[tuple[str, int], ...] = ()
+    # the graphs it was predicted from (``Captured``, a tuple after graph breaks): what-ifs that
+    # rewrite graphs or read gradients (``whatif.amp``, ``ddp``) take them from here
+    captured: Any = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
     def time_ms(self) -> float:
@@ -179,7 +183,7 @@ def predict(captured: Captured | tuple, cost: CostModel, training: bool,
         timeline = simulate_graph(lowered.graph, Contention() if contention else None,
                                   initial_memory_bytes=lowered.static_bytes)
         return Prediction(cost.device, training, lowered.graph, timeline, lowered.static_bytes,
-                          back_to_back=not training)
+                          back_to_back=not training, captured=captured)
 
     predicted = prediction(cost)
     if not isinstance(cost, Profiled):

@@ -6,16 +6,18 @@ task graph (``select``, ``scale``, ``update``, ``remove``, ``insert``) and simul
 The :class:`WhatIf` holds the baseline and the scenario, both *predicted*; a :class:`Measured`,
 kept in its own type, where this machine can run the scenario.
 
-    p = fxdream.predict.predict(captured, Analytic(get_device("h100")), True, ADAM)
-    amp(p, "h100", "float16", captured=captured)          # tensor-core rates, halved bytes
-    fused_optimizer(p, captured=captured)                 # Adam as one kernel
+    p = fxdream.simulate(model, inputs, device="h100", training=True, optimizer="adam")
+    amp(p, "h100", "float16")                             # tensor-core rates, halved bytes
+    fused_optimizer(p)                                    # Adam as one kernel
     faster_gpu(p, 2.0)                                    # every kernel 2x shorter
-    ddp(p, Cluster(machines=2, gpus_per_machine=8, network_gbps=10), captured=captured)
-    p3(p, Cluster(4, 1, network_gbps=10), captured=captured)
+    ddp(p, Cluster(machines=2, gpus_per_machine=8, network_gbps=10))
+    p3(p, Cluster(4, 1, network_gbps=10))
 
-``captured`` (the :class:`~fxdream.capturing.Captured` the prediction was lowered from) lets a
-what-if read FLOPs, bytes and gradient sizes from the FX graphs; without it the what-ifs that
-can fall back on ratios do so.  Each module's docstring states its model and simplifications.
+A prediction holds the graphs it was lowered from (``Prediction.captured``): a what-if reads
+FLOPs, bytes and gradient sizes from them (``captured=`` gives others); without them the
+what-ifs that can fall back on ratios do so. ``simulate``'s prediction also holds the eager code
+between graphs (an RNN in training, a graph break's), which a prediction of ``capture``'s
+graphs alone leaves out. Each module's docstring states its model and simplifications.
 Module names differ from the function names so that ``fxdream.whatif.amp`` is the function.
 """
 from fxdream.whatif.core import Measured, WhatIf, faster_gpu

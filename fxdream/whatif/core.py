@@ -61,6 +61,15 @@ class WhatIf:
         return self.predicted_ms
 
     @property
+    def time_ms_range(self) -> tuple[float, float]:
+        """(low, high) ms: the baseline's range relative to its time, carried to the scenario's
+        (both are costed by the same model, the scenario's tasks from the baseline's)."""
+        low, high = self.baseline.time_ms_range
+        if not self.baseline_ms:
+            return (self.time_ms, self.time_ms)
+        return (self.time_ms * low / self.baseline_ms, self.time_ms * high / self.baseline_ms)
+
+    @property
     def baseline_ms(self) -> float:
         return self.baseline.time_ms
 
@@ -146,7 +155,7 @@ def _prediction(like: Prediction, tg: TaskGraph, contention: bool, *, device: De
     static = like.static_bytes if static_bytes is None else static_bytes
     return Prediction(device or like.device, like.training, tg, _simulate(tg, contention, static), static,
                       back_to_back=like.back_to_back, outside_state_bytes=like.outside_state_bytes,
-                      outside_gradients=like.outside_gradients)
+                      outside_gradients=like.outside_gradients, captured=like.captured)
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,9 @@ def _start(x, device=None, captured=None, graphs=None, contention: bool | None =
     if isinstance(x, Prediction):
         # re-simulate the baseline under the same contention setting as the scenario
         base = _prediction(x, x.task_graph, c, device=_spec(device) or x.device)
-        return _Start(base, base, "", {}, captured, graphs, c)
+        if x.range_ms is not None and x.time_ms:  # its range, relative to its time, as given
+            base = dataclasses.replace(base, range_ms=tuple(base.time_ms * end / x.time_ms for end in x.range_ms))
+        return _Start(base, base, "", {}, captured if captured is not None else x.captured, graphs, c)
     if isinstance(x, TaskGraph):
         spec = _spec(device) or _UNSPECIFIED
         training = any(t.phase in ("bw", "optim") for t in x.tasks)
