@@ -2,13 +2,15 @@
 (``Profiled.profile_side_by_side``): their costs come from those rounds alone."""
 import pytest
 import torch
+from conftest import ConvBnNet, graph_with_values
 
 import fxdream
+import fxdream.sim.cost.side_by_side as side_by_side
 from fxdream.sim.cost import Profiled, get_device
 from fxdream.sim.cost.run_spread import RunSpread
+from fxdream.sim.cost.side_by_side import COLD_RUN_FAULTS, TimedRun, warm_runs
 from fxdream.sim.cost.spread import SpreadBound
 from fxdream.sim.profile.op_keys import profile_key
-from conftest import ConvBnNet, graph_with_values
 
 aten = torch.ops.aten
 
@@ -88,3 +90,49 @@ def test_a_range_scales_a_graph_timed_side_by_side_by_its_runs_spread_not_each_o
     assert low.kernel_us(relu) == pytest.approx(1.8) and high.kernel_us(sigmoid) == pytest.approx(25.0)
     other = _graph(aten.tanh.default)  # none of its cost in the timed graph: its own samples
     assert cost.run_spread_of(other) is None
+
+
+def test_warm_runs_leave_out_runs_that_faulted_unless_every_run_did():
+    def run(faults):
+        return TimedRun({}, 1.0, faults)
+    cold, warm = run(12_544), run(0)
+    assert warm_runs([cold, warm, run(COLD_RUN_FAULTS - 1)]) == [warm, run(COLD_RUN_FAULTS - 1)]
+    assert warm_runs([run(64_352), run(56_352)]) == [run(64_352), run(56_352)]  # faults in every run: kept
+    assert warm_runs([cold, run(None)]) == [run(None)]  # not counted: taken as warm
+
+
+def _counted_faults(monkeypatch, faults_per_run):
+    """page_faults() read before and after each timed run: each run takes the next count given."""
+    readings, total = [], 0
+    for faults in faults_per_run:
+        readings += [total, total + faults]
+        total += faults
+    counter = iter(readings)
+    monkeypatch.setattr(side_by_side, "page_faults", lambda: next(counter))
+
+
+def _long_graphs_timed_side_by_side(rounds):
+    gm, other = _graph(aten.relu.default, aten.sigmoid.default), _graph(aten.tanh.default)
+    cost = Profiled(get_device("cpu"))
+    for key in cost.keys_of(gm) + cost.keys_of(other):
+        cost.measurements[key] = 1e5  # long graphs: no untimed run before each, one count per run
+    x = torch.randn(64, 64)
+    assert cost.profile_side_by_side([(gm, [x]), (other, [x])], rounds=rounds) == rounds
+    return cost, gm, other
+
+
+def test_a_graph_that_faulted_after_another_is_timed_again_back_to_back(monkeypatch):
+    # rounds: gm, other | other, gm; then gm back to back twice (after an untimed run)
+    _counted_faults(monkeypatch, [50_000, 0, 0, 40_000, 0, 0])
+    cost, gm, other = _long_graphs_timed_side_by_side(rounds=2)
+    relu = cost.keys_of(gm)[0]
+    assert len(cost.samples[relu]) == 2  # the two back-to-back runs' samples only
+    assert cost.run_spread_of(gm).page_faults_per_run == 0
+    assert len(cost.samples[cost.keys_of(other)[0]]) == 2
+
+
+def test_a_graph_that_faults_back_to_back_too_keeps_its_runs(monkeypatch):
+    _counted_faults(monkeypatch, [50_000, 0, 0, 40_000, 45_000])
+    cost, gm, _ = _long_graphs_timed_side_by_side(rounds=2)
+    assert len(cost.samples[cost.keys_of(gm)[0]]) == 3
+    assert cost.run_spread_of(gm).page_faults_per_run == 45_000

@@ -22,11 +22,11 @@ from fxdream.capturing.dynamo import describe_error
 from fxdream.ir.nodes import arg_values, is_view, op_name
 from fxdream.ir.tensors import real_tensors
 from fxdream.runtime.direct_calls import direct
-from fxdream.runtime.host_memory import page_faults
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import DeviceSpec
 from fxdream.sim.cost.model import CostModel
 from fxdream.sim.cost.run_spread import RunSpread
+from fxdream.sim.cost.side_by_side import interleaved_runs, warm_runs
 from fxdream.sim.profile.cuda_timing import graph_kernel_saving_us, time_calls_cuda
 from fxdream.sim.profile.host_timing import (
     ModuleBuilder,
@@ -57,10 +57,6 @@ PROFILE_BUDGET_S = 0.1
 # The interleaved rounds that time the graphs a decision compares side by side: as many as fit
 # this budget (seconds), at least 2 and at most 5.
 SIDE_BY_SIDE_BUDGET_S = 0.3
-# A graph shorter than this (µs) runs once untimed before its timed run in each side-by-side
-# round: right after another graph, its ops meet caches that graph filled, where a user's calls
-# come back to back.
-WARM_RUN_BELOW_US = 20_000.0
 RUN_SPREAD_COVER = 0.9  # run_spread_of: the share of a graph's cost a timed graph must hold
 FEW_NEW_OPS = 4     # worth_timing_in_context: at most this many distinct new ops, ...
 MIN_SHARE = 0.01    # ... under this share of the graph's time, are not timed in context
@@ -280,31 +276,23 @@ class Profiled:
         exactly that many). Returns the rounds run (0 where a graph did not run)."""
         if rounds is None:
             rounds = self.context_rounds or self._rounds_in_budget(graphs)
-        copies = [(gm, owned_copies(inputs, gm)) for gm, inputs in graphs]
-        samples: dict[str, list[float]] = {}
-        totals: dict[int, list[float]] = {id(gm): [] for gm, _ in graphs}
-        faults: dict[int, list[int]] = {id(gm): [] for gm, _ in graphs}
         with real_tensors():
-            for round_index in range(rounds):
-                shift = round_index % len(copies)
-                for gm, inputs in copies[shift:] + copies[:shift]:
-                    this_run: dict[str, list[float]] = {}
-                    warmup = int(self.graph_total_us(gm) < WARM_RUN_BELOW_US)
-                    faults_before = page_faults()  # with a warm-up run: its and the timed run's, halved
-                    if time_graph(gm, inputs, self.torch_device, this_run, 1, warmup, every_round=True) is None:
-                        return 0
-                    if faults_before is not None:
-                        faults[id(gm)].append((page_faults() - faults_before) // (1 + warmup))
-                    totals[id(gm)].append(sum(this_run[key][0] for key in self.keys_of(gm)))
-                    for key, times in this_run.items():
-                        samples.setdefault(key, []).extend(times)
+            runs = interleaved_runs(self, [(gm, owned_copies(inputs, gm)) for gm, inputs in graphs], rounds)
+        if runs is None:
+            return 0
+        samples: dict[str, list[float]] = {}
+        for gm, _ in graphs:
+            warm = warm_runs(runs[id(gm)])
+            for run in warm:
+                for key, times in run.samples.items():
+                    samples.setdefault(key, []).extend(times)
+            counted = [run.page_faults for run in warm if run.page_faults is not None]
+            spread = RunSpread.of_runs(frozenset(self.keys_of(gm)), [run.total_us for run in warm], counted or None)
+            if spread is not None:
+                self.run_spreads.append(spread)
         for key, times in samples.items():
             self.samples[key] = times
             self.measurements[key] = statistics.median(times)
-        for gm, _ in graphs:
-            spread = RunSpread.of_runs(frozenset(self.keys_of(gm)), totals[id(gm)], faults[id(gm)])
-            if spread is not None:
-                self.run_spreads.append(spread)
         return rounds
 
     def _rounds_in_budget(self, graphs: list[tuple[fx.GraphModule, object]]) -> int:
