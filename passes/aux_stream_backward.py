@@ -298,8 +298,9 @@ class AuxStreamBackward(PassBase):
         if gain_us > noise:
             return PassResult(candidate, True, f"{what}; {predicted}", tuple(notes))
         if forced:
-            return PassResult(candidate, True, f"{what} (forced: predicted gain {gain_us:.1f} µs is not beyond "
-                              f"noise, {noise:.1f} µs); {predicted}", tuple(notes))
+            verdict = (f"predicted slower, {-gain_us:.1f} µs more" if gain_us < 0 else
+                       f"predicted gain {gain_us:.1f} µs is not beyond noise, {noise:.1f} µs")
+            return PassResult(candidate, True, f"{what} (forced: {verdict}); {predicted}", tuple(notes))
         if gain_us < 0:  # a loss is no noise to call
             return PassResult(gm, False, f"predicted slower: {-gain_us:.1f} µs ({-pct:.1f} %) more; force it with "
                               f"passes=['{self.name}'] ({predicted})", tuple(notes))
