@@ -58,6 +58,7 @@ from fxdream.sim.prediction import graph_prediction
 
 b = sp.Symbol("b", positive=True, integer=True)
 MAX_BATCH = 1024
+DEFAULT_BATCH = 32  # crossover's batch for a zoo model
 
 
 class Crossover(tuple):
@@ -282,22 +283,23 @@ def _intervals(gains: list[tuple[int, float]]) -> list[tuple[int, int]]:
     return runs
 
 
-def crossover(model, device: str | DeviceSpec = "h100", batch: int = 32, max_batch: int = MAX_BATCH,
+def crossover(model, device: str | DeviceSpec = "h100", batch: int | None = None, max_batch: int = MAX_BATCH,
               join: str = "next", simulate_at_batch: bool = True, dtype: torch.dtype = torch.float32,
               example_inputs: tuple | None = None) -> Crossover:
     """``(sympy expression of b, largest helping batch or None, text)`` for aux_stream_backward.
 
-    ``model``: a zoo name (captured in training at ``batch`` and ``dtype`` on the meta device:
-    no memory, no compute), an ``nn.Module`` with its ``example_inputs`` (a copy on the meta
-    device is captured in training: nothing runs on their data), or a ``Captured`` (tuple) from
-    ``fxdream.capture(..., training=True)``.
+    ``model``: a zoo name (captured in training at ``batch``, 32 by default, and ``dtype`` on the
+    meta device: no memory, no compute), an ``nn.Module`` with its ``example_inputs`` (a copy on
+    the meta device is captured in training: nothing runs on their data), or a ``Captured``
+    (tuple) from ``fxdream.capture(..., training=True)``; the last two at the batch they hold,
+    which ``batch``, where given, must be.
     """
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
     if spec.kind != "cuda":
         raise ValueError(f"aux_stream_backward's crossover needs a GPU DeviceSpec (streams), got {spec.name!r}")
     name = model if isinstance(model, str) else None
     if name is not None:
-        net, inputs, _ = models.build(name, batch, device="meta", dtype=dtype)
+        net, inputs, _ = models.build(name, batch or DEFAULT_BATCH, device="meta", dtype=dtype)
         captured = capture(net, inputs, training=True)
     elif isinstance(model, torch.nn.Module):
         if example_inputs is None:
@@ -307,8 +309,11 @@ def crossover(model, device: str | DeviceSpec = "h100", batch: int = 32, max_bat
         captured = capture(net.train(), inputs, training=True)
     else:
         captured = model
-    return crossover_of_graphs(_backward_graphs(captured), spec, _captured_batch(captured), name, max_batch, join,
-                               simulate_at_batch)
+    held = _captured_batch(captured)
+    if batch is not None and batch != held:
+        raise ValueError(f"batch={batch}, but the example holds batch {held}: a module or capture is explained at "
+                         f"its example's batch (give example_inputs of batch {batch})")
+    return crossover_of_graphs(_backward_graphs(captured), spec, held, name, max_batch, join, simulate_at_batch)
 
 
 def crossover_of_graphs(graphs: list[fx.GraphModule], device: DeviceSpec, b0: int, name: str | None = None,

@@ -14,7 +14,7 @@ from fxdream.capturing.arguments import check_memory_budget, check_model
 from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.keywords import bind_keywords
-from fxdream.capturing.meta import check_meta_on_both_sides, meta_copy, on_meta
+from fxdream.capturing.meta import check_meta_on_both_sides, meta_copy, mixed_dtype_call, on_meta
 from fxdream.ops.rnn_cell import cells_as_on
 from fxdream.plan import plan
 from fxdream.runtime.host_memory import settle_dynamic_thresholds
@@ -139,30 +139,43 @@ def _capture_for_prediction(original: tuple, model: torch.nn.Module, example_inp
     try:
         with _autocast_watch() as autocast_notes:
             captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure)
-        return model, captured, step, tuple(autocast_notes) + tuple(notes)
     except Exception as error:
-        if on_meta(*original) and NONZERO_ON_META in str(error) and not meta_config.meta_nonzero_assume_all_nonzero:
-            with meta_config.patch(meta_nonzero_assume_all_nonzero=True):
-                model, captured, step, notes = _capture_for_prediction(original, model, example_inputs, training,
-                                                                       measure)
-            return model, captured, step, (NONZERO_ASSUMED,) + notes
-        hint = meta_hint(error) if on_meta(*original) else None
-        if hint is not None:
-            raise CaptureError(f"{error}\n{hint}") from error
-        if measure or model is original[0] or on_meta(*original):
-            raise
-        lengths_moved = all(t.is_meta for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor))
-        if LENGTHS_ON_CPU in str(error) and lengths_moved:
-            model, example_inputs, _ = meta_copy(*original, lengths_on_cpu=True)
-            return _capture_for_prediction(original, model, example_inputs, training, measure)
-        model, example_inputs = original
-        captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
-        reads_values = any(words in str(error) for words in META_VALUE_ERRORS)
-        fallback = (f"captured on the example's data here, not on the meta device, where its capture failed "
-                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
-                    + ("; the forward reads tensor values, and the prediction follows the path (branches, sizes) "
-                       "the example's values took: other inputs may take another" if reads_values else ""),)
-        return model, captured, step, fallback + tuple(notes)
+        return _captured_otherwise(original, model, example_inputs, training, measure, error)
+    refused = mixed_dtype_call(part.forward for part in _parts(captured)) if on_meta(model, example_inputs) else None
+    if refused is not None:
+        raise CaptureError(refused)
+    return model, captured, step, tuple(autocast_notes) + tuple(notes)
+
+
+def _parts(captured) -> tuple:
+    return captured if isinstance(captured, tuple) else (captured,)
+
+
+def _captured_otherwise(original: tuple, model, example_inputs: tuple, training: bool, measure: bool, error) -> tuple:
+    """``_capture_for_prediction`` where capturing ``model`` raised ``error``: on the meta device
+    again with nonzero assumed, or on ``original``'s data, or the error with what to do."""
+    if on_meta(*original) and NONZERO_ON_META in str(error) and not meta_config.meta_nonzero_assume_all_nonzero:
+        with meta_config.patch(meta_nonzero_assume_all_nonzero=True):
+            model, captured, step, notes = _capture_for_prediction(original, model, example_inputs, training,
+                                                                   measure)
+        return model, captured, step, (NONZERO_ASSUMED,) + notes
+    hint = meta_hint(error) if on_meta(*original) else None
+    if hint is not None:
+        raise CaptureError(f"{error}\n{hint}") from error
+    if measure or model is original[0] or on_meta(*original):
+        raise error
+    lengths_moved = all(t.is_meta for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor))
+    if LENGTHS_ON_CPU in str(error) and lengths_moved:
+        model, example_inputs, _ = meta_copy(*original, lengths_on_cpu=True)
+        return _capture_for_prediction(original, model, example_inputs, training, measure)
+    model, example_inputs = original
+    captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=False)
+    reads_values = any(words in str(error) for words in META_VALUE_ERRORS)
+    fallback = (f"captured on the example's data here, not on the meta device, where its capture failed "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+                + ("; the forward reads tensor values, and the prediction follows the path (branches, sizes) "
+                   "the example's values took: other inputs may take another" if reads_values else ""),)
+    return model, captured, step, fallback + tuple(notes)
 
 
 def state_outside_graphs(model: torch.nn.Module, captured, training: bool,

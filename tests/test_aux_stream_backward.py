@@ -400,6 +400,9 @@ def test_crossover_of_a_module_with_its_inputs_equals_that_of_its_capture_and_ru
     assert all(p.device.type == "cpu" for p in net.parameters())  # a meta copy was captured
     with pytest.raises(ValueError, match="crossover of a Sequential needs its example_inputs"):
         crossover(torch.nn.Sequential(torch.nn.Linear(2, 2)), device="h100")
+    assert str(crossover(net, device="h100", batch=4, max_batch=64, example_inputs=inputs)[0]) == str(from_module[0])
+    with pytest.raises(ValueError, match="batch=32, but the example holds batch 4"):
+        crossover(net, device="h100", batch=32, example_inputs=inputs)
 
 
 # --- CUDA: real streams -----------------------------------------------------------------------------

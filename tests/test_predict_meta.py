@@ -146,6 +146,16 @@ def test_a_meta_model_reading_a_value_gets_a_capture_error_saying_what_to_do():
         fxdream.simulate(model, (torch.randn(2, 4, device="meta"),), device="h100")
 
 
+@pytest.mark.parametrize("on_meta_device", [False, True])
+def test_operands_of_two_dtypes_eager_refuses_are_refused_on_the_meta_device_too(on_meta_device):
+    device = "meta" if on_meta_device else "cpu"
+    with torch.device(device):
+        model = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+        x = torch.ones(2, 8, dtype=torch.long)
+    with pytest.raises(fxdream.CaptureError, match=r"addmm in 0 takes float32 and int64 operands, which eager refuses"):
+        fxdream.simulate(model, (x,), device="h100")
+
+
 def test_a_lazy_module_not_yet_called_is_named_with_what_to_do_before_a_prediction_for_another_device():
     model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(8))
     with pytest.raises(ValueError, match=r"lazy module 1 \(LazyLinear\) not yet called: .* call the model once"):

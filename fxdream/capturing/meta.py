@@ -15,6 +15,12 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxdream.capturing.model_state import uninitialized_lazy_modules
+from fxdream.ir.nodes import LAYER
+
+aten = torch.ops.aten
+# ops whose CPU and CUDA kernels refuse operands of two dtypes, where the meta device's accept them
+_ONE_DTYPE_OPS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                  aten.convolution.default)
 
 
 def on_meta(model: torch.nn.Module, inputs=(), kwargs=None) -> bool:
@@ -130,3 +136,21 @@ def _composite_ops_with_python_meta() -> tuple:
                  for op in list(vars(packet).values()) if isinstance(op, torch._ops.OpOverload)
                  and DispatchKey.Meta in op.py_kernels and op is not torch.ops.aten.item.default
                  and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"))
+
+
+def mixed_dtype_call(graphs) -> str | None:
+    """What a captured graph (an ``fx.GraphModule`` of ``graphs``) calls with operands of two
+    dtypes, which eager's kernels refuse and the meta device's run (``nn.Linear`` on int64
+    input: "mat1 and mat2 must have the same dtype"); None where nothing does."""
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target not in _ONE_DTYPE_OPS:
+                continue
+            dtypes = {arg.meta["val"].dtype for arg in node.all_input_nodes
+                      if isinstance(arg.meta.get("val"), torch.Tensor)}
+            if len(dtypes) > 1:
+                names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+                return (f"{node.target.overloadpacket.__name__} in {node.meta.get(LAYER) or 'the model'} takes {names} "
+                        f"operands, which eager refuses (the meta device's kernels do not check): give the inputs "
+                        f"the dtype of the model's weights")
+    return None
