@@ -150,6 +150,36 @@ def test_a_graph_too_small_to_pay_for_its_casts_is_predicted_slower_and_the_repo
 
 
 @needs_bf16
+class AddsInPlace(torch.nn.Module):
+    def forward(self, x):
+        return x.add_(1)
+
+
+class Noisy(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+class Pair(torch.nn.Module):
+    """A scalar first, then a classifier's logits; NaNs where the input is negative."""
+    def forward(self, x):
+        return x.mean(), torch.log(x)
+
+
+class PairOfAbs(torch.nn.Module):
+    def forward(self, x):
+        return x.mean(), torch.log(x.abs())
+
+
+def test_deviation_runs_each_side_on_its_own_inputs_from_one_rng_state_and_ignores_shared_nans():
+    x = torch.tensor([[1.0, 2.0], [3.0, -1.0]])
+    assert deviation(AddsInPlace(), AddsInPlace(), (x.clone(),)) == Deviation(0.0, 0.0, 1.0)
+    assert deviation(Noisy(), Noisy(), (torch.randn(8, 4),)).max_abs == 0.0  # the same mask on both sides
+    found = deviation(Pair(), Pair(), (x,))
+    assert found == Deviation(0.0, 0.0, 1.0)  # the NaN of log(-1) on both sides; logits the second output
+    assert deviation(PairOfAbs(), Pair(), (x,)).max_abs == float("inf")  # a NaN on one side only
+
+
 def test_verify_does_not_call_bf16s_expected_deviation_a_wrong_result():
     torch.manual_seed(0)
     model, x = torch.nn.Linear(64, 64).eval(), 10 * torch.randn(4, 64)  # outputs ~30: bf16 errs by ~0.1
