@@ -14,7 +14,7 @@ from fxdream.capturing.arguments import positional_call
 from fxdream.capturing.dynamo import describe_error, raised_compiling, recompile_limit_notes
 from fxdream.capturing.keywords import WithKeywords, user_model
 from fxdream.capturing.session import CaptureSession
-from fxdream.capturing.torch_fx import autocast_enabled
+from fxdream.capturing.traced_runner import autocast_enabled
 from fxdream.pass_runner import PassPipeline
 from fxdream.report import GraphReport, Report
 

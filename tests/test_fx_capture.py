@@ -625,3 +625,25 @@ def test_a_forward_hook_added_after_the_build_runs_and_leaves_with_its_removal()
     assert all(any(m is module for m in calls) for module in model.modules())  # a global one runs too
     with torch.no_grad():
         torch.testing.assert_close(optimized(x), model(x))
+
+
+class EmbeddingLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lstm, self.fc = nn.Embedding(50, 8), nn.LSTM(8, 12, batch_first=True), nn.Linear(12, 3)
+
+    def forward(self, tokens):
+        out, _ = self.lstm(self.emb(tokens))
+        return self.fc(out[:, -1])
+
+
+def test_another_batch_is_compiled_from_the_same_trace_where_dynamo_would_run_the_model_eagerly():
+    torch.manual_seed(0)
+    model = EmbeddingLSTM().eval()
+    optimized = _eval_optimize(model, torch.randint(0, 50, (4, 6)))
+    assert optimized.report.capture == "torch.fx symbolic_trace"
+    for batch in (2, 3, 2):
+        tokens = torch.randint(0, 50, (batch, 6))
+        with torch.no_grad():
+            torch.testing.assert_close(optimized(tokens), model(tokens))
+    assert len(optimized.report.graphs) == 3  # one per input shape, each through the passes

@@ -8,8 +8,8 @@ only when its output on the example equals eager's and forward left the modules'
 attributes as they were (anything else falls back to dynamo, with the reason), and the runner
 checks every call against what it was built for (input shapes, strides, dtypes, devices, the
 modules' train/eval flags, grad mode, autocast off, and where forward updates an input in place,
-which inputs share memory): any other call goes through dynamo, which captures again with the
-same session.
+which inputs share memory): a call whose tensors differ in shape, strides or dtype only is
+captured again from the same trace, any other through dynamo, both with the same session.
 
 Inference only: training keeps dynamo (autograd mutations of BN buffers, graph breaks kept
 for RNNs, see ``capture.tracing_config``).
@@ -33,61 +33,7 @@ from fxdream.capturing.model_state import StateSamples, attributes_kept, preserv
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
 from fxdream.capturing.trace_check import module_state, run_both, same, same_leaves
-
-
-def _signature(args: tuple) -> tuple:
-    return tuple((type(a), a.shape, a.stride(), a.dtype, a.device, a.requires_grad)
-                 if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
-
-
-def _shared_storage(args: tuple) -> tuple:
-    """Which inputs share memory: for each tensor, the position of the first one on its storage."""
-    storages = [a.untyped_storage().data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
-    return tuple(None if s is None else storages.index(s) for s in storages)
-
-
-autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled",  # private; cheap enough for every call
-                           lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
-
-
-class TracedRunner:
-    """Runs the aot-compiled trace for calls like the example; any other call through dynamo."""
-
-    def __init__(self, model: torch.nn.Module, compiled: Callable, out_spec, example: tuple,
-                 session: CaptureSession, grad_enabled: bool = False, mutates_inputs: bool = False):
-        self._model, self._compiled, self._out_spec = model, compiled, out_spec
-        self._signature, self._grad_enabled = _signature(example), grad_enabled
-        # a forward that updates an input in place reads it after the update where another input is
-        # the same tensor (``opt(x, x)``); the graph, traced with two tensors, does not
-        self._shared = _shared_storage(example) if mutates_inputs else None
-        self._modules = tuple(model.modules())  # walked once: walking the tree on every call costs host time
-        self._holders = tuple(d for m in self._modules for d in (m._parameters, m._buffers, m._modules) if d)
-        self._hook_dicts = tuple(d for m in self._modules for d in (m._forward_hooks, m._forward_pre_hooks))
-        self._as_traced = self._module_state()
-        self._session = session
-        self._fallback: Callable | None = None
-
-    def _module_state(self) -> list:
-        """Each module's train/eval flag and the objects it holds: its parameters, buffers and
-        submodules. The trace read them once; a model that replaced one since (a submodule
-        swapped, ``load_state_dict(assign=True)``, a buffer rebound by ``.half()``) is no longer
-        the one traced, and runs through dynamo, which captures it as it is."""
-        return [m.training for m in self._modules] + [id(v) for held in self._holders for v in held.values()]
-
-    def _hooked(self) -> bool:
-        """Whether a forward hook was added since the build (a model with one is never traced):
-        the trace ran no hook, and dynamo, as eager, runs them."""
-        hooks = torch.nn.modules.module
-        return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks or any(self._hook_dicts))
-
-    def __call__(self, *args, **kwargs):
-        if (not kwargs and torch.is_grad_enabled() == self._grad_enabled and _signature(args) == self._signature
-                and self._module_state() == self._as_traced and not self._hooked() and not autocast_enabled()
-                and (self._shared is None or _shared_storage(args) == self._shared)):
-            return pytree.tree_unflatten(list(self._compiled(*args)), self._out_spec)
-        if self._fallback is None:
-            self._fallback = compile_with(self._model, self._session)
-        return self._fallback(*args, **kwargs)
+from fxdream.capturing.traced_runner import TracedRunner, autocast_enabled
 
 
 def compile_model(model: torch.nn.Module, inputs: tuple, session: CaptureSession,
@@ -160,7 +106,11 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         compiled = session(traced, list(inputs), one_trace=True)
     except Exception as error:
         return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
-    return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=runs.mutates_inputs), None
+    # a trace whose outputs the example's run split (their number may follow the batch) is for its shapes only
+    generic = all(isinstance(v, torch.Tensor) for v in values)
+    compile_for = (lambda args: session(traced, args, one_trace=True)) if generic else None
+    return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=runs.mutates_inputs,
+                        compile_for=compile_for), None
 
 
 def _modules_with_call_hooks(model: torch.nn.Module) -> list[str]:
@@ -204,8 +154,9 @@ def dynamo_over_trace(model: torch.nn.Module, inputs: tuple, session: CaptureSes
             return None, "the torch.fx trace's outputs or buffers differ from eager on the example"
     except Exception as error:  # this path is a second chance: never the reason a model fails
         return None, f"the torch.fx path failed ({_headline(error)})"
-    return TracedRunner(model, compile_with(traced, session), out_spec, inputs, session,
-                        grad_enabled=training), None
+    compiled = compile_with(traced, session)  # dynamo: other shapes are its to compile
+    return TracedRunner(model, compiled, out_spec, inputs, session, grad_enabled=training,
+                        compile_for=lambda args: compiled), None
 
 
 def _flat_trace(model: torch.nn.Module, inputs: tuple):
