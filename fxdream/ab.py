@@ -219,7 +219,9 @@ def ab(model: str | Callable | torch.nn.Module, passes, batch_sizes=None, traini
     ``model`` is a zoo name, ``build(batch_size)`` returning (model, example_inputs) or (model,
     example_inputs, loss_fn) (``user_build``), or a module with its ``example_inputs`` (a tensor, a
     tuple, or a dict of keyword arguments) and optional ``loss_fn``: one row, at the batch of those
-    inputs (their first tensor's leading size). ``batch_sizes``: (1,) unless said.
+    inputs (their first tensor's leading size). ``batch_sizes``: (1,) unless said. ``passes``:
+    names (each applied, forced), or "auto": the subset ``optimize(passes="auto")`` keeps, its
+    row naming them after "auto".
     """
     user_module = model if isinstance(model, torch.nn.Module) else None
     if user_module is not None:
@@ -241,8 +243,10 @@ def ab(model: str | Callable | torch.nn.Module, passes, batch_sizes=None, traini
     else:
         model_name = getattr(model, "__name__", "model")
         build = user_build(model, device)
-    selected = resolve_passes(passes)
-    names = tuple(p.name for p in selected)
+    selected = "auto" if passes == "auto" else resolve_passes(passes)
+    if not selected:
+        raise ValueError(f"passes={passes!r}: an A/B compares the model with passes against it without: name "
+                         f"one or more, or 'auto' (the subset optimize(passes='auto') keeps)")
     spec = this_machine_device(device)
     # a module of the user's own: its train/eval flags as they were (each row sets the mode it measures)
     with preserved_modes(user_module) if user_module is not None else contextlib.nullcontext():
@@ -268,6 +272,8 @@ def ab(model: str | Callable | torch.nn.Module, passes, batch_sizes=None, traini
             after = predict(optimized.captured, cost, training, graphs=optimized.rewritten_graphs, step=step)
             reasons = tuple(f"{r.graph_index}/{r.phase}: {'applied' if r.applied else 'not applied'}: {r.reason}"
                             for r in optimized.report.passes)
+            names = tuple(p.name for p in selected) if selected != "auto" else ("auto",) + tuple(dict.fromkeys(
+                r.name for r in optimized.report.passes if r.applied and r.name != "auto"))
             rows.append(ABRow(model_name, batch, training, names, measured["eager"], measured["baseline"],
                               measured["optimized"], before.time_ms, after.time_ms,
                               max_abs_diff(model, optimized.called_positionally(), inputs, training, loss_fn), reasons,

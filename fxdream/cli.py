@@ -263,7 +263,8 @@ def _add_measuring_commands(sub) -> None:
 
     abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
     abp.add_argument("model", help=MODEL_HELP.format(", ".join(zoo_names())))
-    abp.add_argument("--pass", dest="passes", required=True, help="pass name(s), comma-separated")
+    abp.add_argument("--pass", dest="passes", required=True,
+                     help="pass name(s), comma-separated (each applied), or auto (the subset optimize keeps)")
     abp.add_argument("--batch", type=batch_sizes, default=(1,), help="comma-separated batch sizes, e.g. 1,8,32")
     abp.add_argument("--training", action="store_true")
     abp.add_argument("--device", default="cpu", help="cpu or cuda (runs there; predicts for it)")

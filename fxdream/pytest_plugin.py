@@ -18,6 +18,7 @@ by marker (``pytest -m ab``): a plain ``pytest`` run stays a correctness run.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -37,6 +38,10 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "ab: an fxdream A/B timing test (skipped unless selected with -m ab)")
     config.stash[_RESULTS] = []
+    path = config.getoption("fxdream_ab_json")
+    folder = os.path.dirname(path) if path else ""
+    if folder and not os.path.isdir(folder):  # found only at the end, it would cost the whole run
+        raise pytest.UsageError(f"--fxdream-ab-json {path}: no folder {folder!r}")
 
 
 def pytest_collection_modifyitems(config, items):

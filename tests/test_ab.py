@@ -140,7 +140,15 @@ def test_a_module_with_its_example_inputs_is_measured_at_their_batch():
      r"batch_sizes=\(1, 8\): a module with its example_inputs is measured at their batch \(3\)"),
     (lambda m, x: ab(_mlp, ["reinplace"], example_inputs=(x,), progress=False), TypeError,
      "example_inputs and loss_fn are for a module given as the model"),
+    (lambda m, x: ab(m, "", example_inputs=(x,), progress=False), ValueError,
+     "passes='': an A/B compares the model with passes against it without"),
 ])
 def test_a_module_without_its_example_inputs_or_with_other_batch_sizes_gets_one_line(call, error, message):
     with pytest.raises(error, match=message):
         call(*_mlp(3))
+
+
+def test_auto_measures_the_subset_optimize_keeps_and_names_it():
+    (row,) = ab(build, "auto", batch_sizes=(2,), rounds=1, block=1, progress=False).rows
+    assert row.passes[0] == "auto" and row.max_abs_diff == 0.0
+    assert not any("forced" in reason for reason in row.pass_reasons)  # chosen, not every pass forced

@@ -52,7 +52,6 @@ def test_another_plugins_ab_marker():  # not an fxdream A/B test: runs in a plai
 
 def test_ab_tests_are_skipped_in_a_plain_run(pytester):
     pytester.makepyfile(AB_TESTS)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs")
     result.assert_outcomes(passed=2, skipped=2)
     assert "an A/B timing test: run it with `pytest -m ab`" in result.stdout.str()
@@ -70,3 +69,11 @@ def test_selected_ab_tests_run_and_a_pass_that_changes_results_fails(pytester):
     saved = json.loads(out.read_text())
     assert [entry["test"].split("::")[1] for entry in saved] == ["test_fusion", "test_broken_pass"]
     assert saved[0]["rows"][0]["max_abs_diff"] <= 1e-3 < saved[1]["rows"][0]["max_abs_diff"]
+
+
+def test_a_json_path_without_its_folder_stops_the_run_before_it_starts(pytester):
+    pytester.makepyfile(AB_TESTS)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "ab", "--fxdream-ab-json=/nonexistent/x.json")
+    assert result.ret == 4  # pytest's usage error
+    assert "--fxdream-ab-json /nonexistent/x.json: no folder '/nonexistent'" in result.stderr.str()
+    assert "passed" not in result.stdout.str()  # nothing ran
