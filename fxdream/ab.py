@@ -164,7 +164,10 @@ def user_build(function: Callable, device: str = "cpu", label: str | None = None
     label = label or name
 
     def build(batch: int):
-        built = function(batch)
+        try:
+            built = function(batch)
+        except Exception as error:  # the traceback stays chained; the line names the builder
+            raise RuntimeError(f"{label}({batch}) raised {type(error).__name__}: {error}") from error
         if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
             raise TypeError(f"{label}({batch}) must return (model, inputs) or (model, inputs, loss_fn), "
                             f"got {type(built).__name__}" + (f" of {len(built)}" if isinstance(built, tuple) else ""))

@@ -258,7 +258,7 @@ def _add_measuring_commands(sub) -> None:
     demo.add_argument("--batch", type=positive_int, default=1)
     demo.add_argument("--tiny", action="store_true", help="use the tiny config (fast)")
     demo.add_argument("--rounds", type=positive_int, default=5, help=ROUNDS_HELP)
-    demo.add_argument("--block", type=positive_int, default=10)
+    demo.add_argument("--block", type=positive_int, default=10, help="calls per runner in each round")
     demo.set_defaults(run=cmd_demo)
 
     abp = sub.add_parser("ab", help="measure a pass against no pass, beside the prediction")
@@ -268,9 +268,9 @@ def _add_measuring_commands(sub) -> None:
     abp.add_argument("--batch", type=batch_sizes, default=(1,), help="comma-separated batch sizes, e.g. 1,8,32")
     abp.add_argument("--training", action="store_true")
     abp.add_argument("--device", default="cpu", help="cpu or cuda (runs there; predicts for it)")
-    abp.add_argument("--tiny", action="store_true")
+    abp.add_argument("--tiny", action="store_true", help="a zoo model's tiny config (fast)")
     abp.add_argument("--rounds", type=positive_int, default=5, help=ROUNDS_HELP)
-    abp.add_argument("--block", type=positive_int, default=10)
+    abp.add_argument("--block", type=positive_int, default=10, help="calls per runner in each round")
     abp.add_argument("--json", help="write the rows as JSON here")
     abp.add_argument("--plot", help="write a PNG of measured vs predicted Δ here")
     abp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")
@@ -278,12 +278,12 @@ def _add_measuring_commands(sub) -> None:
 
 
 def _add_predicting_commands(sub) -> None:
-    cap = sub.add_parser("capture", help="capture a zoo model and print its layer summary")
+    cap = sub.add_parser("capture", help="capture a model and print its layer summary")
     model_args(cap)
     cap.add_argument("--top", type=positive_int, default=None)
     cap.set_defaults(run=cmd_capture)
 
-    sim = sub.add_parser("simulate", help="predict an iteration of a zoo model on a device")
+    sim = sub.add_parser("simulate", help="predict an iteration of a model on a device")
     model_args(sim)
     sim.add_argument("--device", type=device_name, default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     sim.add_argument("--cost", default="auto", choices=("auto", "profiled", "analytic"))

@@ -34,6 +34,8 @@ def user_model(spec: str, device: str = "cpu", tiny: bool = False):
     where, colon, name = spec.rpartition(":")
     if not colon:
         return None
+    if not where or not name:
+        raise ValueError(f"model {spec!r}: give FILE.py:FUNCTION or MODULE:FUNCTION")
     if tiny:
         raise ValueError(f"--tiny is for zoo models; {spec!r} builds what its function returns")
     if where.endswith(".py"):

@@ -23,6 +23,7 @@ the pass declines there, saying so.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 
 import torch
 import torch.fx as fx
@@ -51,6 +52,7 @@ IN_BF16 = frozenset({
     aten._prelu_kernel.default,  # autocast's too; its kernel takes no float32 weight beside a bf16 input
 })
 PRELU = aten._prelu_kernel.default
+EMBEDDING = aten.embedding.default
 # Recurrent layers keep float32: their weights stay float32 and oneDNN's RNN primitive takes no
 # bf16 input beside them; a bf16 value reaching one is cast up.
 IN_FP32 = frozenset(op for op in (
@@ -193,6 +195,9 @@ class Bf16Inference(PassBase):
         rewriter.run()
         gm.graph.eliminate_dead_code()
         gm.recompile()
-        ran = sum(n.op == "call_function" and n.target in IN_BF16 and n.target is not PRELU for n in gm.graph.nodes)
-        return PassResult.changed(gm, f"{ran} convolutions and matrix products in bf16; {rewriter.constants} "
-                                      f"weights made bf16 once, {rewriter.cast_ops} casts per call")
+        ran = Counter(n.target is EMBEDDING for n in gm.graph.nodes
+                      if n.op == "call_function" and n.target in IN_BF16 and n.target is not PRELU)
+        lookups = f", {ran[True]} embedding lookups" if ran[True] else ""
+        return PassResult.changed(gm, f"{ran[False]} convolutions and matrix products{lookups} in bf16; "
+                                      f"{rewriter.constants} weights made bf16 once, "
+                                      f"{rewriter.cast_ops} casts per call")

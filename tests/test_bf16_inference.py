@@ -224,3 +224,19 @@ def test_a_model_dynamo_captures_and_a_prelu_run_in_bf16():
     assert module.report.capture.startswith("dynamo")
     assert _row(module).applied and _row(module).reason.startswith("1 convolutions and matrix products in bf16")
     assert module.report.precision_deviation is not None and module.report.precision_deviation.max_abs > 0
+
+
+class EmbeddingHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.head = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens).mean(1))
+
+
+@needs_bf16
+def test_the_row_counts_embedding_lookups_apart_from_matrix_products():
+    torch.manual_seed(0)
+    module = fxdream.optimize(EmbeddingHead().eval(), (torch.randint(0, 20, (2, 5)),), precision="bf16", cost=None)
+    assert _row(module).reason.startswith("1 convolutions and matrix products, 1 embedding lookups in bf16")

@@ -127,6 +127,10 @@ def build(batch):
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))
     return model, torch.randn(batch, 3, 8, 8)
 
+def raises(batch):
+    raise ValueError("no such size")
+
+
 def not_a_pair(batch):
     return 42
 
@@ -202,6 +206,8 @@ def test_explain_and_whatif_for_a_gpu_capture_a_value_reading_model_on_its_data(
     ("{path}:not_a_pair", "not_a_pair(1) must return (model, inputs) or (model, inputs, loss_fn), got int"),
     ("/no/such/file.py:build", "no file '/no/such/file.py'"),
     ("no_such_module_xyz:build", "No module named 'no_such_module_xyz'"),
+    (":build", "model ':build': give FILE.py:FUNCTION or MODULE:FUNCTION"),
+    ("{path}:raises", "raises(1) raised ValueError: no such size"),
 ])
 def test_a_bad_model_spec_gives_one_line(tmp_path, capsys, spec, message):
     path = tmp_path / "mine.py"

@@ -261,3 +261,12 @@ def test_the_pass_is_registered_and_runs_in_optimize():
     optimized = fxdream.optimize(model, inputs, passes=["mark_incompatible"], cost=None)
     (row,) = optimized.report.passes
     assert not row.applied and row.reason == "every node is compatible with CUDA graphs"
+
+
+def test_a_prepacked_convolution_weight_is_no_sparse_tensor():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
+    built = fxdream.optimize(model, (torch.randn(2, 3, 16, 16),), passes=["fuse_conv_bias_act", "mark_incompatible"],
+                             cost=None)
+    fused, marked = built.report.passes[:2]
+    assert fused.applied and "prepacked" in fused.reason
+    assert marked.reason == "every node is compatible with CUDA graphs"

@@ -148,7 +148,7 @@ _OP_RULES = (_host_sync, _dynamic_shape_output, _unsafe_tag, _control_flow, _rng
 
 def _sparse(node, graph_device):
     for label, _, value in _tensor_args(node) + [("its output", None, v) for v in _output_tensors(node)]:
-        if value.layout != torch.strided:
+        if value.layout not in (torch.strided, torch._mkldnn):  # oneDNN's packed weights: dense, blocked
             return f"sparse tensor: {label} has layout {str(value.layout).replace('torch.', '')}"
     return None
 
