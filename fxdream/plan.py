@@ -64,17 +64,25 @@ def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu"
     selected = resolve_passes(available_passes() if passes == "auto" else passes)
     context = PassContext(device=cost_model.device.kind, training=training, sim_device=cost_model.device.name,
                           cost_model=cost_model, memory_budget=memory_budget)
-    pipeline = PassPipeline(selected, context, auto=passes == "auto")
+    pipeline = _passes_run(model, captured, PassPipeline(selected, context, auto=passes == "auto"))
+    if isinstance(cost_model, Profiled):  # the rewrites' new ops were timed alone; in context now, the
+        cost_model.profile_in_context(captured, graphs=pipeline.rewritten)  # rows say what the totals say
+        pipeline = _passes_run(model, captured, PassPipeline(selected, context, auto=passes == "auto"))
+    before = predict(captured, cost_model, training, optimizer, contention=contention, step=step)
+    after = predict(captured, cost_model, training, optimizer, graphs=pipeline.rewritten, contention=contention,
+                    step=step)
+    return Plan(cost_model.device.name, training, tuple(pipeline.rows), before, after, dict(pipeline.rewritten))
+
+
+def _passes_run(model: torch.nn.Module, captured: Captured | tuple, pipeline: PassPipeline) -> PassPipeline:
+    """``pipeline`` run over every graph of ``captured``, each forward with the model's
+    parameters and buffers it takes; returned for its rows and rewritten graphs."""
     owned = {_alias_key(t) for t in list(model.parameters()) + list(model.buffers())}
-    parts = captured if isinstance(captured, tuple) else (captured,)
-    for part in parts:
+    for part in captured if isinstance(captured, tuple) else (captured,):
         # capture keeps its inputs detached (new tensor objects on the same storage): match storage
         state = [x if isinstance(x, torch.Tensor) and _alias_key(x) in owned else None
                  for x in part.example_inputs]
         for phase, gm in part.graphs():
             params = _model_state_of(gm, state) if phase == "fw" else {}
             pipeline(gm, phase, part.index, params, None)
-    before = predict(captured, cost_model, training, optimizer, contention=contention, step=step)
-    after = predict(captured, cost_model, training, optimizer, graphs=pipeline.rewritten, contention=contention,
-                    step=step)
-    return Plan(cost_model.device.name, training, tuple(pipeline.rows), before, after, dict(pipeline.rewritten))
+    return pipeline

@@ -7,6 +7,8 @@ import torch.nn as nn
 
 import fxdream
 from fxdream.pass_api import PassContext, PassResult
+from fxdream.plan import plan
+from conftest import ConvBnNet
 from fxdream.sim.prediction import predict
 from fxdream.build import cost_model_for
 from fxdream.simulation import simulate
@@ -495,3 +497,13 @@ def test_the_summarys_ms_column_lines_up_under_long_layer_names():
     lines = fxdream.simulate(model, (torch.randn(2, 8),), device="h100").summary().splitlines()
     rows = [line for line in lines if line.endswith("%") and " ms " in line]
     assert len(rows) == 2 and len({line.index(" ms ") for line in rows}) == 1
+
+
+def test_measured_plan_rows_add_up_to_its_predicted_totals():
+    """The rewrite's new ops are timed alone while the passes choose, then in context for the
+    totals: the passes run again on those costs, so each row says what the totals say."""
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 16, 16)
+    captured = fxdream.capture(model, (x,))
+    planned = plan(model, captured, device="cpu", passes=["fuse_conv_bias_act"], cost="profiled")
+    (row,) = [r for r in planned.rows if r.applied]
+    assert row.predicted_delta_us == pytest.approx((planned.after.time_ms - planned.before.time_ms) * 1e3)
