@@ -121,6 +121,10 @@ def find_sites(graph: fx.Graph, ctx: PassContext) -> tuple[list[Site], list[str]
             notes.append(f"{node.meta.get(LAYER) or node.name}: skipped: bias not a constant or input not in the "
                          f"weight's dtype")
             continue
+        if isinstance(node.meta["val"].shape[0], torch.SymInt):  # reading it would fix the size for the graph
+            notes.append(f"{node.meta.get(LAYER) or node.name}: skipped: its row count is dynamic (a packed "
+                         f"weight is packed for one)")
+            continue
         site = Site(node, weight, transposed=transposed)
         after = list(node.users)
         if len(after) == 1 and after[0].op == "call_function" and after[0].target in VIEWS:

@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 from conftest import assert_step_matches
 
 from fxdream.ir.nodes import op_name
@@ -113,3 +114,29 @@ def test_a_dynamic_inference_graph_is_timed_on_its_example_sizes_without_traceba
             torch.testing.assert_close(compiled(x), model(x))
     assert len(rows) >= 2 and all(r.applied for r in rows)  # from the second graph on: a symbolic batch
     assert "SymIntArrayRef" not in capfd.readouterr().err
+
+
+class ConvPoolHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.pool(torch.relu(self.bn(self.conv(x)))).flatten(1))
+
+
+@pytest.mark.parametrize("passes", [["fuse_conv_bias_act"], ["prepack_linear"], "auto"])
+def test_a_dynamic_batch_stays_dynamic_through_the_passes(passes):
+    """A pass or the simulator reading a symbolic size as an int would fix it for the whole graph:
+    dynamo then raises for a dimension marked dynamic, and compiles a graph per size otherwise."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = ConvPoolHead().eval()
+    compiled = torch.compile(model, backend="fxdream", options={"passes": passes})
+    with torch.no_grad():
+        for batch in (2, 3, 5):
+            x = torch.randn(batch, 3, 12, 12)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -28,6 +28,17 @@ def size_hint(x):
     return x
 
 
+def without_symbols(value):
+    """``value`` as a meta tensor of its hinted sizes and strides where any is symbolic (dynamo's
+    dynamic shapes), so that a check on it (``is_contiguous``, a comparison, an ``int``) adds no
+    guard: a guard on a size would fix it for the whole graph. Anything else as it is."""
+    if not isinstance(value, torch.Tensor) or not any(
+            isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
+        return value
+    return torch.empty_strided([size_hint(s) for s in value.shape], [size_hint(s) for s in value.stride()],
+                               dtype=value.dtype, device="meta")
+
+
 def same_layout(a, b) -> bool:
     """Two tensors (fake or real) of one dtype, shape and strides."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype

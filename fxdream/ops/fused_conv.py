@@ -35,6 +35,8 @@ from typing import Optional, Sequence
 import torch
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
+from fxdream.ir.tensors import size_hint
+
 Tensor = torch.Tensor
 # oneDNN's unary post-op name → the ATen op it computes (the unfused reference and fallback)
 # ("hardtanh:LO,HI" carries its bounds: ReLU6 is "hardtanh:0.0,6.0")
@@ -289,9 +291,11 @@ def prepack_conv_weight(weight: Tensor, stride, padding, dilation, groups: int, 
     What inductor's CPU freezing does (``mkldnn._reorder_convolution_weight``, private,
     isolated here). The result is an opaque MKLDNN tensor for ``conv_fused_inference_prepacked``
     (CPU only), whose outputs are channels_last (3-d convs: channels_last_3d). A 1-d conv's
-    weight is packed for the 2-d conv of height 1 it runs as (its outputs: NLC).
+    weight is packed for the 2-d conv of height 1 it runs as (its outputs: NLC). A symbolic
+    size (dynamo's dynamic shapes) is read at its hint, without a guard: the packed weight
+    serves inputs of any size, and an int() of it would fix the size for the whole graph.
     """
-    weight, input_size = weight.detach(), list(input_size)
+    weight, input_size = weight.detach(), [size_hint(s) for s in input_size]  # a symbolic batch stays symbolic
     if weight.dim() == 3:
         weight, input_size = weight.unsqueeze(2), [*input_size[:2], 1, input_size[2]]
         stride, padding, dilation = as_2d(stride, padding, dilation)

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from fxdream.ir.nodes import op_name, value_of
-from fxdream.ir.tensors import tensor_bytes
+from fxdream.ir.tensors import tensor_bytes, without_symbols
 
 PLAIN_SOURCE_CHANNELS = 4    # oneDNN reads an NCHW source with this many channels or fewer as it is
 SLOW_PATH_MAX_NUMEL = 20480  # ATen's ConvParams::use_mkldnn: a smaller batch-1 input takes the slow path
@@ -60,7 +60,7 @@ def workspace_bytes(node: fx.Node, device_kind: str) -> int:
 
 
 def _rnn_layer_bytes(node: fx.Node) -> int:
-    x, w_ih, w_hh, b_ih = (value_of(a) for a in node.args[:4])
+    x, w_ih, w_hh, b_ih = (_hinted_value(a) for a in node.args[:4])
     hidden, batch_first = node.args[10], node.args[14]
     if not all(isinstance(t, torch.Tensor) for t in (x, w_ih, w_hh)):
         return 0
@@ -71,7 +71,8 @@ def _whole_lstm_bytes(node: fx.Node) -> int:
     """An LSTM kept whole (``fxdream::lstm_inference``, a meta-device capture) runs on a CPU as
     one oneDNN layer per layer and direction, one after another: the largest one's workspace.
     With projections (oneDNN takes none; ATen's loop runs) nothing is held."""
-    x, hx, params = value_of(node.args[0]), [value_of(h) for h in node.args[1]], [value_of(p) for p in node.args[2]]
+    x, hx = _hinted_value(node.args[0]), [_hinted_value(h) for h in node.args[1]]
+    params = [_hinted_value(p) for p in node.args[2]]
     has_biases, batch_first = node.args[3], node.args[6]
     per_layer = 4 if has_biases else 2
     if not isinstance(x, torch.Tensor) or len(hx) != 2 or hx[0].shape[-1] != hx[1].shape[-1] or len(params) % per_layer:
@@ -88,7 +89,7 @@ def _gates_bytes(x: torch.Tensor, hidden: int, batch_first: bool) -> int:
 
 
 def _cpu_convolution_bytes(node: fx.Node) -> int:
-    x, w, out = value_of(node.args[0]), value_of(node.args[1]), node.meta.get("val")
+    x, w, out = _hinted_value(node.args[0]), _hinted_value(node.args[1]), without_symbols(node.meta.get("val"))
     transposed, groups = node.args[6], node.args[8]
     if not all(isinstance(t, torch.Tensor) for t in (x, w, out)) or transposed or not x.is_floating_point():
         return 0
@@ -104,7 +105,7 @@ def _cpu_convolution_backward_bytes(node: fx.Node) -> int:
     """The backward of an NCHW convolution reorders the incoming gradient, the input and the
     weight into oneDNN's layout (their sizes, within 0.1 % of the allocator's peak at the shapes
     measured); channels_last, the weight alone; ATen's slow path, its columns again."""
-    grad_output, x, w = (value_of(a) for a in node.args[:3])
+    grad_output, x, w = (_hinted_value(a) for a in node.args[:3])
     transposed, groups = node.args[7], node.args[9]
     if not all(isinstance(t, torch.Tensor) for t in (grad_output, x, w)) or transposed or not x.is_floating_point():
         return 0
@@ -142,3 +143,8 @@ def _columns_bytes(x, w, out, groups: int, stride, padding) -> int:
     columns = (int(x.shape[1]) // groups) * math.prod(int(k) for k in w.shape[-2:]) * math.prod(
         int(d) for d in out.shape[-2:])
     return int(x.shape[0]) * columns * x.element_size()
+
+
+def _hinted_value(arg):
+    """``value_of(arg)`` with its symbolic sizes read at their hints (``without_symbols``)."""
+    return without_symbols(value_of(arg))
