@@ -30,9 +30,32 @@ def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
     def leaf(x):
         if isinstance(x, torch.Tensor):
             return (tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
-        return x if isinstance(x, (int, float, bool, str, type(None))) else type(x)
+        if isinstance(x, (int, float, bool, str, type(None))):
+            return x
+        return (type(x), *(tuple(t.shape) for t in held_tensors(x)))
     leaves, structure = torch.utils._pytree.tree_flatten((args, kwargs))
     return (structure, *(leaf(x) for x in leaves), grad, training, autocast_enabled())
+
+
+HELD_DEPTH, HELD_MOST = 4, 256  # held_tensors: how deep it looks into an object, and how many it reads
+
+
+def held_tensors(value, depth: int = HELD_DEPTH) -> list[torch.Tensor]:
+    """The tensors an object pytree does not open holds in its attributes, lists, tuples and
+    dicts (a Hugging Face KV cache's keys and values, which grow by a token each decoding step:
+    each step a new shape for dynamo, not a recompile of one kind of call); at most
+    ``HELD_MOST``, ``depth`` levels down."""
+    found, stack, seen = [], [(value, depth)], set()
+    while stack and len(found) < HELD_MOST:
+        item, left = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif left and id(item) not in seen and not isinstance(item, (str, bytes, type)):
+            seen.add(id(item))
+            children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) \
+                else getattr(item, "__dict__", {}).values()
+            stack.extend((child, left - 1) for child in reversed(list(children)))
+    return found
 
 
 class PositionalCalls(torch.nn.Module):

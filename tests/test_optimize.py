@@ -466,3 +466,29 @@ def test_a_model_holding_a_built_module_is_captured_with_it(training):
     else:
         with torch.no_grad():
             torch.testing.assert_close(optimized(x), model(x))
+
+
+class GrowingCache:
+    """An object pytree does not open, holding a tensor that grows each step (a KV cache)."""
+    def __init__(self, keys):
+        self.layers = [{"keys": keys}]
+
+
+class ReadsTheCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, cache=None):
+        return self.proj(x) if cache is None else self.proj(x) + cache.layers[0]["keys"].mean(1)
+
+
+def test_a_cache_object_whose_tensors_grow_is_a_new_shape_each_step_not_a_recompile():
+    torch.manual_seed(0)
+    model, x = ReadsTheCache().eval(), torch.randn(2, 4)
+    optimized = fxdream.optimize(model, (x,), cost=None)  # the prefill, without a cache
+    for length in range(1, 8):
+        cache = GrowingCache(torch.randn(2, length, 4))
+        with torch.no_grad():
+            torch.testing.assert_close(optimized(x, cache=cache), model(x, cache=cache))
+    assert optimized.report.fallback_reason is None
