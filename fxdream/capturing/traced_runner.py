@@ -83,8 +83,10 @@ class TracedRunner:
             if (self._compile_for is None or len(self._compiled_for) >= RAISED_RECOMPILE_LIMIT
                     or len(args) != self._arity or not all(isinstance(a, torch.Tensor) for a in args)):
                 return None  # another argument given (a default the trace fixed), or a non-tensor: dynamo's
+            records = len(self._session.records)
             try:
                 self._compiled_for[signature] = self._compile_for(list(args))
             except Exception:  # the trace does not take these inputs (eager may not either): dynamo's call says
+                del self._session.records[records:]  # no graph of the session's is this call's
                 self._compiled_for[signature] = None
         return self._compiled_for[signature]
