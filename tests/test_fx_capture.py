@@ -647,3 +647,22 @@ def test_another_batch_is_compiled_from_the_same_trace_where_dynamo_would_run_th
         with torch.no_grad():
             torch.testing.assert_close(optimized(tokens), model(tokens))
     assert len(optimized.report.graphs) == 3  # one per input shape, each through the passes
+
+
+class OptionalExtras(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, extra=None):
+        return self.fc(x) if extra is None else self.fc(x) + sum(extra)
+
+
+def test_a_list_argument_the_trace_never_took_goes_to_dynamo():
+    model, x = OptionalExtras().eval(), torch.randn(4, 8)
+    optimized = _eval_optimize(model, x)
+    extra = [torch.randn(8), torch.randn(8)]
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x, extra=extra), model(x, extra=extra))
+        torch.testing.assert_close(optimized(x, extra), model(x, extra))
+    assert optimized.report.fallback_reason is None

@@ -78,11 +78,12 @@ class TracedRunner:
     def _compiled_like(self, args: tuple) -> Callable | None:
         """The trace compiled for ``args``' signature: the build's, or compiled now (None where
         it cannot be, or ``RAISED_RECOMPILE_LIMIT`` signatures are compiled already)."""
+        if len(args) != self._arity or not all(isinstance(a, torch.Tensor) for a in args):
+            return None  # another argument given (a default the trace fixed), or a non-tensor: dynamo's
         signature = _signature(args)
         if signature not in self._compiled_for:
-            if (self._compile_for is None or len(self._compiled_for) >= RAISED_RECOMPILE_LIMIT
-                    or len(args) != self._arity or not all(isinstance(a, torch.Tensor) for a in args)):
-                return None  # another argument given (a default the trace fixed), or a non-tensor: dynamo's
+            if self._compile_for is None or len(self._compiled_for) >= RAISED_RECOMPILE_LIMIT:
+                return None
             records = len(self._session.records)
             try:
                 self._compiled_for[signature] = self._compile_for(list(args))
