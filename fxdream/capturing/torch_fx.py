@@ -32,7 +32,7 @@ from fxdream.capturing.dynamo import compile_with, graph_break_counts, new_graph
 from fxdream.capturing.model_state import StateSamples, attributes_kept, preserved_state
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
-from fxdream.capturing.trace_check import module_state, run_both, same, same_leaves
+from fxdream.capturing.trace_check import constant_updated_in_place, module_state, run_both, same, same_leaves
 from fxdream.capturing.traced_runner import TracedRunner, autocast_enabled
 
 
@@ -79,6 +79,10 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
     traced, out_spec, reason = _flat_trace(model, inputs)
     if traced is None:
         return None, reason
+    updated = constant_updated_in_place(traced, model)
+    if updated is not None:
+        return None, (f"forward updates a tensor it makes in place ({updated}: a trace keeps one such tensor "
+                      f"across calls)")
     before = module_state(model)
     try:
         with attributes_kept(model):  # a probe's: eager's state rebound on its samples stays out of the model

@@ -3,15 +3,15 @@
 A symbolic trace cannot bake in a batch size (a shape is a Proxy, and a branch on one raises
 while tracing), so where every input has the same batch dimension the two run on its first and
 last samples alone: the check then costs a fraction of two full calls, which on a large batch
-are a large share of a build. Two samples, not one: a branch the trace dropped can leave one
-sample as eager computes it (a padding mask the trace never applies, on the batch's longest
-sequence, which a length-sorted batch puts first and its shortest last). The whole example is
-run instead where the samples are not a valid input (eager or the trace raises on them) and
-where the trace returns something other than tensors (a leaf module's tuple, whose length can
-follow the batch).
+are a large share of a build. Only a model of one input: a second (a padding mask, lengths)
+makes samples differ in what a branch the trace dropped would have done, in any order of the
+batch, so such an example is run whole. The whole example is run too where the samples are
+not a valid input (eager or the trace raises on them) and where the trace returns something
+other than tensors (a leaf module's tuple, whose length can follow the batch).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +35,10 @@ class BothRuns:
 
 def probe_samples(inputs: tuple) -> tuple | None:
     """The example's first and last samples (copies: an in-place update by forward stays in
-    them), where every input is a tensor whose first dimension has the same size, over 2; else None."""
-    if not inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
+    them), where the example is one tensor whose first dimension is over 2; else None. A second
+    input (a mask, lengths) can make samples differ in what a dropped branch does, in any order:
+    such an example is checked whole."""
+    if len(inputs) != 1 or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
         return None
     if len({x.shape[0] for x in inputs}) != 1 or inputs[0].shape[0] <= 2:
         return None
@@ -112,3 +114,52 @@ def same(expected, actual) -> bool:
         elif e != a:
             return False
     return True
+
+
+# in-place Python operators (``acc += x`` on a tensor the forward made: a trace records them as is)
+_IN_PLACE_OPERATORS = frozenset((operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                 operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                                 operator.ixor, operator.ilshift, operator.irshift, operator.imatmul))
+# methods whose result shares its input's memory: an update through it updates the input
+_VIEW_METHODS = frozenset(("view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "narrow",
+                           "select", "squeeze", "unsqueeze", "expand", "expand_as", "flatten", "unflatten",
+                           "as_strided", "diagonal", "unbind", "split", "chunk", "movedim", "swapaxes",
+                           "__getitem__", "T", "mT", "real", "imag", "detach"))
+
+
+def constant_updated_in_place(gm: fx.GraphModule, model: torch.nn.Module) -> str | None:
+    """The name of a tensor constant of ``model``'s trace ``gm`` (one the forward made while
+    tracing, not a parameter or buffer of ``model``) that an op of the trace updates in place,
+    directly or through a view; None where none is. torch.fx keeps such a tensor
+    (``torch.zeros(8)``) as one constant, so ``acc += x`` would add to the same tensor call after
+    call, where eager starts from zeros."""
+    state = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    made: dict[fx.Node, str] = {}  # node → the constant its value is (a view of)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in state and isinstance(_attribute(gm, node.target), torch.Tensor):
+            made[node] = node.target
+            continue
+        first = node.args[0] if node.args else None
+        if not isinstance(first, fx.Node) or first not in made:
+            continue
+        if _updates_in_place(node):
+            return made[first]
+        if (node.op == "call_method" and node.target in _VIEW_METHODS) or node.target is operator.getitem:
+            made[node] = made[first]
+    return None
+
+
+def _attribute(gm: fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def _updates_in_place(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "__setitem__" or (node.target.endswith("_") and not node.target.startswith("_"))
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return node.target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
+    return False
