@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import itertools
 import re
 import warnings
 from typing import Callable
@@ -37,24 +38,29 @@ def call_kind(args: tuple, kwargs: dict, grad: bool, training: bool) -> tuple:
     return (structure, *(leaf(x) for x in leaves), grad, training, autocast_enabled())
 
 
-HELD_DEPTH, HELD_MOST = 4, 256  # held_tensors: how deep it looks into an object, and how many it reads
+# held_tensors: how deep it looks into an object, how many tensors it reads, how many values it visits
+HELD_DEPTH, HELD_MOST, HELD_VISITS = 4, 256, 4096
+_NO_TENSORS = (int, float, complex, bool, str, bytes, type, type(None))  # values that hold no tensor
 
 
 def held_tensors(value, depth: int = HELD_DEPTH) -> list[torch.Tensor]:
     """The tensors an object pytree does not open holds in its attributes, lists, tuples and
     dicts (a Hugging Face KV cache's keys and values, which grow by a token each decoding step:
     each step a new shape for dynamo, not a recompile of one kind of call); at most
-    ``HELD_MOST``, ``depth`` levels down."""
-    found, stack, seen = [], [(value, depth)], set()
-    while stack and len(found) < HELD_MOST:
+    ``HELD_MOST``, ``depth`` levels down, of the first ``HELD_VISITS`` values it meets (a call's
+    cost stays small beside an object holding a long list of numbers)."""
+    found, stack, seen, visits = [], [(value, depth)], set(), 0
+    while stack and len(found) < HELD_MOST and visits < HELD_VISITS:
         item, left = stack.pop()
+        visits += 1
         if isinstance(item, torch.Tensor):
             found.append(item)
-        elif left and id(item) not in seen and not isinstance(item, (str, bytes, type)):
+        elif left and id(item) not in seen:
             seen.add(id(item))
             children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) \
                 else getattr(item, "__dict__", {}).values()
-            stack.extend((child, left - 1) for child in reversed(list(children)))
+            held = [child for child in itertools.islice(children, HELD_VISITS) if not isinstance(child, _NO_TENSORS)]
+            stack.extend((child, left - 1) for child in reversed(held))
     return found
 
 

@@ -3,6 +3,7 @@ import torch
 import torch.nn as nn
 
 import fxdream
+from fxdream.optimized_module import held_tensors
 from conftest import assert_same_training_step
 
 
@@ -492,3 +493,13 @@ def test_a_cache_object_whose_tensors_grow_is_a_new_shape_each_step_not_a_recomp
         with torch.no_grad():
             torch.testing.assert_close(optimized(x, cache=cache), model(x, cache=cache))
     assert optimized.report.fallback_reason is None
+
+
+class StepsThenKeys:
+    def __init__(self, keys):
+        self.steps = list(range(100_000))  # before the tensor, more values than a walk visits
+        self.keys = keys
+
+
+def test_held_tensors_reads_past_a_long_list_of_numbers():
+    assert [tuple(t.shape) for t in held_tensors(StepsThenKeys(torch.zeros(2, 3, 4)))] == [(2, 3, 4)]
