@@ -16,6 +16,7 @@ import torch
 import fxdream
 from fxdream import whatif
 from fxdream.ab import ab, check_device_here, plot_ab
+from fxdream.capturing.captured import captured_parts
 from fxdream.cli_arguments import (
     MODEL_HELP,
     ROUNDS_HELP,
@@ -44,7 +45,7 @@ def cmd_capture(args) -> int:
     started = time.perf_counter()
     captured = fxdream.capture(model, inputs, training=args.training)
     seconds = time.perf_counter() - started
-    for c in (captured if isinstance(captured, tuple) else (captured,)):
+    for c in captured_parts(captured):
         print(c.summary(top=args.top))
     print(f"\ncaptured in {seconds:.2f} s")
     return 0

@@ -45,6 +45,7 @@ from sympy.utilities.lambdify import implemented_function
 from fxdream import models
 from fxdream.capturing import capture
 from fxdream.capturing.arguments import check_inputs
+from fxdream.capturing.captured import captured_parts
 from fxdream.capturing.meta import meta_copy
 from fxdream.ir.flops import kernel_class, node_flops, node_traffic_factor
 from fxdream.ir.graphs import copy_graph_module
@@ -221,7 +222,7 @@ class _Symbolic:
 
 
 def _backward_graphs(captured) -> list[fx.GraphModule]:
-    parts = captured if isinstance(captured, tuple) else (captured,)
+    parts = captured_parts(captured)
     graphs = [p.backward for p in parts if p.backward is not None]
     if not graphs:
         raise ValueError("the capture has no backward graph: capture with training=True")
@@ -229,7 +230,7 @@ def _backward_graphs(captured) -> list[fx.GraphModule]:
 
 
 def _captured_batch(captured) -> int:
-    parts = captured if isinstance(captured, tuple) else (captured,)
+    parts = captured_parts(captured)
     for p in parts:
         for shape in p.input_shapes:
             if isinstance(shape, tuple) and shape:

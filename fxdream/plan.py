@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxdream.build import cost_model_for
-from fxdream.capturing.captured import Captured
+from fxdream.capturing.captured import Captured, captured_parts
 from fxdream.capturing.session import _model_state_of
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
@@ -78,7 +78,7 @@ def _passes_run(model: torch.nn.Module, captured: Captured | tuple, pipeline: Pa
     """``pipeline`` run over every graph of ``captured``, each forward with the model's
     parameters and buffers it takes; returned for its rows and rewritten graphs."""
     owned = {_alias_key(t) for t in list(model.parameters()) + list(model.buffers())}
-    for part in captured if isinstance(captured, tuple) else (captured,):
+    for part in captured_parts(captured):
         # capture keeps its inputs detached (new tensor objects on the same storage): match storage
         state = [x if isinstance(x, torch.Tensor) and _alias_key(x) in owned else None
                  for x in part.example_inputs]

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 from fxdream.build import cost_model_for
 from fxdream.capturing.arguments import check_memory_budget, check_model
 from fxdream.capturing.capture_model import capture_with_host_gaps
-from fxdream.capturing.captured import CaptureError
+from fxdream.capturing.captured import CaptureError, captured_parts
 from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.meta import check_meta_on_both_sides, meta_copy, mixed_dtype_call, on_meta
 from fxdream.ops.rnn_cell import cells_as_on
@@ -141,14 +141,11 @@ def _capture_for_prediction(original: tuple, model: torch.nn.Module, example_inp
             captured, step, notes = capture_with_host_gaps(model, example_inputs, training, measure=measure)
     except Exception as error:
         return _captured_otherwise(original, model, example_inputs, training, measure, error)
-    refused = mixed_dtype_call(part.forward for part in _parts(captured)) if on_meta(model, example_inputs) else None
+    on_the_meta_device = on_meta(model, example_inputs)
+    refused = mixed_dtype_call(part.forward for part in captured_parts(captured)) if on_the_meta_device else None
     if refused is not None:
         raise CaptureError(refused)
     return model, captured, step, tuple(autocast_notes) + tuple(notes)
-
-
-def _parts(captured) -> tuple:
-    return captured if isinstance(captured, tuple) else (captured,)
 
 
 def _captured_otherwise(original: tuple, model, example_inputs: tuple, training: bool, measure: bool, error) -> tuple:
@@ -206,7 +203,7 @@ def tensors_outside_graphs(model: torch.nn.Module, captured, called_with=()) -> 
     parameter; on the meta device every data pointer is 0). ``called_with``: the storages a
     step's graph calls took (``StepCalls.input_storages``): a graph called once per layer holds
     each layer's parameters on its own call, which the lowering counts."""
-    parts = captured if isinstance(captured, tuple) else (captured,)
+    parts = captured_parts(captured)
     # a storage's _cdata (its C++ object's address; private, isolated): equal for views of one storage
     seen = {x.untyped_storage()._cdata for part in parts for position, x in enumerate(part.example_inputs)
             if position in part.state_positions and isinstance(x, torch.Tensor)} | set(called_with)

@@ -81,6 +81,13 @@ class Captured:
         return "\n".join(lines)
 
 
+def captured_parts(captured) -> tuple:
+    """A capture as a tuple of ``Captured``: one, several after graph breaks, or none (None)."""
+    if captured is None:
+        return ()
+    return captured if isinstance(captured, tuple) else (captured,)
+
+
 def _count_compute(gm: fx.GraphModule) -> int:
     return sum(is_compute(n) for n in gm.graph.nodes)
 

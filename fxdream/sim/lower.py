@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from fxdream.capturing.captured import captured_parts
 from fxdream.capturing.host_gaps import END, StepCalls
 from fxdream.capturing.layers import renamed_layer
 from fxdream.ir.nodes import LAYER, PARAMETER_GRADIENTS, is_view, op_name
@@ -316,7 +317,7 @@ def lower_captured(captured, cost: CostModel, optimizer: OptimizerModel | None =
     once (a repeated call is labelled "g0#1.fw"; the j-th backward call of a subgraph pairs
     with its forwards last-in first-out, for liveness), and, where it was measured, its host
     gaps between (which hold autograd's engine; without them the engine is modelled)."""
-    items = captured if isinstance(captured, tuple) else (captured,)
+    items = captured_parts(captured)
     pairs = []
     for c in items:
         for phase, gm in c.graphs():

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch.fx as fx
 
 from fxdream.capturing.arguments import is_number
+from fxdream.capturing.captured import captured_parts
 from fxdream.ir.nodes import is_view
 from fxdream.sim.cost.devices import DeviceSpec, get_device
 from fxdream.sim.prediction import Prediction
@@ -215,17 +216,10 @@ def _with_durations(tg: TaskGraph, durations: Mapping[str, float]) -> TaskGraph:
     return new
 
 
-def _items(captured) -> tuple:
-    """``captured`` as a tuple of Captured (one, several after graph breaks, or none)."""
-    if captured is None:
-        return ()
-    return captured if isinstance(captured, tuple) else (captured,)
-
-
 def _graphs_by_label(captured, graphs=None) -> dict[str, fx.GraphModule]:
     """Lowering labels ("g0.fw", "g0.bw") -> the GraphModule lowered under that label."""
     out = {}
-    for c in _items(captured):
+    for c in captured_parts(captured):
         for phase, gm in c.graphs():
             out[f"g{c.index}.{phase}"] = (graphs or {}).get((c.index, phase), gm)
     return out

@@ -8,11 +8,12 @@ from typing import Sequence
 
 import torch.fx as fx
 
+from fxdream.capturing.captured import captured_parts
 from fxdream.ir.nodes import is_view
 from fxdream.ir.tensors import tensor_bytes
 from fxdream.sim.lower import gradient_outputs
 from fxdream.sim.taskgraph import TaskGraph, TaskKind
-from fxdream.whatif.core import _graphs_by_label, _items, _Start, _through_views, call_scopes
+from fxdream.whatif.core import _graphs_by_label, _Start, _through_views, call_scopes
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ def gradients(captured, task_graph: TaskGraph, graphs=None) -> tuple[Gradient, .
     forward, consume) them in ``task_graph`` (lowered from ``captured``)."""
     by_label, scopes = _graphs_by_label(captured, graphs), call_scopes(task_graph)
     out: list[Gradient] = []
-    for c in _items(captured):
+    for c in captured_parts(captured):
         bw = by_label.get(f"g{c.index}.bw")
         if bw is None:
             continue

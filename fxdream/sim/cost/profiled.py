@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from fxdream.capturing.captured import captured_parts
 from fxdream.capturing.dynamo import describe_error
 from fxdream.ir.nodes import arg_values, is_view, op_name
 from fxdream.ir.tensors import real_tensors
@@ -209,7 +210,7 @@ class Profiled:
         already profiled once more, adding samples (interleave it with measurements and the
         prediction sees the same machine conditions they do).
         """
-        for part in (captured if isinstance(captured, tuple) else (captured,)):
+        for part in captured_parts(captured):
             if not part.example_inputs:
                 continue
             rewritten = [(graphs or {}).get((part.index, phase)) for phase in ("fw", "bw")]
