@@ -96,7 +96,9 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         return None, "forward changes the modules' Python attributes (a trace would do it only once)"
     values = runs.values
     actual = pytree.tree_unflatten(values, out_spec)
-    if not all(isinstance(v, torch.Tensor) for v in values):
+    # outputs the example's run split (their number may follow the batch): the trace is for its shapes only
+    generic = all(isinstance(v, torch.Tensor) for v in values)
+    if not generic:
         out_spec = _expand_outputs(traced, values, out_spec)
         if out_spec is None:
             return None, "an output that is not a tensor"
@@ -110,8 +112,6 @@ def _trace_and_compile(model, inputs, session) -> tuple[TracedRunner | None, str
         compiled = session(traced, list(inputs), one_trace=True)
     except Exception as error:
         return None, f"aot_autograd failed on the torch.fx trace ({_headline(error)})"
-    # a trace whose outputs the example's run split (their number may follow the batch) is for its shapes only
-    generic = all(isinstance(v, torch.Tensor) for v in values)
     compile_for = (lambda args: session(traced, args, one_trace=True)) if generic else None
     return TracedRunner(model, compiled, out_spec, inputs, session, mutates_inputs=runs.mutates_inputs,
                         compile_for=compile_for), None

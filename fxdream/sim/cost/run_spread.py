@@ -23,6 +23,8 @@ D2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2
 # median): the extremes of many short steps hold a garbage collection or a page-fault storm
 # that no median of further steps sees (one GNMT step in 20 took over 3x their median)
 QUARTILE_SIGMAS = 0.6745
+
+
 @dataclass(frozen=True)
 class RunSpread:
     """How a graph's whole runs spread over side-by-side rounds: its ops' keys, and the bounds
