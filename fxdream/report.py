@@ -83,10 +83,13 @@ class Report:
     @property
     def predicted_speedup_range(self) -> tuple[float, float] | None:
         """(low, high) of the predicted gain: the slowest optimized against the fastest baseline,
-        and the other way round (the widest the two ranges allow)."""
+        and the other way round (the widest the two ranges allow); exactly 1 where no pass
+        rewrote anything, as both sides are then the same graphs."""
         base, optimized = self.predicted_baseline_ms_range, self.predicted_optimized_ms_range
         if base is None or optimized is None or not optimized[0] or not optimized[1]:
             return None
+        if not any(p.applied for p in self.passes) and base == optimized:
+            return 1.0, 1.0
         return base[0] / optimized[1], base[1] / optimized[0]
 
     @property

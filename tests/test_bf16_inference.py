@@ -180,6 +180,7 @@ def test_deviation_runs_each_side_on_its_own_inputs_from_one_rng_state_and_ignor
     assert deviation(PairOfAbs(), Pair(), (x,)).max_abs == float("inf")  # a NaN on one side only
 
 
+@needs_bf16
 def test_verify_does_not_call_bf16s_expected_deviation_a_wrong_result():
     torch.manual_seed(0)
     model, x = torch.nn.Linear(64, 64).eval(), 10 * torch.randn(4, 64)  # outputs ~30: bf16 errs by ~0.1

@@ -76,6 +76,17 @@ def test_the_report_shows_each_prediction_with_its_range_and_the_gain_with_its_o
     assert "2.00x (1.82–2.20)" in text
 
 
+def test_the_gain_is_exactly_one_where_no_pass_rewrote_the_graphs():
+    declined = PassReport("fuse_conv_bias_act", 0, "fw", False, "no convolution")
+    report = Report(model="M", training=False, device="cpu", graphs=(), passes=(declined,),
+                    predicted_baseline_ms=0.138, predicted_optimized_ms=0.138, predicted_peak_delta_bytes=0,
+                    predicted_baseline_ms_range=(0.091, 0.442), predicted_optimized_ms_range=(0.091, 0.442))
+    assert report.predicted_speedup_range == (1.0, 1.0)
+    assert "(+0.0 %; 1.00x (1.00–1.00))" in report.to_markdown()
+    applied = dataclasses.replace(report, passes=(dataclasses.replace(declined, applied=True),))
+    assert applied.predicted_speedup_range == pytest.approx((0.091 / 0.442, 0.442 / 0.091))
+
+
 def test_a_pass_applied_to_graphs_a_module_running_eagerly_does_not_run_is_marked_unused():
     row = PassReport("reinplace", 0, "fw", True, "1 op(s) now in place")
     report = Report(model="M", training=False, device="cpu", graphs=(), passes=(row,))
