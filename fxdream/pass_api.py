@@ -170,7 +170,8 @@ class PassBase:
     ``{device}`` is filled in); ``order`` (``passes="auto"`` runs passes by it, then by name: a
     pass scheduling the final kernels sets a higher one); ``final`` (True: not part of the
     subsets ``auto`` compares, run once on the chosen graph); ``changes_numerics`` (True: results
-    differ from float32's beyond rounding, so ``auto`` never picks it). ``requires(ctx)`` adds a condition
+    differ from float32's beyond rounding, so ``auto`` never picks it); ``in_auto`` (False: opt-in, only
+    named, never among ``auto``'s). ``requires(ctx)`` adds a condition
     the declaration cannot say (a library this torch lacks). A subclass implements ``__call__``.
     """
     name: ClassVar[str]
@@ -181,6 +182,7 @@ class PassBase:
     order: ClassVar[int] = 0
     final: ClassVar[bool] = False
     changes_numerics: ClassVar[bool] = False
+    in_auto: ClassVar[bool] = True
 
     def applies_to(self, ctx: PassContext) -> str | None:
         """None when the pass applies in ``ctx``, else the reason it does not: the device, then

@@ -7,6 +7,7 @@ from fxdream.passes import (
     fuse_conv_bias_act,  # noqa: F401
     fuse_gelu,  # noqa: F401
     mark_incompatible,  # noqa: F401
+    onednn_graph,  # noqa: F401
     prepack_linear,  # noqa: F401
     reinplace,  # noqa: F401
 )

@@ -1,0 +1,268 @@
+"""onednn_graph: a CPU inference graph run whole by oneDNN Graph (TorchScript's LLGA fuser).
+
+Every oneDNN convolution torch calls from Python or from an FX graph builds its primitive's
+descriptor again on each call (``ideep``'s per-call setup: 35-120 µs a convolution on the CPUs
+measured, more than a small convolution's kernel), where ONNX Runtime and OpenVINO build theirs
+once. oneDNN Graph, reached through TorchScript (``torch.jit.enable_onednn_fusion``), compiles
+its partitions (conv + BatchNorm + ReLU + residual add, linear + activation, pooling) once and
+runs them from a cache, so a ResNet-50 at batch 1 runs as the engines do.
+
+The rewrite: the graph's parameters become constants, the ATen ops that oneDNN Graph only
+recognises in their composite form are written back in it (``convolution`` → ``conv2d``,
+``_native_batch_norm_legit_no_training`` → ``batch_norm``, ``max_pool2d_with_indices`` →
+``max_pool2d``, ``addmm(b, x, t(w))`` → ``linear``), and that graph is traced, frozen and run
+with the fuser on until TorchScript has compiled it. The FX graph then calls the compiled module
+as one op, timed in context like any other, so the prediction is of what runs. Its output must
+equal the graph's on random inputs of the graph's shapes (to float32 rounding), else the pass
+declines. The fuser's switch is process-wide: it is on only while the build compiles.
+
+Opt-in (``passes=["onednn_graph"]``, not among ``passes="auto"``'s): compiling costs a trace,
+a freeze and three runs; the compiled module is specialised to the example's shapes (another
+shape compiles a new graph, as fxdream does for any traced graph); and the graph's layers are
+one op in the report's per-layer times. Declines where this torch has no oneDNN Graph fuser.
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+import warnings
+from types import MappingProxyType
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxdream.pass_api import (
+    LAYER,
+    PassBase,
+    PassContext,
+    PassResult,
+    copy_graph_module,
+    frozen_value,
+    kept_if_faster,
+    real_tensors,
+    register_pass,
+)
+
+aten = torch.ops.aten
+CONVOLUTIONS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensions
+WARM_UP_RUNS = 3  # TorchScript's profiling executor compiles a graph on its second run
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # the fused kernels sum in another order than ATen's
+LAYER_NAME = "(oneDNN Graph)"
+
+
+def has_llga() -> bool:
+    """Whether this torch has TorchScript's oneDNN Graph fuser and oneDNN."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch._C, "_jit_set_llga_enabled")
+
+
+class CompiledGraph:
+    """The op an FX graph calls: a frozen TorchScript module compiled by oneDNN Graph, named by
+    its graph's code (its profile key: two graphs of the same code cost the same)."""
+
+    def __init__(self, script: torch.jit.ScriptModule, fingerprint: str):
+        self.script = script
+        self.__name__ = f"onednn_graph_{fingerprint}"
+
+    def __call__(self, *inputs):
+        return self.script(*inputs)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+def _only_first_item_read(node: fx.Node) -> bool:
+    return all(u.target is operator.getitem and u.args[1] == 0 for u in node.users)
+
+
+def _pool_arguments(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False) -> tuple:
+    """``max_pool2d``'s arguments with every size as a pair: oneDNN Graph rejects the one-element
+    or empty lists ATen's defaults leave ("could not set attribute to the op")."""
+    def pair(v):
+        v = [v] if isinstance(v, int) else list(v)
+        return v * 2 if len(v) == 1 else v
+    kernel = pair(kernel)
+    return x, kernel, pair(stride) if stride else kernel, pair(padding), pair(dilation), ceil_mode
+
+
+def _composite(node: fx.Node):
+    """(target, args) of ``node`` in the composite form oneDNN Graph fuses, or None to keep it."""
+    if node.target is aten.convolution.default:
+        x, w, b, stride, padding, dilation, transposed, _, groups = node.args
+        conv = CONVOLUTIONS.get(node.meta["val"].dim())
+        if transposed or conv is None:
+            return None
+        return conv, (x, w, b, stride, padding, dilation, groups)
+    if node.target is aten._native_batch_norm_legit_no_training.default and _only_first_item_read(node):
+        x, w, b, mean, var, momentum, eps = node.args
+        return F.batch_norm, (x, mean, var, w, b, False, momentum, eps)
+    if node.target is aten.max_pool2d_with_indices.default and _only_first_item_read(node):
+        return F.max_pool2d, _pool_arguments(*node.args)
+    if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+        bias, x, wt = node.args
+        if isinstance(wt, fx.Node) and wt.target is aten.t.default and len(wt.users) == 1:
+            return F.linear, (x, wt.args[0], bias)
+    return None
+
+
+def composite_graph(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[fx.Node]] | None:
+    """``gm`` with its parameters as constants and its ops in composite form, taking only its
+    activations, returning the flat tuple of its outputs; and those activations' placeholders
+    in ``gm``. None where a placeholder is neither a constant nor a tensor, a size is symbolic,
+    or an output is not a tensor an op computes."""
+    if _has_symbolic_sizes(gm):
+        return None
+    new = copy_graph_module(gm)
+    root, activations, originals = torch.nn.Module(), [], {n.name: n for n in gm.graph.nodes}
+    for node in list(new.graph.nodes):
+        if node.op == "get_attr":
+            root.register_buffer(node.target.replace(".", "_"), frozen_value(originals[node.name], ctx))
+            node.target = node.target.replace(".", "_")
+        elif node.op == "placeholder":
+            value = frozen_value(originals[node.name], ctx)
+            if value is None:
+                if not isinstance(node.meta.get("val"), torch.Tensor):
+                    return None
+                activations.append(originals[node.name])
+                continue
+            name = f"constant_{len(root._buffers)}"
+            root.register_buffer(name, value.detach())
+            with new.graph.inserting_before(node), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the attribute is on ``root``, not on the copy yet
+                constant = new.graph.get_attr(name)
+            node.replace_all_uses_with(constant)
+            new.graph.erase_node(node)
+    if not _outputs_are_computed_tensors(new):
+        return None
+    for node in list(new.graph.nodes):
+        rewrite = _composite(node) if node.op == "call_function" else None
+        if rewrite is not None:
+            with new.graph.inserting_before(node):
+                replacement = new.graph.call_function(*rewrite)
+            for user in list(node.users) if rewrite[0] in (F.batch_norm, F.max_pool2d) else ():
+                user.replace_all_uses_with(replacement)
+                new.graph.erase_node(user)
+            node.replace_all_uses_with(replacement)
+            new.graph.erase_node(node)
+    for node in reversed(list(new.graph.nodes)):  # the transposes linear took over
+        if node.op == "call_function" and not node.users and node.target is aten.t.default:
+            new.graph.erase_node(node)
+    output = next(n for n in new.graph.nodes if n.op == "output")
+    output.args = (tuple(output.all_input_nodes),)
+    return fx.GraphModule(root, new.graph), activations
+
+
+def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
+    """Whether a value of ``gm`` has a symbolic size (dynamo's dynamic shapes): a trace would fix
+    the example's sizes in the compiled graph."""
+    def symbolic(value) -> bool:
+        if isinstance(value, torch.SymInt):
+            return True
+        return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
+    return any(symbolic(n.meta.get("val")) for n in gm.graph.nodes)
+
+
+def _outputs_are_computed_tensors(gm: fx.GraphModule) -> bool:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    return all(isinstance(o, fx.Node) and o.op == "call_function" and isinstance(o.meta.get("val"), torch.Tensor)
+               for o in flat)
+
+
+def example_activations(placeholders: list[fx.Node]) -> list[torch.Tensor]:
+    """Random real tensors of the placeholders' shapes, strides and dtypes (integers: zeros)."""
+    out = []
+    for node in placeholders:
+        value = node.meta["val"]
+        tensor = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype)
+        out.append(tensor.normal_() if tensor.is_floating_point() else tensor.zero_())
+    return out
+
+
+def compile_with_llga(graph: fx.GraphModule, example: list[torch.Tensor]) -> torch.jit.ScriptModule:
+    """``graph`` traced, frozen, and run with oneDNN Graph's fuser on until compiled; the fuser's
+    process-wide switch is put back as it was."""
+    enabled = torch.jit.onednn_fusion_enabled()
+    torch.jit.enable_onednn_fusion(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's, printed on every build
+            script = torch.jit.freeze(torch.jit.trace(graph.eval(), tuple(example), check_trace=False))
+        for _ in range(WARM_UP_RUNS):
+            script(*example)
+    finally:
+        torch.jit.enable_onednn_fusion(enabled)
+    return script
+
+
+def _fingerprint(graph: fx.GraphModule, example: list[torch.Tensor]) -> str:
+    shapes = ";".join(f"{tuple(t.shape)}{tuple(t.stride())}{t.dtype}" for t in example)
+    return hashlib.sha1((graph.code + shapes).encode()).hexdigest()[:12]
+
+
+def calling_graph(gm: fx.GraphModule, op: CompiledGraph, activations: list[fx.Node],
+                  outputs: tuple) -> fx.GraphModule:
+    """A copy of ``gm`` that calls ``op`` on its activations: the outputs are read from its
+    result, every other op is gone (the placeholders stay: the caller passes them)."""
+    new = copy_graph_module(gm)
+    names = {n.name for n in activations}
+    placeholders = [n for n in new.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in new.graph.nodes if n.op == "output")
+    flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    by_name = {}
+    with new.graph.inserting_before(output):
+        call = new.graph.call_function(op, tuple(n for n in placeholders if n.name in names))
+        call.meta["val"], call.meta[LAYER] = tuple(o.meta["val"] for o in outputs), LAYER_NAME
+        for i, old in enumerate(outputs):
+            item = new.graph.call_function(operator.getitem, (call, i))
+            item.meta["val"], item.meta[LAYER] = old.meta["val"], LAYER_NAME
+            by_name[old.name] = item
+    items = tuple(by_name[o.name] for o in flat)
+    output.args = (type(output.args[0])(items) if isinstance(output.args[0], (tuple, list)) else items[0],)
+    for node in reversed(list(new.graph.nodes)):
+        if node.op in ("call_function", "call_method", "call_module", "get_attr") and not node.users:
+            new.graph.erase_node(node)
+    new.recompile()
+    return new
+
+
+@register_pass
+class OneDnnGraph(PassBase):
+    name = "onednn_graph"
+    devices = ("cpu",)
+    modes = ("inference",)
+    phases = ("fw",)
+    in_auto = False
+    why_not = MappingProxyType({
+        "device": "oneDNN Graph runs on the CPU; on {device} the graph is left as it is",
+        "mode": "oneDNN Graph runs frozen inference graphs: training is left as it is",
+        "phase": "inference graphs only",
+    })
+
+    def requires(self, ctx: PassContext) -> str | None:
+        return None if has_llga() else "this torch has no oneDNN Graph fuser (TorchScript's LLGA) or no oneDNN"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        built = composite_graph(gm, ctx)
+        if built is None:
+            return PassResult.unchanged(gm, "an input that is not a tensor, a symbolic size, or an output that is "
+                                            "not a computed tensor: oneDNN Graph compiles tensors of fixed sizes")
+        composite, activations = built
+        with real_tensors(), torch.no_grad():
+            example = example_activations(activations)
+            try:
+                script = compile_with_llga(composite, example)
+                expected, found = composite(*example), script(*example)
+            except Exception as error:  # noqa: BLE001  a compile that fails in any way leaves the graph as it is
+                return PassResult.unchanged(gm, f"oneDNN Graph could not run the graph: {str(error)[:160]}")
+            if not all(torch.allclose(e, f, **TOLERANCE, equal_nan=True) for e, f in zip(expected, found)):
+                return PassResult.unchanged(gm, "oneDNN Graph's result differs from the graph's beyond float32 "
+                                                "rounding on random inputs: left as it is")
+        outputs = next(n for n in gm.graph.nodes if n.op == "output")
+        flat = outputs.args[0] if isinstance(outputs.args[0], (tuple, list)) else (outputs.args[0],)
+        unique = tuple(dict.fromkeys(flat))
+        op = CompiledGraph(script, _fingerprint(composite, example))
+        fused = sum(1 for n in composite.graph.nodes if n.op == "call_function")
+        rewritten = calling_graph(gm, op, activations, unique)
+        return kept_if_faster(ctx, gm, rewritten, f"{fused} ops compiled by oneDNN Graph as one op")

@@ -1,0 +1,92 @@
+"""onednn_graph: a CPU inference graph compiled by oneDNN Graph (TorchScript's LLGA fuser) and
+called as one op: equal to eager, opt-in, declining where it cannot compile."""
+import pytest
+import torch
+
+import fxdream
+from fxdream.pass_api import PassContext
+from fxdream.pass_registry import available_passes, resolve_passes
+from fxdream.passes.onednn_graph import CompiledGraph, OneDnnGraph, has_llga
+
+needs_llga = pytest.mark.skipif(not has_llga(), reason="this torch has no oneDNN Graph fuser")
+
+
+class ConvNet(torch.nn.Module):
+    """conv + BatchNorm + ReLU, a residual add, max pooling and a linear head; the features
+    returned twice beside the logits."""
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        y = torch.nn.functional.max_pool2d(torch.relu(self.conv2(y) + y), 2)
+        return self.head(y.flatten(1)), y, y
+
+
+def _row(module):
+    return next(r for r in module.report.passes if r.name == "onednn_graph")
+
+
+def _compiled_calls(module):
+    return [n for gm in module.rewritten_graphs.values() for n in gm.graph.nodes if isinstance(n.target, CompiledGraph)]
+
+
+@needs_llga
+def test_a_conv_net_runs_as_one_compiled_op_equal_to_eager_and_the_fuser_switch_is_put_back():
+    torch.manual_seed(0)
+    model, x = ConvNet().eval(), torch.randn(2, 3, 8, 8)
+    model.bn.running_mean.uniform_(-1, 1), model.bn.running_var.uniform_(0.5, 2)
+    assert not torch.jit.onednn_fusion_enabled()
+    module = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    assert not torch.jit.onednn_fusion_enabled()
+    assert _row(module).applied and "ops compiled by oneDNN Graph as one op" in _row(module).reason
+    assert len(_compiled_calls(module)) == 1
+    with torch.no_grad():
+        for got, expected in zip(module(x), model(x)):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        other = torch.randn(3, 3, 8, 8)  # another batch: compiled from the same trace
+        torch.testing.assert_close(module(other)[0], model(other)[0], rtol=1e-4, atol=1e-5)
+    assert "(oneDNN Graph)" in dict(module.report.top_layers)
+
+
+@needs_llga
+def test_an_embedding_model_with_integer_inputs_compiles_and_equals_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 4), torch.nn.GELU()).eval()
+    tokens = torch.randint(0, 20, (2, 5))
+    module = fxdream.optimize(model, (tokens,), passes=["onednn_graph"])
+    assert _row(module).applied
+    with torch.no_grad():
+        torch.testing.assert_close(module(tokens), model(tokens), rtol=1e-4, atol=1e-5)
+
+
+class ReturnsItsInput(torch.nn.Module):
+    def forward(self, x):
+        return x, torch.relu(x)
+
+
+@needs_llga
+def test_a_graph_returning_an_input_is_left_as_it_is_with_the_reason():
+    module = fxdream.optimize(ReturnsItsInput(), (torch.randn(4),), passes=["onednn_graph"])
+    row = _row(module)
+    assert not row.applied and "not a computed tensor" in row.reason
+    assert not _compiled_calls(module)
+
+
+def test_it_is_opt_in_and_says_where_it_does_not_apply():
+    assert "onednn_graph" not in available_passes()
+    assert OneDnnGraph() not in resolve_passes("auto") and resolve_passes(["onednn_graph"])[0].name == "onednn_graph"
+    pass_ = OneDnnGraph()
+    assert pass_.applies_to(PassContext(device="cuda")) == \
+        "oneDNN Graph runs on the CPU; on cuda the graph is left as it is"
+    assert pass_.applies_to(PassContext(training=True)) == \
+        "oneDNN Graph runs frozen inference graphs: training is left as it is"
+
+
+def test_a_training_build_reports_the_pass_declined():
+    model, x = torch.nn.Linear(4, 2), torch.randn(3, 4)
+    module = fxdream.optimize(model, (x,), passes=["onednn_graph"], training=True, cost=None)
+    assert not _row(module).applied and "training is left as it is" in _row(module).reason
