@@ -200,6 +200,15 @@ def plot(cases: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def cpu_name() -> str:
+    """The CPU's model name as Linux reports it ("" elsewhere): results differ by CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="resnet50")
@@ -213,6 +222,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (it needs matplotlib)")
     parser.add_argument("--out", default=f"benchmarks/results/cpu_ab_{datetime.date.today().isoformat()}")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.runners.split(",") if name not in PEERS]
+    if unknown:
+        parser.error(f"unknown runner(s) {', '.join(unknown)}; valid: {', '.join(PEERS)}")
     passes = "auto" if args.passes == "auto" else [p for p in args.passes.split(",") if p]
     cases = []
     for model_name in args.models.split(","):
@@ -222,7 +234,8 @@ def main(argv=None) -> int:
                                   rebuild=not args.no_rebuild, training=args.training))
             print(to_markdown(cases[-1:]), flush=True)
     table = to_markdown(cases)
-    meta = dict(device="cpu", threads=torch.get_num_threads(), torch=torch.__version__,
+    meta = dict(device="cpu", cpu=cpu_name(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                threads=torch.get_num_threads(), torch=torch.__version__,
                 date=datetime.date.today().isoformat(), passes=args.passes)
     with open(args.out + ".json", "w") as f:
         json.dump(dict(meta, cases=cases), f, indent=1)

@@ -70,9 +70,17 @@ def test_cpu_ab_inference_runs_the_inference_peer(tmp_path):
     assert cpu_ab.main(["--models", "mnist_convnet", "--batches", "1", "--rounds", "2", "--block", "1",
                         "--no-rebuild", "--no-plot", "--runners", "eager,optimize_for_inference",
                         "--out", out]) == 0
-    case, = json.loads(pathlib.Path(out + ".json").read_text())["cases"]
+    result = json.loads(pathlib.Path(out + ".json").read_text())
+    assert result["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    case, = result["cases"]
     peer = case["runners"]["optimize_for_inference"]
     assert peer["max_abs_diff"] < 1e-4 and peer["speedup_vs_eager"] > 0
+
+
+def test_cpu_ab_refuses_an_unknown_runner_before_building_anything(capsys):
+    with pytest.raises(SystemExit):
+        _script("cpu_ab").main(["--runners", "eager,freezing"])
+    assert "unknown runner(s) freezing; valid: eager, fxdream," in capsys.readouterr().err
 
 
 def test_fidelity_measures_and_predicts_each_case(tmp_path):
