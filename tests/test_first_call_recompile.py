@@ -34,7 +34,7 @@ def test_the_recompilation_is_named_and_the_prediction_is_not_its_compile_time()
     model, x, labels = SetsItsProblemTypeOnTheFirstCall(), torch.randn(8, 16), torch.randint(0, 4, (8,))
     optimized = fxdream.optimize(model, (x, labels), training=True, passes="auto")
     report = optimized.report
-    assert any("recompiles graph 0" in note for note in report.notes), report.notes
+    assert any("recompiles graph 0" in note and "a non-tensor argument" in note for note in report.notes), report.notes
     # a compilation (dynamo and aot) takes hundreds of milliseconds; the step a few, and under
     # 25 even where another process keeps a core busy (each of the loss's parallel ops then waits
     # for a time slice)
@@ -47,6 +47,30 @@ def test_the_recompilation_is_named_and_the_prediction_is_not_its_compile_time()
             got = [p.grad.clone() for p in model.parameters()]
     for g, p in zip(got, model.parameters()):
         torch.testing.assert_close(g, p.grad)
+
+
+class BreaksAndDrops(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.dropout = nn.Linear(4, 4), nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if x.sum() > 0:  # data-dependent: dynamo captures it
+            y = y * 2
+        return self.dropout(y)
+
+
+def test_a_recompilation_after_model_train_names_the_mode_as_its_cause():
+    torch.manual_seed(0)
+    model, x = BreaksAndDrops().eval(), torch.randn(2, 4).abs()
+    optimized = fxdream.optimize(model, (x,), cost=None)
+    model.train()
+    with torch.no_grad():
+        optimized(x)
+    note = next(n for n in optimized.report.notes if "recompiles graph" in n)
+    assert "the model's train/eval mode differs from that graph's (model.train() / model.eval())" in note
+    assert "non-tensor argument" not in note
 
 
 class _FakeTime:

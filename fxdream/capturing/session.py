@@ -55,6 +55,7 @@ class _SubgraphRecord:
     code: object = None  # the function dynamo compiled this graph from (None: not through dynamo)
     # (the frame's place in the model, a parameter's path below it: ``layers.frame_anchor``)
     anchor: tuple[str, str] | None = None
+    modes: tuple[bool, ...] = ()  # each module's ``training`` flag when it was compiled
 
     def freeze(self) -> Captured:
         return Captured(self.index, self.forward, self.backward, self.torch_graph,
@@ -96,6 +97,7 @@ class CaptureSession:
         # BatchNorm's kernel updates its running statistics without bumping their version; each
         # train-mode call bumps its count (which an eval graph does not take): watched with them
         self.batches_tracked: list[torch.Tensor] = []
+        self.modules = tuple(model.modules()) if model is not None else ()  # their train/eval flags
         if model is not None:
             for name, tensor in list(model.named_parameters(remove_duplicate=False)) + \
                     list(model.named_buffers(remove_duplicate=False)):
@@ -108,6 +110,7 @@ class CaptureSession:
         record = _SubgraphRecord(len(self.records), gm, torch.is_grad_enabled(),
                                  _user_input_shapes(gm, example_inputs))
         record.code = compiling_code()
+        record.modes = tuple(m.training for m in self.modules)
         self.clock.compilations += 1
         self._note_recompilation(record)
         self.records.append(record)
@@ -205,11 +208,16 @@ class CaptureSession:
             return
         earlier = next((r for r in self.records if r.code is record.code and r.input_shapes == record.input_shapes
                         and r.training == record.training), None)
-        if earlier is not None:
-            self.notes.append(f"graph {record.index} recompiles graph {earlier.index} (same code, same input shapes): "
-                              f"a value dynamo guards on differs from an earlier call's (a non-tensor argument of "
-                              f"the call, or an attribute forward sets on its first call); calls with that value "
-                              f"run graph {record.index}")
+        if earlier is None:
+            return
+        if earlier.modes != record.modes:
+            cause = ("the model's train/eval mode differs from that graph's (model.train() / model.eval()); calls "
+                     "in this mode")
+        else:
+            cause = ("a value dynamo guards on differs from an earlier call's (a non-tensor argument of the call, or "
+                     "an attribute forward sets on its first call); calls with that value")
+        self.notes.append(f"graph {record.index} recompiles graph {earlier.index} (same code, same input shapes): "
+                          f"{cause} run graph {record.index}")
 
     def _fold_input_free(self, gm: fx.GraphModule, index: int, phase: str) -> None:
         folded = fold_input_free_values(gm)
