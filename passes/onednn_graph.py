@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fxdream.ir.aliasing import written_inputs
 from fxdream.pass_api import (
     LAYER,
     PassBase,
@@ -244,18 +245,25 @@ class OneDnnGraph(PassBase):
         return None if has_llga() else "this torch has no oneDNN Graph fuser (TorchScript's LLGA) or no oneDNN"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        built = composite_graph(gm, ctx)
-        if built is None:
-            return PassResult.unchanged(gm, "an input that is not a tensor, a symbolic size, or an output that is "
-                                            "not a computed tensor: oneDNN Graph compiles tensors of fixed sizes")
-        composite, activations = built
-        with real_tensors(), torch.no_grad():
+        if written_inputs(gm) != frozenset():
+            return PassResult.unchanged(gm, "the graph writes to its inputs (a buffer updated in forward, an in-place "
+                                            "op on an input): freezing would fold the values it updates")
+        with real_tensors(), torch.no_grad():  # the pipeline may run passes under a fake mode
+            built = composite_graph(gm, ctx)
+            if built is None:
+                return PassResult.unchanged(gm, "an input that is not a tensor, a symbolic size, or an output that "
+                                                "is not a computed tensor: oneDNN Graph compiles tensors of fixed sizes")
+            composite, activations = built
             example = example_activations(activations)
             try:
                 script = compile_with_llga(composite, example)
                 expected, found = composite(*example), script(*example)
             except Exception as error:  # noqa: BLE001  a compile that fails in any way leaves the graph as it is
-                return PassResult.unchanged(gm, f"oneDNN Graph could not run the graph: {str(error)[:160]}")
+                return PassResult.unchanged(gm, f"oneDNN Graph could not compile or run the graph "
+                                                f"({type(error).__name__}: {str(error).strip()[:160]})")
+            if any(e.shape != f.shape or e.dtype != f.dtype for e, f in zip(expected, found)):
+                return PassResult.unchanged(gm, "oneDNN Graph's outputs differ from the graph's in shape or dtype "
+                                                "(such as a 0-d tensor made 1-d): left as it is")
             if not all(torch.allclose(e, f, **TOLERANCE, equal_nan=True) for e, f in zip(expected, found)):
                 return PassResult.unchanged(gm, "oneDNN Graph's result differs from the graph's beyond float32 "
                                                 "rounding on random inputs: left as it is")

@@ -90,3 +90,51 @@ def test_a_training_build_reports_the_pass_declined():
     model, x = torch.nn.Linear(4, 2), torch.randn(3, 4)
     module = fxdream.optimize(model, (x,), passes=["onednn_graph"], training=True, cost=None)
     assert not _row(module).applied and "training is left as it is" in _row(module).reason
+
+
+class WithNone(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x), None
+
+
+@needs_llga
+def test_a_graph_taking_its_parameters_as_inputs_compiles_outside_the_pipelines_fake_mode():
+    """Such a graph (a tuple with None returned, any graph dynamo captures, Hugging Face models)
+    has the model's parameters as placeholders, made constants under the build's fake mode."""
+    torch.manual_seed(0)
+    model, x = WithNone().eval(), torch.randn(2, 4)
+    module = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    assert _row(module).applied, _row(module).reason
+    with torch.no_grad():
+        got, none = module(x)
+        torch.testing.assert_close(got, model(x)[0], rtol=1e-4, atol=1e-5)
+    assert none is None
+
+
+class Counts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.count += 1
+        return self.fc(x) * self.count
+
+
+@needs_llga
+def test_a_counter_updated_in_forward_is_left_as_it_is_and_counts_as_eager_does():
+    """oneDNN Graph returns the 0-d count as a 1-d tensor, which copying it back into the buffer
+    would reject: the outputs' shapes are compared, not only their values."""
+    torch.manual_seed(0)
+    model, x = Counts().eval(), torch.randn(2, 4)
+    module = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    assert not _row(module).applied and "in shape or dtype" in _row(module).reason
+    before = int(model.count)
+    with torch.no_grad():
+        module(x), module(x)
+    assert int(model.count) == before + 2
