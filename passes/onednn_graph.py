@@ -50,6 +50,8 @@ CONVOLUTIONS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensi
 WARM_UP_RUNS = 3  # TorchScript's profiling executor compiles a graph on its second run
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # the fused kernels sum in another order than ATen's
 LAYER_NAME = "(oneDNN Graph)"
+NOT_FIXED_TENSORS = ("an input that is not a tensor, a symbolic size, or an output that is not a computed tensor: "
+                     "oneDNN Graph compiles tensors of fixed sizes")
 
 
 def has_llga() -> bool:
@@ -114,6 +116,20 @@ def composite_graph(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModul
     if _has_symbolic_sizes(gm):
         return None
     new = copy_graph_module(gm)
+    found = _constants_made_attributes(new, gm, ctx)
+    if found is None or not _outputs_are_computed_tensors(new):
+        return None
+    root, activations = found
+    _write_in_composite_form(new.graph)
+    output = next(n for n in new.graph.nodes if n.op == "output")
+    output.args = (tuple(output.all_input_nodes),)
+    return fx.GraphModule(root, new.graph), activations
+
+
+def _constants_made_attributes(new: fx.GraphModule, gm: fx.GraphModule, ctx: PassContext):
+    """(a module holding ``new``'s constants, ``gm``'s activation placeholders): every parameter
+    placeholder of ``new`` (a copy of ``gm``) becomes a ``get_attr`` of that module, every
+    ``get_attr`` reads it there. None where an activation is not a tensor."""
     root, activations, originals = torch.nn.Module(), [], {n.name: n for n in gm.graph.nodes}
     for node in list(new.graph.nodes):
         if node.op == "get_attr":
@@ -129,28 +145,30 @@ def composite_graph(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModul
             name = f"constant_{len(root._buffers)}"
             root.register_buffer(name, value.detach())
             with new.graph.inserting_before(node), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the attribute is on ``root``, not on the copy yet
+                warnings.simplefilter("ignore")  # the attribute is on ``root``, not on the copy
                 constant = new.graph.get_attr(name)
             node.replace_all_uses_with(constant)
             new.graph.erase_node(node)
-    if not _outputs_are_computed_tensors(new):
-        return None
-    for node in list(new.graph.nodes):
+    return root, activations
+
+
+def _write_in_composite_form(graph: fx.Graph) -> None:
+    """Each op ``_composite`` knows replaced by its composite form (a batch norm's or a pooling's
+    first item read from the composite op itself), the transposes ``linear`` took over dropped."""
+    for node in list(graph.nodes):
         rewrite = _composite(node) if node.op == "call_function" else None
-        if rewrite is not None:
-            with new.graph.inserting_before(node):
-                replacement = new.graph.call_function(*rewrite)
-            for user in list(node.users) if rewrite[0] in (F.batch_norm, F.max_pool2d) else ():
-                user.replace_all_uses_with(replacement)
-                new.graph.erase_node(user)
-            node.replace_all_uses_with(replacement)
-            new.graph.erase_node(node)
-    for node in reversed(list(new.graph.nodes)):  # the transposes linear took over
+        if rewrite is None:
+            continue
+        with graph.inserting_before(node):
+            replacement = graph.call_function(*rewrite)
+        for user in list(node.users) if rewrite[0] in (F.batch_norm, F.max_pool2d) else ():
+            user.replace_all_uses_with(replacement)
+            graph.erase_node(user)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and not node.users and node.target is aten.t.default:
-            new.graph.erase_node(node)
-    output = next(n for n in new.graph.nodes if n.op == "output")
-    output.args = (tuple(output.all_input_nodes),)
-    return fx.GraphModule(root, new.graph), activations
+            graph.erase_node(node)
 
 
 def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
@@ -251,8 +269,7 @@ class OneDnnGraph(PassBase):
         with real_tensors(), torch.no_grad():  # the pipeline may run passes under a fake mode
             built = composite_graph(gm, ctx)
             if built is None:
-                return PassResult.unchanged(gm, "an input that is not a tensor, a symbolic size, or an output that "
-                                                "is not a computed tensor: oneDNN Graph compiles tensors of fixed sizes")
+                return PassResult.unchanged(gm, NOT_FIXED_TENSORS)
             composite, activations = built
             example = example_activations(activations)
             try:
