@@ -170,8 +170,9 @@ class PassBase:
     ``{device}`` is filled in); ``order`` (``passes="auto"`` runs passes by it, then by name: a
     pass scheduling the final kernels sets a higher one); ``final`` (True: not part of the
     subsets ``auto`` compares, run once on the chosen graph); ``changes_numerics`` (True: results
-    differ from float32's beyond rounding, so ``auto`` never picks it); ``in_auto`` (False: opt-in, only
-    named, never among ``auto``'s). ``requires(ctx)`` adds a condition
+    differ from float32's beyond rounding, so ``auto`` never picks it); ``alone`` (True: ``auto`` compares
+    it as an alternative of its own, run on the graph as captured and never combined with the other
+    passes: it replaces what they rewrite). ``requires(ctx)`` adds a condition
     the declaration cannot say (a library this torch lacks). A subclass implements ``__call__``.
     """
     name: ClassVar[str]
@@ -182,7 +183,7 @@ class PassBase:
     order: ClassVar[int] = 0
     final: ClassVar[bool] = False
     changes_numerics: ClassVar[bool] = False
-    in_auto: ClassVar[bool] = True
+    alone: ClassVar[bool] = False
 
     def applies_to(self, ctx: PassContext) -> str | None:
         """None when the pass applies in ``ctx``, else the reason it does not: the device, then

@@ -16,11 +16,10 @@ def available_passes() -> tuple[str, ...]:
     ``aux_stream_backward`` do, set a higher one and run after the rewrites), then by name.
     A pass with ``final = True`` (``reinplace``) is not part of the subsets ``auto`` compares:
     it runs once on the chosen graph and stays only if that is predicted faster. A pass that
-    changes numerics (``changes_numerics = True``: ``bf16``) or is opt-in (``in_auto = False``:
-    ``onednn_graph``) is never among them: only named."""
+    changes numerics (``changes_numerics = True``: ``bf16``) is never among them: only named. A
+    pass with ``alone = True`` (``onednn_graph``) is compared as an alternative of its own."""
     registered = registered_passes()
-    chosen = [name for name in registered if not getattr(registered[name], "changes_numerics", False)
-              and getattr(registered[name], "in_auto", True)]
+    chosen = [name for name in registered if not getattr(registered[name], "changes_numerics", False)]
     return tuple(sorted(chosen, key=lambda name: (getattr(registered[name], "order", 0), name)))
 
 

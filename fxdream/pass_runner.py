@@ -227,18 +227,20 @@ class PassPipeline:
         return (result.graph_module if result.modified else gm), row
 
     def _best_subset(self, gm: fx.GraphModule, ctx: PassContext, index: int) -> fx.GraphModule:
-        """Simulate every subset of the applicable passes (greedy beyond MAX_EXHAUSTIVE); keep the best.
+        """Simulate every subset of the applicable passes (greedy beyond MAX_EXHAUSTIVE) and each
+        ``alone`` pass on the graph as captured; keep the best.
 
         A subset whose predicted peak memory exceeds ``ctx.memory_budget`` is not a candidate;
         where every subset does, the one with the lowest predicted peak is kept.
         """
-        applicable, final, rows = [], [], []
+        applicable, final, alone, rows = [], [], [], []
         for p in self.passes:
             reason = p.applies_to(ctx)
             if reason is not None:
                 rows.append(PassReport(p.name, index, ctx.phase, False, reason))
             else:
-                (final if getattr(p, "final", False) else applicable).append(p)
+                kind = final if getattr(p, "final", False) else alone if getattr(p, "alone", False) else applicable
+                kind.append(p)
         candidates = {(): (gm, [])}
         if len(applicable) <= MAX_EXHAUSTIVE:
             runs = {}  # (pass, graph it ran on): a pass that left a subset's graph as it was
@@ -257,6 +259,9 @@ class PassPipeline:
                 candidates[chosen + (p,)] = (trial_gm, candidates[chosen][1] + [row])
                 if self.predict(trial_gm, ctx.phase)[0] < self.predict(candidates[chosen][0], ctx.phase)[0]:
                     chosen = chosen + (p,)
+        for p in alone:  # an alternative to the others' rewrites: on the graph as captured only
+            alternative_gm, row = self._run_one(p, gm, ctx, index)
+            candidates[(p,)] = (alternative_gm, [row])
         if isinstance(ctx.cost_model, Profiled):
             self._time_side_by_side(self._contenders(candidates, ctx.phase), ctx.phase, index)
         scored = []

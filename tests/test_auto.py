@@ -147,6 +147,30 @@ def test_a_final_pass_predicted_no_faster_is_not_kept():
     assert not any(op_name(n) == "aten.clone" for n in pipeline.rewritten[(0, "fw")].graph.nodes)
 
 
+class Alone(Counted):
+    """An ``alone`` pass: compared by auto as an alternative of its own, on the captured graph."""
+    alone = True
+
+    def __init__(self, inner):
+        super().__init__(inner.name)
+        self.inner, self.graphs = inner, []
+
+    def __call__(self, gm, ctx):
+        self.runs += 1
+        self.graphs.append([op_name(n) for n in gm.graph.nodes if n.op == "call_function"])
+        return self.inner(gm, ctx)
+
+
+def test_an_alone_pass_runs_once_on_the_captured_graph_and_is_chosen_against_the_subsets():
+    alone = Alone(FoldMulByOne())
+    pipeline = _auto([AddCopies("copies", 3), alone])
+    auto = pipeline.rows[-1]
+    assert auto.reason.startswith("chose fold: predicted") and "of 3 subsets" in auto.reason
+    assert alone.runs == 1 and "aten.clone" not in alone.graphs[0]  # never after another pass
+    assert "copies+fold" not in auto.notes[0] and "fold+copies" not in auto.notes[0]
+    assert not any(op_name(n) == "aten.mul" for n in pipeline.rewritten[(0, "fw")].graph.nodes)
+
+
 def test_auto_respects_the_memory_budget():
     unbounded = _auto([AddCopies("copies", 2)])
     assert unbounded.rows[-1].reason.startswith("chose none")

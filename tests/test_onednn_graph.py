@@ -76,9 +76,9 @@ def test_a_graph_returning_an_input_is_left_as_it_is_with_the_reason():
     assert not _compiled_calls(module)
 
 
-def test_it_is_opt_in_and_says_where_it_does_not_apply():
-    assert "onednn_graph" not in available_passes()
-    assert OneDnnGraph() not in resolve_passes("auto") and resolve_passes(["onednn_graph"])[0].name == "onednn_graph"
+def test_auto_compares_it_alone_and_it_says_where_it_does_not_apply():
+    assert "onednn_graph" in available_passes() and OneDnnGraph.alone
+    assert resolve_passes(["onednn_graph"])[0].name == "onednn_graph"
     pass_ = OneDnnGraph()
     assert pass_.applies_to(PassContext(device="cuda")) == \
         "oneDNN Graph runs on the CPU; on cuda the graph is left as it is"

@@ -205,6 +205,11 @@ def test_a_rewrites_profile_adds_only_its_new_ops():
     assert [k for k in cost.samples if k not in before] == [profile_key(relu, "cpu")]
 
 
+class Erf(torch.nn.Module):
+    def forward(self, x):
+        return torch.special.erf(x)
+
+
 def test_new_ops_under_one_percent_of_the_graph_are_not_worth_timed_runs_of_it():
     from fxdream.ir.graphs import copy_graph_module
     from fxdream.sim.cost.profiled import FEW_NEW_OPS, MIN_SHARE
@@ -228,6 +233,10 @@ def test_new_ops_under_one_percent_of_the_graph_are_not_worth_timed_runs_of_it()
     fresh = Profiled(cost.device)  # more new ops than FEW_NEW_OPS: timed in context, decided at once
     assert len(set(keys)) > FEW_NEW_OPS
     assert fresh.to_time_in_context(base) and not fresh.measurements
+    # one op, new, the whole graph (as onednn_graph's compiled op): no micro-benchmark of it first
+    whole = fxdream.capture(Erf().eval(), (x,)).forward
+    before = dict(cost.measurements)
+    assert cost.to_time_in_context(whole) and cost.measurements == before
 
 
 def test_profile_round_trips_through_json(tmp_path):

@@ -353,10 +353,12 @@ class Profiled:
 
         Not when they are a few ops (≤ ``FEW_NEW_OPS``) and, timed alone, under ``MIN_SHARE``
         of the graph: their micro-benchmarks stand in, and the error that allows is under that
-        share, where timing them in context costs several runs of the whole graph."""
+        share, where timing them in context costs several runs of the whole graph. Always when
+        every op is new (one op compiling the whole graph): timing them alone would cost as much
+        as runs of the graph, with nothing known to weigh them against."""
         keys = compute_keys(gm, self.torch_device.type)
         new = {key for key in keys if key not in self.samples}
-        if len(new) > FEW_NEW_OPS:
+        if len(new) > FEW_NEW_OPS or new == set(keys):
             return True
         times = [self.kernel_us(node) if key in new else self.measurements[key]  # new: timed alone now
                  for node, key in zip(compute_nodes(gm), keys)]
