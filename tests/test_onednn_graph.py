@@ -138,3 +138,15 @@ def test_a_counter_updated_in_forward_is_left_as_it_is_and_counts_as_eager_does(
     with torch.no_grad():
         module(x), module(x)
     assert int(model.count) == before + 2
+
+
+@needs_llga
+def test_weights_changed_in_place_after_the_build_are_read_as_they_are():
+    torch.manual_seed(0)
+    model, x = ConvNet().eval(), torch.randn(2, 3, 8, 8)
+    module = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    assert _row(module).applied
+    with torch.no_grad():
+        model.conv.weight.mul_(2)
+        torch.testing.assert_close(module(x)[0], model(x)[0], rtol=1e-4, atol=1e-5)
+    assert any("weights changed in place after the build" in note for note in module.report.notes)
