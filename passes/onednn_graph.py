@@ -45,6 +45,7 @@ from fxdream.pass_api import (
     real_tensors,
     register_pass,
 )
+from fxdream.sim.cost.profiled import Profiled
 
 aten = torch.ops.aten
 CONVOLUTIONS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensions
@@ -261,7 +262,12 @@ class OneDnnGraph(PassBase):
     })
 
     def requires(self, ctx: PassContext) -> str | None:
-        return None if has_llga() else "this torch has no oneDNN Graph fuser (TorchScript's LLGA) or no oneDNN"
+        if not has_llga():
+            return "this torch has no oneDNN Graph fuser (TorchScript's LLGA) or no oneDNN"
+        if ctx.cost_model is not None and not isinstance(ctx.cost_model, Profiled):
+            return ("its compiled op (the whole graph) has no analytic cost: it is predicted only from costs "
+                    "measured here (cost='profiled')")
+        return None
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if written_inputs(gm) != frozenset():

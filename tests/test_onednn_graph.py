@@ -150,3 +150,12 @@ def test_weights_changed_in_place_after_the_build_are_read_as_they_are():
         model.conv.weight.mul_(2)
         torch.testing.assert_close(module(x)[0], model(x)[0], rtol=1e-4, atol=1e-5)
     assert any("weights changed in place after the build" in note for note in module.report.notes)
+
+
+@needs_llga
+def test_with_analytic_costs_it_declines_as_its_one_op_has_no_modelled_cost():
+    model, x = ConvNet().eval(), torch.randn(2, 3, 8, 8)
+    module = fxdream.optimize(model, (x,), passes="auto", cost="analytic")
+    row = _row(module)
+    assert not row.applied and "has no analytic cost" in row.reason
+    assert not _compiled_calls(module)
