@@ -1,11 +1,11 @@
 """onednn_graph: a CPU inference graph run whole by oneDNN Graph (TorchScript's LLGA fuser).
 
 Every oneDNN convolution torch calls from Python or from an FX graph builds its primitive's
-descriptor again on each call (``ideep``'s per-call setup: 35-120 µs a convolution on the CPUs
-measured, more than a small convolution's kernel), where ONNX Runtime and OpenVINO build theirs
-once. oneDNN Graph, reached through TorchScript (``torch.jit.enable_onednn_fusion``), compiles
-its partitions (conv + BatchNorm + ReLU + residual add, linear + activation, pooling) once and
-runs them from a cache, so a ResNet-50 at batch 1 runs as the engines do.
+descriptor again on each call (``ideep``'s per-call setup: tens of µs, more than a small
+convolution's kernel; docs/passes/onednn_graph.md has the measurements), where ONNX Runtime and
+OpenVINO build theirs once. oneDNN Graph, reached through TorchScript
+(``torch.jit.enable_onednn_fusion``), compiles its partitions (conv + BatchNorm + ReLU + residual
+add, linear + activation, pooling) once and runs them from a cache, with no Python between ops.
 
 The rewrite: the graph's parameters become constants, the ATen ops that oneDNN Graph only
 recognises in their composite form are written back in it (``convolution`` → ``conv2d``,
