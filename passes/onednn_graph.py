@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxdream.ir.aliasing import written_inputs
+from fxdream.ir.tensors import has_symbols
 from fxdream.pass_api import (
     LAYER,
     PassBase,
@@ -115,16 +116,15 @@ def composite_graph(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModul
     activations, returning the flat tuple of its outputs; and those activations' placeholders
     in ``gm``. None where a placeholder is neither a constant nor a tensor, a size is symbolic,
     or an output is not a tensor an op computes."""
-    if _has_symbolic_sizes(gm):
-        return None
+    if any(has_symbols(n.meta.get("val")) for n in gm.graph.nodes):
+        return None  # dynamo's dynamic shapes: a trace would fix the example's sizes
     new = copy_graph_module(gm)
     found = _constants_made_attributes(new, gm, ctx)
     if found is None or not _outputs_are_computed_tensors(new):
         return None
     root, activations = found
     _write_in_composite_form(new.graph)
-    output = next(n for n in new.graph.nodes if n.op == "output")
-    output.args = (tuple(output.all_input_nodes),)
+    new.graph.output_node().args = (tuple(dict.fromkeys(_flat_outputs(new.graph))),)
     return fx.GraphModule(root, new.graph), activations
 
 
@@ -173,21 +173,15 @@ def _write_in_composite_form(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _has_symbolic_sizes(gm: fx.GraphModule) -> bool:
-    """Whether a value of ``gm`` has a symbolic size (dynamo's dynamic shapes): a trace would fix
-    the example's sizes in the compiled graph."""
-    def symbolic(value) -> bool:
-        if isinstance(value, torch.SymInt):
-            return True
-        return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
-    return any(symbolic(n.meta.get("val")) for n in gm.graph.nodes)
+def _flat_outputs(graph: fx.Graph) -> tuple:
+    """What ``graph`` returns, as a flat tuple (a single value as a tuple of one)."""
+    returned = graph.output_node().args[0]
+    return tuple(returned) if isinstance(returned, (tuple, list)) else (returned,)
 
 
 def _outputs_are_computed_tensors(gm: fx.GraphModule) -> bool:
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     return all(isinstance(o, fx.Node) and o.op == "call_function" and isinstance(o.meta.get("val"), torch.Tensor)
-               for o in flat)
+               for o in _flat_outputs(gm.graph))
 
 
 def example_activations(placeholders: list[fx.Node]) -> list[torch.Tensor]:
@@ -222,25 +216,25 @@ def _fingerprint(graph: fx.GraphModule, example: list[torch.Tensor]) -> str:
     return hashlib.sha1((graph.code + shapes).encode()).hexdigest()[:12]
 
 
-def calling_graph(gm: fx.GraphModule, op: CompiledGraph, activations: list[fx.Node],
-                  outputs: tuple) -> fx.GraphModule:
-    """A copy of ``gm`` that calls ``op`` on its activations: the outputs are read from its
-    result, every other op is gone (the placeholders stay: the caller passes them)."""
+def calling_graph(gm: fx.GraphModule, op: CompiledGraph, activations: list[fx.Node]) -> fx.GraphModule:
+    """A copy of ``gm`` that calls ``op`` on its activations: ``op`` returns ``gm``'s distinct
+    outputs in order (``composite_graph``'s), read from its result; every other op is gone (the
+    placeholders stay: the caller passes them)."""
     new = copy_graph_module(gm)
     names = {n.name for n in activations}
-    placeholders = [n for n in new.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in new.graph.nodes if n.op == "output")
-    flat = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    by_name = {}
+    output = new.graph.output_node()
+    flat = _flat_outputs(new.graph)
+    items = {}
     with new.graph.inserting_before(output):
-        call = new.graph.call_function(op, tuple(n for n in placeholders if n.name in names))
-        call.meta["val"], call.meta[LAYER] = tuple(o.meta["val"] for o in outputs), LAYER_NAME
-        for i, old in enumerate(outputs):
-            item = new.graph.call_function(operator.getitem, (call, i))
-            item.meta["val"], item.meta[LAYER] = old.meta["val"], LAYER_NAME
-            by_name[old.name] = item
-    items = tuple(by_name[o.name] for o in flat)
-    output.args = (type(output.args[0])(items) if isinstance(output.args[0], (tuple, list)) else items[0],)
+        call = new.graph.call_function(op, tuple(n for n in new.graph.nodes if n.op == "placeholder"
+                                                 and n.name in names))
+        distinct = tuple(dict.fromkeys(flat))
+        call.meta["val"], call.meta[LAYER] = tuple(o.meta["val"] for o in distinct), LAYER_NAME
+        for i, old in enumerate(distinct):
+            items[old] = new.graph.call_function(operator.getitem, (call, i))
+            items[old].meta["val"], items[old].meta[LAYER] = old.meta["val"], LAYER_NAME
+    returned = output.args[0]
+    output.args = (type(returned)(items[o] for o in flat) if isinstance(returned, (tuple, list)) else items[flat[0]],)
     for node in reversed(list(new.graph.nodes)):
         if node.op in ("call_function", "call_method", "call_module", "get_attr") and not node.users:
             new.graph.erase_node(node)
@@ -291,10 +285,7 @@ class OneDnnGraph(PassBase):
             if not all(torch.allclose(e, f, **TOLERANCE, equal_nan=True) for e, f in zip(expected, found)):
                 return PassResult.unchanged(gm, "oneDNN Graph's result differs from the graph's beyond float32 "
                                                 "rounding on random inputs: left as it is")
-        outputs = next(n for n in gm.graph.nodes if n.op == "output")
-        flat = outputs.args[0] if isinstance(outputs.args[0], (tuple, list)) else (outputs.args[0],)
-        unique = tuple(dict.fromkeys(flat))
         op = CompiledGraph(script, _fingerprint(composite, example))
         fused = sum(1 for n in composite.graph.nodes if n.op == "call_function")
-        rewritten = calling_graph(gm, op, activations, unique)
+        rewritten = calling_graph(gm, op, activations)
         return kept_if_faster(ctx, gm, rewritten, f"{fused} ops compiled by oneDNN Graph as one op")

@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxdream.capturing.model_state import preserved_inputs
+from fxdream.ir.graphs import attribute_of
 from fxdream.runtime.graph_guards import tensor_version
 
 _TOLERANCE = {torch.float16: (1e-2, 1e-3), torch.bfloat16: (5e-2, 1e-2)}
@@ -134,7 +135,8 @@ def constant_updated_in_place(gm: fx.GraphModule, model: torch.nn.Module) -> str
     state = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
     made: dict[fx.Node, str] = {}  # node → the constant its value is (a view of)
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target not in state and isinstance(_attribute(gm, node.target), torch.Tensor):
+        if (node.op == "get_attr" and node.target not in state
+                and isinstance(attribute_of(gm, node.target), torch.Tensor)):
             made[node] = node.target
             continue
         first = node.args[0] if node.args else None
@@ -145,13 +147,6 @@ def constant_updated_in_place(gm: fx.GraphModule, model: torch.nn.Module) -> str
         if (node.op == "call_method" and node.target in _VIEW_METHODS) or node.target is operator.getitem:
             made[node] = made[first]
     return None
-
-
-def _attribute(gm: fx.GraphModule, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def _updates_in_place(node: fx.Node) -> bool:

@@ -28,12 +28,19 @@ def size_hint(x):
     return x
 
 
+def has_symbols(value) -> bool:
+    """Whether ``value`` is a symbolic int, or a tensor with a symbolic size or stride (dynamo's
+    dynamic shapes)."""
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride()))
+
+
 def without_symbols(value):
     """``value`` as a meta tensor of its hinted sizes and strides where any is symbolic (dynamo's
     dynamic shapes), so that a check on it (``is_contiguous``, a comparison, an ``int``) adds no
     guard: a guard on a size would fix it for the whole graph. Anything else as it is."""
-    if not isinstance(value, torch.Tensor) or not any(
-            isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
+    if not isinstance(value, torch.Tensor) or not has_symbols(value):
         return value
     return torch.empty_strided([size_hint(s) for s in value.shape], [size_hint(s) for s in value.stride()],
                                dtype=value.dtype, device="meta")
