@@ -194,9 +194,13 @@ def example_activations(placeholders: list[fx.Node]) -> list[torch.Tensor]:
     return out
 
 
-def compile_with_llga(graph: fx.GraphModule, example: list[torch.Tensor]) -> tuple[torch.jit.ScriptModule, tuple]:
+def compile_with_llga(graph: fx.GraphModule, example: list[torch.Tensor]) -> tuple[torch.jit.ScriptModule, tuple, tuple]:
     """``graph`` traced, frozen, and run on ``example`` with oneDNN Graph's fuser on until
-    compiled, and the compiled run's outputs; the fuser's process-wide switch is put back as it was."""
+    compiled; with the compiled run's outputs and ``graph``'s own (those of the run the trace
+    records, so that the check against them costs no run of its own). The fuser's process-wide
+    switch is put back as it was."""
+    traced_outputs = []
+    recording = graph.register_forward_hook(lambda module, args, outputs: traced_outputs.append(outputs))
     enabled = torch.jit.onednn_fusion_enabled()
     torch.jit.enable_onednn_fusion(True)
     try:
@@ -204,11 +208,13 @@ def compile_with_llga(graph: fx.GraphModule, example: list[torch.Tensor]) -> tup
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's, printed on every build
             script = torch.jit.freeze(torch.jit.trace(graph.eval(), tuple(example), check_trace=False))
+        recording.remove()
         for _ in range(WARM_UP_RUNS):
             outputs = script(*example)
     finally:
+        recording.remove()
         torch.jit.enable_onednn_fusion(enabled)
-    return script, outputs
+    return script, outputs, traced_outputs[0]
 
 
 def _fingerprint(graph: fx.GraphModule, example: list[torch.Tensor]) -> str:
@@ -274,8 +280,7 @@ class OneDnnGraph(PassBase):
             composite, activations = built
             example = example_activations(activations)
             try:
-                script, found = compile_with_llga(composite, example)
-                expected = composite(*example)
+                script, found, expected = compile_with_llga(composite, example)
             except Exception as error:  # noqa: BLE001  a compile that fails in any way leaves the graph as it is
                 return PassResult.unchanged(gm, f"oneDNN Graph could not compile or run the graph "
                                                 f"({type(error).__name__}: {str(error).strip()[:160]})")
