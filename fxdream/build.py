@@ -75,8 +75,8 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     or None for no predictions. ``verify`` runs the module once against eager and
     reports the max error; ``measure`` times it against the passes-free capture.
     ``timing_rounds``: timed runs of each graph the build profiles in context (default: up to
-    5, within a budget that keeps a ResNet-50 bs1 build near 2 s); more give tighter medians and
-    predictions for a longer build.
+    5 for a first look and up to 15 side by side, within budgets that keep a ResNet-50 bs1 build
+    near 2 s); more give tighter medians and predictions for a longer build.
 
     ``precision``: "fp32" (default), or "bf16" for CPU inference with convolutions and matrix
     products in bfloat16 (the ``bf16`` pass, applied before ``passes``; never chosen by "auto" on
@@ -392,8 +392,9 @@ def cost_model_for(device: str | DeviceSpec, cost: str = "auto", reuse: bool = F
 
     ``reuse``: a profiled model shares the process's measurements (``sim.profile_store``), so
     a rebuild does not time again what an earlier build timed; without it, it starts empty.
-    ``timing_rounds``: timed runs of each graph profiled in context (default: up to 5 within a
-    budget that keeps a ResNet-50 bs1 build near 2 s; more: tighter medians, a longer build)."""
+    ``timing_rounds``: timed runs of each graph profiled in context (default: up to 5, and up to
+    15 side by side, within budgets that keep a ResNet-50 bs1 build near 2 s; more: tighter
+    medians, a longer build)."""
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
     runnable_here = spec.kind == "cpu" or (torch.cuda.is_available() and _is_this_gpu(spec))
     if cost == "auto":

@@ -56,8 +56,10 @@ log = logging.getLogger("fxdream")
 # cost build time without a better prediction.
 PROFILE_BUDGET_S = 0.1
 # The interleaved rounds that time the graphs a decision compares side by side: as many as fit
-# this budget (seconds), at least 2 and at most 5.
+# this budget (seconds), at least 2 (a median) and at most SIDE_BY_SIDE_MAX_ROUNDS: graphs of a
+# few ms take many rounds for the budget's cost, and their medians move with a noisy second.
 SIDE_BY_SIDE_BUDGET_S = 0.3
+SIDE_BY_SIDE_MAX_ROUNDS = 15
 RUN_SPREAD_COVER = 0.9  # run_spread_of: the share of a graph's cost a timed graph must hold
 FEW_NEW_OPS = 4     # worth_timing_in_context: at most this many distinct new ops, ...
 MIN_SHARE = 0.01    # ... under this share of the graph's time, are not timed in context
@@ -273,7 +275,7 @@ class Profiled:
         rounds the only samples of every key they timed. Two graphs a decision compares are then
         costed from the same minutes of this machine: drift, a busy spell or a first-call effect
         hits both alike, and their predicted ratio is a ratio measured side by side. Default
-        rounds: as many as ``SIDE_BY_SIDE_BUDGET_S`` allows, between 2 and 5 (``context_rounds``:
+        rounds: as many as ``SIDE_BY_SIDE_BUDGET_S`` allows, 2 to ``SIDE_BY_SIDE_MAX_ROUNDS`` (``context_rounds``:
         exactly that many). Returns the rounds run (0 where a graph did not run)."""
         if rounds is None:
             rounds = self.context_rounds or self._rounds_in_budget(graphs)
@@ -298,7 +300,7 @@ class Profiled:
 
     def _rounds_in_budget(self, graphs: list[tuple[fx.GraphModule, object]]) -> int:
         round_us = sum(self.graph_total_us(gm) for gm, _ in graphs)
-        return max(2, min(5, int(SIDE_BY_SIDE_BUDGET_S * 1e6 / max(round_us, 1.0))))
+        return max(2, min(SIDE_BY_SIDE_MAX_ROUNDS, int(SIDE_BY_SIDE_BUDGET_S * 1e6 / max(round_us, 1.0))))
 
     def keys_of(self, gm: fx.GraphModule) -> list[str]:
         """The profile keys of ``gm``'s compute ops, in graph order."""
