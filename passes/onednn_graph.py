@@ -9,8 +9,9 @@ add, linear + activation, pooling) once and runs them from a cache, with no Pyth
 
 The rewrite: the graph's parameters become constants, the ATen ops that oneDNN Graph only
 recognises in their composite form are written back in it (``convolution`` → ``conv2d``,
-``_native_batch_norm_legit_no_training`` → ``batch_norm``, ``max_pool2d_with_indices`` →
-``max_pool2d``, ``addmm(b, x, t(w))`` → ``linear``), and that graph is traced, frozen and run
+``_native_batch_norm_legit_no_training`` → ``batch_norm``, ``native_layer_norm`` →
+``layer_norm``, ``max_pool2d_with_indices`` → ``max_pool2d``, ``addmm(b, x, t(w))`` and
+``addmm(b, x, w)`` of a constant ``w`` → ``linear``), and that graph is traced, frozen and run
 with the fuser on until TorchScript has compiled it. The FX graph then calls the compiled module
 as one op, timed in context like any other, so the prediction is of what runs. Its output must
 equal the graph's on random inputs of the graph's shapes (to float32 rounding), else the pass
@@ -53,6 +54,7 @@ CONVOLUTIONS = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensi
 WARM_UP_RUNS = 2  # TorchScript's profiling executor profiles the first run and compiles on the second
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)  # the fused kernels sum in another order than ATen's
 LAYER_NAME = "(oneDNN Graph)"
+FIRST_ITEM_OPS = (F.batch_norm, F.max_pool2d, F.layer_norm)  # composite forms of ops whose first item was read
 NOT_FIXED_TENSORS = ("an input that is not a tensor, a symbolic size, or an output that is not a computed tensor: "
                      "oneDNN Graph compiles tensors of fixed sizes")
 
@@ -104,6 +106,8 @@ def _composite(node: fx.Node):
         return F.batch_norm, (x, mean, var, w, b, False, momentum, eps)
     if node.target is aten.max_pool2d_with_indices.default and _only_first_item_read(node):
         return F.max_pool2d, _pool_arguments(*node.args)
+    if node.target is aten.native_layer_norm.default and _only_first_item_read(node):
+        return F.layer_norm, tuple(node.args)
     if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
         bias, x, wt = node.args
         if isinstance(wt, fx.Node) and wt.target is aten.t.default and len(wt.users) == 1:
@@ -123,6 +127,7 @@ def composite_graph(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModul
     if found is None or not _outputs_are_computed_tensors(new):
         return None
     root, activations = found
+    _constant_weights_transposed(new.graph, root)
     _write_in_composite_form(new.graph)
     new.graph.output_node().args = (tuple(dict.fromkeys(_flat_outputs(new.graph))),)
     return fx.GraphModule(root, new.graph), activations
@@ -154,6 +159,27 @@ def _constants_made_attributes(new: fx.GraphModule, gm: fx.GraphModule, ctx: Pas
     return root, activations
 
 
+def _constant_weights_transposed(graph: fx.Graph, root: torch.nn.Module) -> None:
+    """``addmm(b, x, w)`` with a constant ``w`` of shape (in, out) (Hugging Face's ``Conv1D``)
+    written ``addmm(b, x, t(wᵀ))`` with ``wᵀ`` a new contiguous constant, the form ``_composite``
+    makes a ``linear``: the fuser fails on ``addmm`` ("vector::_M_range_check")."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.addmm.default or len(node.args) != 3:
+            continue
+        weight = node.args[2]
+        if not isinstance(weight, fx.Node) or weight.op != "get_attr" or node.kwargs:
+            continue
+        name = f"{weight.target}_transposed"
+        if not hasattr(root, name):
+            root.register_buffer(name, getattr(root, weight.target).t().contiguous())
+        with graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the attribute is on ``root``, not on the graph's module
+            transposed = graph.call_function(aten.t.default, (graph.get_attr(name),))
+        node.args = (node.args[0], node.args[1], transposed)
+        if not weight.users:
+            graph.erase_node(weight)
+
+
 def _write_in_composite_form(graph: fx.Graph) -> None:
     """Each op ``_composite`` knows replaced by its composite form (a batch norm's or a pooling's
     first item read from the composite op itself), the transposes ``linear`` took over dropped."""
@@ -163,7 +189,7 @@ def _write_in_composite_form(graph: fx.Graph) -> None:
             continue
         with graph.inserting_before(node):
             replacement = graph.call_function(*rewrite)
-        for user in list(node.users) if rewrite[0] in (F.batch_norm, F.max_pool2d) else ():
+        for user in list(node.users) if rewrite[0] in FIRST_ITEM_OPS else ():
             user.replace_all_uses_with(replacement)
             graph.erase_node(user)
         node.replace_all_uses_with(replacement)
@@ -194,7 +220,8 @@ def example_activations(placeholders: list[fx.Node]) -> list[torch.Tensor]:
     return out
 
 
-def compile_with_llga(graph: fx.GraphModule, example: list[torch.Tensor]) -> tuple[torch.jit.ScriptModule, tuple, tuple]:
+def compile_with_llga(graph: fx.GraphModule,
+                      example: list[torch.Tensor]) -> tuple[torch.jit.ScriptModule, tuple, tuple]:
     """``graph`` traced, frozen, and run on ``example`` with oneDNN Graph's fuser on until
     compiled; with the compiled run's outputs and ``graph``'s own (those of the run the trace
     records, so that the check against them costs no run of its own). The fuser's process-wide

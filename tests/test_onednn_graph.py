@@ -159,3 +159,28 @@ def test_with_analytic_costs_it_declines_as_its_one_op_has_no_modelled_cost():
     row = _row(module)
     assert not row.applied and "has no analytic cost" in row.reason
     assert not _compiled_calls(module)
+
+
+class Conv1DBlock(torch.nn.Module):
+    """GPT-2's shapes: a weight stored (in, out) and applied with addmm (Hugging Face's Conv1D),
+    LayerNorm, GELU written out with tanh."""
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.weight, self.bias = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(12))
+
+    def forward(self, x):
+        h = torch.addmm(self.bias, self.norm(x).view(-1, 8), self.weight).view(x.shape[0], x.shape[1], 12)
+        return 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+@needs_llga
+def test_an_addmm_of_an_in_out_weight_and_a_layer_norm_compile_as_linear_and_layer_norm():
+    torch.manual_seed(0)
+    model, x = Conv1DBlock().eval(), torch.randn(2, 5, 8)
+    module = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    assert _row(module).applied, _row(module).reason  # the fuser fails on addmm itself
+    kinds = {node.kind() for node in _compiled_calls(module)[0].target.script.graph.nodes()}
+    assert {"aten::linear", "aten::layer_norm"} <= kinds and not kinds & {"aten::addmm", "aten::native_layer_norm"}
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
