@@ -235,7 +235,6 @@ def compile_with_llga(graph: fx.GraphModule,
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's, printed on every build
             script = torch.jit.freeze(torch.jit.trace(graph.eval(), tuple(example), check_trace=False))
-        recording.remove()
         for _ in range(WARM_UP_RUNS):
             outputs = script(*example)
     finally:

@@ -275,8 +275,8 @@ class Profiled:
         rounds the only samples of every key they timed. Two graphs a decision compares are then
         costed from the same minutes of this machine: drift, a busy spell or a first-call effect
         hits both alike, and their predicted ratio is a ratio measured side by side. Default
-        rounds: as many as ``SIDE_BY_SIDE_BUDGET_S`` allows, 2 to ``SIDE_BY_SIDE_MAX_ROUNDS`` (``context_rounds``:
-        exactly that many). Returns the rounds run (0 where a graph did not run)."""
+        rounds: as many as ``SIDE_BY_SIDE_BUDGET_S`` allows, 2 to ``SIDE_BY_SIDE_MAX_ROUNDS``
+        (``context_rounds``: exactly that many). Returns the rounds run (0 where a graph did not run)."""
         if rounds is None:
             rounds = self.context_rounds or self._rounds_in_budget(graphs)
         with real_tensors():
