@@ -1,5 +1,6 @@
 """Keyword inputs, as torch.export takes them: ``example_kwargs`` in optimize, capture and
 simulate, and an optimized module called by keyword as the model is."""
+import functools
 import inspect
 
 import pytest
@@ -295,3 +296,43 @@ def test_an_ab_of_a_model_taking_keyword_only_tensors_runs():
                                                   "scale": torch.full((8,), 0.5)})
     result = fxdream.ab(build, ["prepack_linear"], [2], rounds=1, block=1, progress=False)
     assert result.rows[0].max_abs_diff < 1e-5
+
+
+def _flag_from_config(forward):
+    """A decorator as transformers writes one: a flag the caller did not give by keyword is added
+    as a keyword from the model's config (it cannot see the parameter's position), so a call
+    that gives it by position raises "got multiple values"."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        kwargs.setdefault("double", self.double_by_default)
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+class Decorated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.double_by_default = nn.Linear(8, 8), True
+
+    @_flag_from_config
+    def forward(self, x, mask=None, double=None):
+        y = self.proj(x).masked_fill(~mask, 0.0)
+        return (2 * y if double else y).relu()
+
+
+@pytest.mark.parametrize("passes", [(), "auto"])
+def test_a_decorated_forward_keeps_the_keywords_it_was_given_as_keywords(passes):
+    x, mask, _ = _inputs()
+    model = Decorated().eval()
+    with pytest.raises(TypeError, match="multiple values"):
+        model(x, mask, False)  # its positional form, as a capture takes a call
+    keywords = {"mask": mask, "double": False}
+    fxdream.optimize(model, (x,), example_kwargs=keywords, passes=passes, eager_check=True, verify=True)
+    module = fxdream.optimize(model, (x,), example_kwargs=keywords, passes=passes, eager_check=False)
+    other = torch.randn(2, 8)
+    with torch.no_grad():
+        calls = module._calls[0]
+        torch.testing.assert_close(module(other, mask=mask, double=False), model(other, mask=mask, double=False))
+        assert module._calls[0] == calls + 1  # through the captured graph
+        torch.testing.assert_close(module(other, mask=mask), model(other, mask=mask))  # another call: eagerly
+        assert module._calls[0] == calls + 1

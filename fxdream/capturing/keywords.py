@@ -8,6 +8,13 @@ it); when it holds tensors (``forward(x, *, mask)``) it is an input. ``WithKeywo
 model with the constants bound and the tensor keywords taken after the positional arguments,
 called positionally; a later call is run through the build when it passes the same constants
 and the same tensor keywords (eagerly otherwise).
+
+A forward behind a decorator (``functools.wraps``: transformers' ``check_model_inputs`` and its
+kin) may add keywords of its own: transformers' fills ``use_cache`` from the config into the
+keywords when its wrapper cannot see the parameter's position, so ``model(ids, None, ..., False)``
+raises "got multiple values for argument 'use_cache'" where ``model(input_ids=ids,
+use_cache=False)`` runs. Such a model keeps every keyword the user gave as a keyword
+(``WithKeywords`` with ``by_name``): the capture and every eager call see the user's call.
 """
 from __future__ import annotations
 
@@ -23,12 +30,14 @@ class WithKeywords(torch.nn.Module):
     """``model(*args, **constants)``. Its state dict is the model's own (same keys), so
     ``optimized.model.state_dict()`` saves what the model would."""
 
-    def __init__(self, model: torch.nn.Module, constants: Mapping, tensor_keywords: tuple[str, ...] = ()):
+    def __init__(self, model: torch.nn.Module, constants: Mapping, tensor_keywords: tuple[str, ...] = (),
+                 by_name: bool = False):
         super().__init__()
         self.model = model
         self.training = model.training  # the model's mode: a build compares its own flag with it
         self.constants = dict(constants)
         self.tensor_keywords = tuple(tensor_keywords)  # their values come last in a call's arguments
+        self.by_name = by_name  # every keyword stays one, also those forward has a position for
         self.__dict__["_signature"] = inspect.signature(model.forward)
 
     def forward(self, *args):
@@ -51,15 +60,17 @@ class WithKeywords(torch.nn.Module):
         """The report's line: the constants and tensor keywords, and what a call without them does."""
         given = ", ".join([f"{k}={v!r}" for k, v in self.constants.items()] +
                           [f"{k}=<tensor>" for k in self.tensor_keywords])
-        return (f"built for calls with {given} (keywords {type(self.model).__name__}.forward takes without a "
-                f"position: flags bound as constants, tensors taken as inputs); a call without them, or with "
-                f"other flags, runs eagerly")
+        why = (f"keywords as given: {type(self.model).__name__}.forward is a decorator's wrapper, which may add "
+               f"keywords of its own" if self.by_name else
+               f"keywords {type(self.model).__name__}.forward takes without a position")
+        return (f"built for calls with {given} ({why}: flags bound as constants, tensors taken as inputs); a call "
+                f"without them, or with other flags, runs eagerly")
 
     def place(self, args: tuple, kwargs: Mapping) -> tuple | None:
         """A call's arguments as the positional tuple ``forward`` takes, or None when its keywords
         without a position are not the constants (by value) and tensor keywords (by name) this
         was built with."""
-        placed, unplaced = keyword_split(self._signature, kwargs)
+        placed, unplaced = ({}, dict(kwargs)) if self.by_name else keyword_split(self._signature, kwargs)
         constants, tensor_keywords = _flags_and_tensors(unplaced)
         if constants != self.constants or set(tensor_keywords) != set(self.tensor_keywords):
             return None
@@ -77,10 +88,20 @@ def bind_keywords(model: torch.nn.Module, example_inputs, example_kwargs: Mappin
     one (keyword-only, ``**kwargs``) bound by ``WithKeywords``: flags as constants, tensors as
     inputs after the positional ones."""
     inputs, unplaced = check_call(example_inputs, example_kwargs, model)
+    by_name = bool(example_kwargs) and _decorated(model)
+    if by_name:
+        positional = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+        inputs, unplaced = tuple(positional), dict(example_kwargs)  # checked above as one call
     if not unplaced:
         return model, inputs
     constants, tensor_keywords = _flags_and_tensors(unplaced)
-    return WithKeywords(model, constants, tensor_keywords), inputs + tuple(unplaced[k] for k in tensor_keywords)
+    return (WithKeywords(model, constants, tensor_keywords, by_name),
+            inputs + tuple(unplaced[k] for k in tensor_keywords))
+
+
+def _decorated(model: torch.nn.Module) -> bool:
+    """Whether the model's forward is a decorator's wrapper around its own (``functools.wraps``)."""
+    return getattr(type(model).forward, "__wrapped__", None) is not None
 
 
 def _flags_and_tensors(unplaced: Mapping) -> tuple[dict, tuple[str, ...]]:
