@@ -11,7 +11,8 @@ The rewrite: the graph's parameters become constants, the ATen ops that oneDNN G
 recognises in their composite form are written back in it (``convolution`` → ``conv2d``,
 ``_native_batch_norm_legit_no_training`` → ``batch_norm``, ``native_layer_norm`` →
 ``layer_norm``, ``max_pool2d_with_indices`` → ``max_pool2d``, ``addmm(b, x, t(w))`` and
-``addmm(b, x, w)`` of a constant ``w`` → ``linear``), and that graph is traced, frozen and run
+``addmm(b, x, w)`` of a constant ``w`` → ``linear``, a ``cat`` onto an empty KV cache without
+it), and that graph is traced, frozen and run
 with the fuser on until TorchScript has compiled it. The FX graph then calls the compiled module
 as one op, timed in context like any other, so the prediction is of what runs. Its output must
 equal the graph's on random inputs of the graph's shapes (to float32 rounding), else the pass
@@ -94,7 +95,7 @@ def _pool_arguments(x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False
 
 
 def _composite(node: fx.Node):
-    """(target, args) of ``node`` in the composite form oneDNN Graph fuses, or None to keep it."""
+    """(target, args[, kwargs]) of ``node`` in the composite form oneDNN Graph fuses, or None to keep it."""
     if node.target is aten.convolution.default:
         x, w, b, stride, padding, dilation, transposed, _, groups = node.args
         conv = CONVOLUTIONS.get(node.meta["val"].dim())
@@ -108,11 +109,23 @@ def _composite(node: fx.Node):
         return F.max_pool2d, _pool_arguments(*node.args)
     if node.target is aten.native_layer_norm.default and _only_first_item_read(node):
         return F.layer_norm, tuple(node.args)
+    if node.target is aten.cat.default and _empty_operands(node):
+        kept = [t for t in node.args[0] if t not in _empty_operands(node)]
+        if len(kept) == 1:  # a fresh contiguous tensor, as cat makes
+            return aten.clone.default, (kept[0],), {"memory_format": torch.contiguous_format}
+        return (aten.cat.default, (kept, *node.args[1:])) if kept else None
     if node.target is aten.addmm.default and len(node.args) == 3 and not node.kwargs:
         bias, x, wt = node.args
         if isinstance(wt, fx.Node) and wt.target is aten.t.default and len(wt.users) == 1:
             return F.linear, (x, wt.args[0], bias)
     return None
+
+
+def _empty_operands(node: fx.Node) -> list[fx.Node]:
+    """A ``cat``'s operands without elements (an empty KV cache the first step appends to): the
+    fuser fails to compile a partition holding one ("partition compile failed")."""
+    return [t for t in node.args[0] if isinstance(t, fx.Node) and isinstance(t.meta.get("val"), torch.Tensor)
+            and t.meta["val"].numel() == 0]
 
 
 def composite_graph(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, list[fx.Node]] | None:
@@ -154,6 +167,7 @@ def _constants_made_attributes(new: fx.GraphModule, gm: fx.GraphModule, ctx: Pas
             with new.graph.inserting_before(node), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the attribute is on ``root``, not on the copy
                 constant = new.graph.get_attr(name)
+            constant.meta["val"] = node.meta.get("val")  # its shape: rewrites read it
             node.replace_all_uses_with(constant)
             new.graph.erase_node(node)
     return root, activations

@@ -184,3 +184,28 @@ def test_an_addmm_of_an_in_out_weight_and_a_layer_norm_compile_as_linear_and_lay
     assert {"aten::linear", "aten::layer_norm"} <= kinds and not kinds & {"aten::addmm", "aten::native_layer_norm"}
     with torch.no_grad():
         torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class AppendsToAnEmptyCache(torch.nn.Module):
+    """A first decoding step as Hugging Face's DynamicCache takes it: keys (batch, heads, sequence,
+    dim) appended to ``torch.tensor([])``, a 1-d cache without elements that ``cat`` skips."""
+    def __init__(self):
+        super().__init__()
+        self.key = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        keys = torch.cat([torch.tensor([]), self.key(x).view(2, 4, 2, 8).transpose(1, 2)], dim=-2)
+        return keys, keys.softmax(-1)
+
+
+@needs_llga
+def test_a_cat_onto_an_empty_cache_compiles_without_the_empty_operand():
+    torch.manual_seed(0)
+    model, x = AppendsToAnEmptyCache().eval(), torch.randn(2, 8, 8)
+    module = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    assert _row(module).applied, _row(module).reason  # the fuser fails on a partition holding it
+    with torch.no_grad():
+        other = torch.randn(2, 8, 8)
+        for got, expected in zip(module(other), model(other)):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            assert got.is_contiguous()
