@@ -111,6 +111,8 @@ def _composite(node: fx.Node):
         return F.layer_norm, tuple(node.args)
     if node.target is aten.cat.default and _empty_operands(node):
         kept = [t for t in node.args[0] if t not in _empty_operands(node)]
+        if not all(isinstance(t, fx.Node) and _dtype(t) == _dtype(node) for t in kept):
+            return None  # the empty operand takes part in cat's type promotion
         if len(kept) == 1:  # a fresh contiguous tensor, as cat makes
             return aten.clone.default, (kept[0],), {"memory_format": torch.contiguous_format}
         return (aten.cat.default, (kept, *node.args[1:])) if kept else None
@@ -119,6 +121,11 @@ def _composite(node: fx.Node):
         if isinstance(wt, fx.Node) and wt.target is aten.t.default and len(wt.users) == 1:
             return F.linear, (x, wt.args[0], bias)
     return None
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _empty_operands(node: fx.Node) -> list[fx.Node]:

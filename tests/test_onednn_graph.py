@@ -209,3 +209,18 @@ def test_a_cat_onto_an_empty_cache_compiles_without_the_empty_operand():
         for got, expected in zip(module(other), model(other)):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
             assert got.is_contiguous()
+
+
+class PromotedByAnEmptyOperand(torch.nn.Module):
+    def forward(self, x):
+        return torch.cat([torch.tensor([], dtype=torch.float64), torch.relu(x)], dim=-1)
+
+
+@needs_llga
+def test_an_empty_operand_that_promotes_the_cats_dtype_is_kept():
+    model, x = PromotedByAnEmptyOperand().eval(), torch.randn(2, 4)
+    module = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    with torch.no_grad():
+        got = module(x)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, model(x))
