@@ -109,8 +109,8 @@ def _composite(node: fx.Node):
         return F.max_pool2d, _pool_arguments(*node.args)
     if node.target is aten.native_layer_norm.default and _only_first_item_read(node):
         return F.layer_norm, tuple(node.args)
-    if node.target is aten.cat.default and _empty_operands(node):
-        kept = [t for t in node.args[0] if t not in _empty_operands(node)]
+    if node.target is aten.cat.default and (empty := _empty_operands(node)):
+        kept = [t for t in node.args[0] if t not in empty]
         if not all(isinstance(t, fx.Node) and _dtype(t) == _dtype(node) for t in kept):
             return None  # the empty operand takes part in cat's type promotion
         if len(kept) == 1:  # a fresh contiguous tensor, as cat makes
@@ -185,9 +185,7 @@ def _constant_weights_transposed(graph: fx.Graph, root: torch.nn.Module) -> None
     written ``addmm(b, x, t(wᵀ))`` with ``wᵀ`` a new contiguous constant, the form ``_composite``
     makes a ``linear``: the fuser fails on ``addmm`` ("vector::_M_range_check")."""
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.addmm.default or len(node.args) != 3:
-            continue
-        weight = node.args[2]
+        weight = node.args[2] if node.target is aten.addmm.default and len(node.args) == 3 else None
         if not isinstance(weight, fx.Node) or weight.op != "get_attr" or node.kwargs:
             continue
         name = f"{weight.target}_transposed"
