@@ -74,6 +74,7 @@ class PassPipeline:
         self._inputs: dict[tuple[int, str], object] = {}  # real inputs per graph, for profiling
         self._predictions: dict[int, tuple[fx.GraphModule, tuple[float, int]]] = {}
         self._by_nodes: dict[tuple, tuple[float, int]] = {}  # (graph_fingerprint, phase) → prediction, per graph
+        self._costs_revision = 0  # the cost model's revision the memoized predictions were made at
         self._best_us: dict[tuple[int, str], float] = {}  # (subgraph, phase) → best candidate predicted
         self._ran_alone: set[tuple[int, str]] = set()  # graphs that ran on their real inputs (or did before)
         self._timed_now: set[tuple[int, str]] = set()  # graphs this build timed as captured (not a rebuild)
@@ -82,10 +83,18 @@ class PassPipeline:
     def predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
         """(µs, peak bytes) of one graph, memoized per graph object and per its nodes: a pass that
         keeps a copy of its input to compare against (prepack_linear, fuse_attention) asks for a
-        graph predicted already (lowering and simulating a large graph costs the build tens of ms)."""
+        graph predicted already (lowering and simulating a large graph costs the build tens of ms).
+        A cost that changed since (a candidate's new ops timed in context after another candidate
+        shared them timed alone) makes every memoized prediction stale: before and after a rewrite
+        must be predicted with the same costs."""
         cost = self.base_context.cost_model
         if cost is None:
             return None
+        revision = getattr(cost, "revision", 0)
+        if revision != self._costs_revision:
+            self._predictions.clear()
+            self._by_nodes.clear()
+            self._costs_revision = revision
         cached = self._predictions.get(id(gm))
         if cached is None or cached[0] is not gm:
             key = (graph_fingerprint(gm), phase)

@@ -508,6 +508,23 @@ def test_the_summarys_ms_column_lines_up_under_long_layer_names():
     assert len(rows) == 2 and len({line.index(" ms ") for line in rows}) == 1
 
 
+def test_the_pipeline_predicts_a_graph_again_once_a_cost_it_used_changed():
+    # a candidate's new ops timed in context after another candidate used their alone timings:
+    # a pass's row (before and after) and the plan's totals must see the same costs
+    import fxdream.pass_runner as pipeline_module
+    captured = fxdream.capture(Small().eval(), (torch.randn(2, 3, 8, 8),))
+    gm = captured.forward
+    cost = Profiled(cost_model_for("cpu", "analytic").device)
+    cost.measurements.update({profile_key(n, "cpu"): 1e6 for n in gm.graph.nodes
+                              if n.op == "call_function" and not is_view(n)})
+    pipeline = pipeline_module.PassPipeline((), PassContext(device="cpu", cost_model=cost))
+    stale = pipeline.predict(gm, "fw")[0]
+    cost.profile_graph(gm, list(captured.example_inputs))  # real times: far under 1 s an op
+    assert cost.revision > 0
+    assert pipeline.predict(gm, "fw") == pipeline_module.graph_prediction(gm, cost, "fw")
+    assert pipeline.predict(gm, "fw")[0] < stale / 100
+
+
 def test_measured_plan_rows_add_up_to_its_predicted_totals():
     """The rewrite's new ops are timed alone while the passes choose, then in context for the
     totals: the passes run again on those costs, so each row says what the totals say."""

@@ -91,6 +91,8 @@ class Profiled:
         self._profiled: set[int] = set()
         self.samples: dict[str, list[float]] = {}  # in-context times (µs) by key, every run so far
         self.run_spreads: list[RunSpread] = []  # whole runs' spread, from side-by-side rounds
+        # counts changes of a cost already taken: a prediction memoized at another revision is stale
+        self.revision = 0
 
     def kernel_us(self, node: fx.Node) -> float:
         return self._cached(node, "")
@@ -266,7 +268,7 @@ class Profiled:
             if new_keys_only and key in self.samples:
                 continue
             self.samples.setdefault(key, []).extend(times)
-            self.measurements[key] = statistics.median(self.samples[key])
+            self._set(key, statistics.median(self.samples[key]))
         return values
 
     def profile_side_by_side(self, graphs: list[tuple[fx.GraphModule, object]], rounds: int | None = None) -> int:
@@ -295,8 +297,14 @@ class Profiled:
                 self.run_spreads.append(spread)
         for key, times in samples.items():
             self.samples[key] = times
-            self.measurements[key] = statistics.median(times)
+            self._set(key, statistics.median(times))
         return rounds
+
+    def _set(self, key: str, us: float) -> None:
+        """``key``'s cost is ``us`` from now on; a change of a cost already taken is a new revision."""
+        if key in self.measurements and self.measurements[key] != us:
+            self.revision += 1
+        self.measurements[key] = us
 
     def _rounds_in_budget(self, graphs: list[tuple[fx.GraphModule, object]]) -> int:
         round_us = sum(self.graph_total_us(gm) for gm, _ in graphs)
