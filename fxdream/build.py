@@ -27,6 +27,7 @@ from fxdream.capturing.model_state import (
     moved_parameters_note,
     preserved_inputs,
     preserved_state,
+    python_attributes_kept,
     switch_to_build_mode,
 )
 from fxdream.capturing.session import CaptureSession
@@ -34,7 +35,7 @@ from fxdream.capturing.steps import breaks_after_the_first_call, run_once, seede
 from fxdream.capturing.torch_fx import compile_model
 from fxdream.eager_check import check_against_eager
 from fxdream.measure import time_interleaved
-from fxdream.numerics import deviation, max_abs_diff
+from fxdream.numerics import deviation, difference
 from fxdream.optimized_module import OptimizedModule, call_kind
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
@@ -116,8 +117,9 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     switched = switch_to_build_mode(model, training)  # kept: the module runs the model in this mode
 
     parameters = StateSamples.of(model, buffers=False)
-    # the user's RNG, BN statistics, grads, inputs
-    with preserved_state(model), preserved_inputs(inputs), older_objects_frozen(), dynamo_state_kept():
+    # the user's RNG, BN statistics, grads, Python attributes, inputs
+    with preserved_state(model), python_attributes_kept(model), preserved_inputs(inputs), older_objects_frozen(), \
+            dynamo_state_kept():
         started, name = time.perf_counter(), type(user_model(model)).__name__
         log.info("building %s (%s, %s, passes: %s) ...", name, "training" if training else "inference", target,
                  "auto" if auto else ", ".join(p.name for p in selected) or "none")
@@ -215,9 +217,10 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
     beyond float32 rounding is its expected deviation, not a wrong result."""
     if verify:
         causes: list[str] = []
-        diff = max_abs_diff(model, module.called_positionally(), inputs, training, causes=causes)
+        found = difference(model, module.called_positionally(), inputs, training, causes=causes)
+        diff = found.max_abs
         module._record(verified_max_abs_diff=diff)
-        if beyond_rounding(diff, model, inputs) and not changed_numerics:
+        if beyond_rounding(found.max_scaled, model, inputs) and not changed_numerics:
             module._record(verified_beyond_rounding=True)
             for note in (causes or _why_outputs_differ(model, training)) if diff != math.inf else [
                     "an output's shape, or the number of outputs, differs from eager's: a pass changed what the "
@@ -298,8 +301,9 @@ def _build(model, inputs, selected, auto, training, target, strict, cost, memory
 
 
 def beyond_rounding(diff: float, model, inputs) -> bool:
-    """Whether a verified max abs difference is more than float32 kernels' rounding (1e-2), or
-    half precision's (1e-1) where the model or its inputs are in half precision."""
+    """Whether a verified difference (``Difference.max_scaled``: at the outputs' own magnitude) is
+    more than float32 kernels' rounding (1e-2), or half precision's (1e-1) where the model or its
+    inputs are in half precision."""
     tensors = list(model.parameters()) + [x for x in inputs if isinstance(x, torch.Tensor)]
     half = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
     return not diff <= (1e-1 if half else 1e-2)

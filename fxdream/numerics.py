@@ -11,12 +11,41 @@ import torch
 from fxdream.capturing.steps import cut_from_callers_graph, differentiable_scalar, output_leaves
 
 
-def _leaf_diff(actual, expected) -> float:
-    """Max |actual - expected|; inf where the two are not alike (shape, or not both tensors):
-    broadcasting would make a 0-d output against eager's (3, 4) read as a small difference."""
+@dataclass(frozen=True)
+class Difference:
+    """How far the optimized module's outputs (and, in training, gradients) are from eager's:
+    ``max_abs``, the largest |optimized - eager|; ``max_scaled``, the largest of each tensor's
+    largest difference over its largest |eager value| (at least 1), which rounding keeps small
+    whatever the outputs' magnitude. Values equal on both sides (NaN and NaN, inf and inf) differ
+    by 0, a NaN on one side only by inf."""
+    max_abs: float
+    max_scaled: float
+
+    @classmethod
+    def of(cls, pairs) -> "Difference":
+        """Of ``(largest difference, largest |eager value|)`` pairs, one per tensor compared."""
+        pairs = list(pairs)
+        return cls(max((d for d, _ in pairs), default=0.0),
+                   max((d / max(1.0, scale) for d, scale in pairs), default=0.0))
+
+
+def _tensor_diff(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(largest |actual - expected|, largest finite |expected|), both as ``Difference`` counts them."""
+    if not actual.numel():
+        return 0.0, 0.0
+    a, e = actual.detach().float(), expected.detach().float()
+    same = (a == e) | (a.isnan() & e.isnan())
+    diff = torch.where(same, 0.0, (a - e).abs().nan_to_num(nan=math.inf)).max().item()
+    finite = e.abs()[e.isfinite()]
+    return diff, (finite.max().item() if finite.numel() else 0.0)
+
+
+def _leaf_diff(actual, expected) -> tuple[float, float]:
+    """``_tensor_diff``; inf where the two are not alike (shape, or not both tensors): broadcasting
+    would make a 0-d output against eager's (3, 4) read as a small difference."""
     if not isinstance(expected, torch.Tensor) or actual.shape != expected.shape:
-        return math.inf
-    return (actual.float() - expected.float()).abs().max().item()
+        return math.inf, 0.0
+    return _tensor_diff(actual, expected)
 
 
 ONE_SIDED_GRADIENT = ("{names}: a gradient on one side only (eager's is {eager}); torch.utils.checkpoint with "
@@ -37,16 +66,32 @@ def _own_copies(inputs):
     return torch.utils._pytree.tree_map(copied, inputs)
 
 
+def _reference_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` to run eagerly beside the optimized module. A tensor a forward left
+    on a module inside autograd's graph (an activation kept as ``self.last``, the weight the
+    hook of ``nn.utils.weight_norm`` computes) refuses ``copy.deepcopy``: the copy holds it
+    detached, as the next forward recomputes it."""
+    in_graph = {id(value): value.detach().clone() for module in model.modules() for value in vars(module).values()
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None}
+    return copy.deepcopy(model, in_graph)
+
+
 def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tuple, training: bool,
                  loss_fn=None, causes: list | None = None) -> float:
-    """Largest |optimized - eager| over outputs and, in training, every parameter's gradient
-    (inf where an output's shape, or their number, differs; a gradient on one side only counts
-    as its largest value, and ``causes`` gets a line naming those parameters).
+    """``difference(...).max_abs``."""
+    return difference(model, optimized, inputs, training, loss_fn, causes).max_abs
+
+
+def difference(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tuple, training: bool,
+               loss_fn=None, causes: list | None = None) -> Difference:
+    """|optimized - eager| over outputs and, in training, every parameter's gradient (inf where
+    an output's shape, or their number, differs; a gradient on one side only counts as its
+    largest value, and ``causes`` gets a line naming those parameters).
 
     Runs on a deep copy of ``model`` with the RNG seeded alike for both, each on its own copy of
     ``inputs``, and leaves the optimized module's gradients cleared.
     """
-    reference = copy.deepcopy(model)
+    reference = _reference_copy(model)
     loss_fn = loss_fn or differentiable_scalar  # every output that needs a gradient, summed
     if training:
         inputs = cut_from_callers_graph(inputs)
@@ -60,7 +105,7 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
     diffs = [_leaf_diff(a, e) for a, e in zip(actual_leaves, expected_leaves)
              if isinstance(a, torch.Tensor) and a.numel()]
     if len(actual_leaves) != len(expected_leaves):
-        diffs.append(math.inf)
+        diffs.append((math.inf, 0.0))
     losses = (loss_fn(expected), loss_fn(actual)) if training else ()
     if losses and all(isinstance(loss, torch.Tensor) and loss.requires_grad for loss in losses):
         for m in (reference, optimized):
@@ -70,19 +115,20 @@ def max_abs_diff(model: torch.nn.Module, optimized: torch.nn.Module, inputs: tup
         owner = optimized.model if hasattr(optimized, "model") else optimized
         diffs += _gradient_diffs(owner, reference, causes)
         optimized.zero_grad(set_to_none=True)
-    return max(diffs, default=0.0)
+    return Difference.of(diffs)
 
 
-def _gradient_diffs(optimized: torch.nn.Module, reference: torch.nn.Module, causes: list | None) -> list[float]:
-    """|optimized - eager| of each parameter's gradient; a gradient on one side only, its largest
-    |value| (named in ``causes``)."""
+def _gradient_diffs(optimized: torch.nn.Module, reference: torch.nn.Module,
+                    causes: list | None) -> list[tuple[float, float]]:
+    """``_tensor_diff`` of each parameter's gradient; a gradient on one side only differs by its
+    largest |value| (named in ``causes``)."""
     diffs, one_sided = [], []
     for (name, p), q in zip(optimized.named_parameters(), reference.parameters()):
         if p.grad is not None and q.grad is not None:
-            diffs.append((p.grad - q.grad).abs().max().item())
+            diffs.append(_tensor_diff(p.grad, q.grad))
         elif (p.grad is None) != (q.grad is None):
             grad = p.grad if p.grad is not None else q.grad
-            diffs.append(grad.abs().max().item() if grad.numel() else 0.0)
+            diffs.append((grad.abs().max().item() if grad.numel() else 0.0, 0.0))
             one_sided.append((name, q.grad is None))
     if one_sided and causes is not None:
         names = ", ".join(name for name, _ in one_sided[:3]) + (f" and {len(one_sided) - 3} more"

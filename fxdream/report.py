@@ -63,7 +63,7 @@ class Report:
     predicted_peak_delta_bytes: int | None = None
     top_layers: tuple = ()                        # predicted (layer, ms) with the passes, costliest first
     verified_max_abs_diff: float | None = None    # verify=True: vs eager, outputs (and grads)
-    verified_beyond_rounding: bool = False        # ... by more than rounding (pipeline.beyond_rounding)
+    verified_beyond_rounding: bool = False        # ... by more than rounding (build.beyond_rounding)
     precision: str = "fp32"                       # "bf16": optimize(precision="bf16")
     precision_deviation: Deviation | None = None  # measured: the outputs against float32 eager's
     measured_baseline_ms: float | None = None     # measure=True: median ms per call, interleaved

@@ -15,6 +15,7 @@ from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.capturing.captured import CaptureError, captured_parts
 from fxdream.capturing.keywords import bind_keywords
 from fxdream.capturing.meta import check_meta_on_both_sides, meta_copy, mixed_dtype_call, on_meta
+from fxdream.capturing.model_state import preserved_inputs, python_attributes_kept, rng_kept
 from fxdream.ops.rnn_cell import cells_as_on
 from fxdream.plan import plan
 from fxdream.runtime.host_memory import settle_dynamic_thresholds
@@ -45,7 +46,10 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     captured_model, inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)
     if isinstance(model_cost, Profiled) and model_cost.device.kind == "cpu":
         settle_dynamic_thresholds()  # timed in the allocator's state later calls run in
-    with watch_machine_load() as load:  # where costs are measured here: did other processes run beside them?
+    # the model's Python attributes, the inputs and the RNG as they were (the prediction's steps call
+    # forward, ops are timed on random data); where costs are measured here: did other processes run beside them?
+    with python_attributes_kept(model), preserved_inputs(example_inputs), rng_kept(model), \
+            watch_machine_load() as load:
         prediction = _simulate((model, example_inputs), captured_model, inputs, model_cost, device, training,
                                optimizer, contention, passes, memory_budget)
     if load.disturbed and isinstance(model_cost, Profiled):

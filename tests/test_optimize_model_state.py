@@ -234,3 +234,42 @@ def test_notes_that_say_the_same_of_several_graphs_are_said_once():
              "graph 4: dropped 5 copies"]
     assert per_graph_notes_folded(notes) == ("graphs 0, 1, 4: dropped 5 copies", "first look",
                                              "graph 1: 3 values folded")
+
+
+class CountsItsCalls(nn.Module):
+    """A forward that changes Python attributes: a counter the output reads, a list it appends to,
+    a tensor it keeps (``self.last``, in autograd's graph in training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls, self.history, self.last = nn.Linear(4, 4), 0, [], None
+
+    def forward(self, x):
+        self.calls += 1
+        self.history.append(self.calls)
+        self.last = self.linear(x)
+        return self.last * self.calls
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("passes", [(), "auto"])
+def test_a_build_leaves_the_python_attributes_a_forward_changes_as_they_were(training, passes):
+    torch.manual_seed(0)
+    model, x = CountsItsCalls().train(training), torch.randn(2, 4)
+    history = model.history
+    optimized = fxdream.optimize(model, (x,), passes=passes, training=training, verify=True)
+    assert (model.calls, model.history, model.last) == (0, [], None) and model.history is history
+    reference = copy.deepcopy(model)
+    for _ in range(3):
+        with torch.set_grad_enabled(training):
+            torch.testing.assert_close(optimized(x), reference(x))
+    assert model.calls == reference.calls == 3 and model.history == [1, 2, 3]
+
+
+def test_a_prediction_leaves_the_python_attributes_a_forward_changes_and_the_rng_as_they_were():
+    model, x = CountsItsCalls().train(), torch.randn(2, 4)
+    rng = torch.get_rng_state()
+    fxdream.simulate(model, (x,), device="cpu", training=True)  # ops timed alone on random data
+    fxdream.simulate(model, (x,), device="h100", training=True)
+    assert (model.calls, model.history, model.last) == (0, [], None)
+    assert torch.equal(torch.get_rng_state(), rng)

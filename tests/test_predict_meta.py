@@ -30,10 +30,12 @@ def test_a_prediction_for_another_device_runs_nothing_on_real_data_and_leaves_th
     torch.manual_seed(0)
     model, x = Net().train(), torch.randn(4, 3, 16, 16)
     weight = model.conv.weight.detach().clone()
+    devices = []  # outside the model: a prediction gives the model's own attributes back as they were
+    model.conv.register_forward_hook(lambda m, inputs, out: devices.append(inputs[0].device.type))
     prediction = fxdream.simulate(model, (x,), device="h100", training=True)
     assert prediction.time_ms > 0 and prediction.device.name == "h100"
     # every forward that ran (the copy's hooks append to this list too) saw meta tensors, no data
-    assert model.devices and set(model.devices) == {"meta"}
+    assert devices and set(devices) == {"meta"} and model.devices == []
     assert model.conv.weight.device.type == "cpu" and torch.equal(model.conv.weight, weight)
     assert model.conv.weight.grad is None and model.bn.num_batches_tracked.item() == 0
 

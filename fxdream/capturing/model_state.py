@@ -93,6 +93,39 @@ def attributes_kept(model: torch.nn.Module):
                 table.update(entries)
 
 
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own tables (hooks, parameters, flags)
+
+
+@contextlib.contextmanager
+def python_attributes_kept(model: torch.nn.Module):
+    """Every module's own Python attributes as they were (a call counter, the step a schedule
+    reads, a list a forward appends to, a tensor it keeps as ``self.last``): a build or a
+    prediction calls forward many times, and the user's next call must see the model its
+    previous one left. Attributes are rebound as ``attributes_kept`` does; lists, dicts and sets
+    also get their contents back in place (one held elsewhere stays the same object). Tensor
+    values are not copied: their in-place updates are the buffers' and parameters' business."""
+    containers = [(value, _contents(value)) for module in model.modules() for key, value in vars(module).items()
+                  if key not in _MODULE_INTERNALS and isinstance(value, (list, dict, set))]
+    with attributes_kept(model):
+        try:
+            yield
+        finally:
+            for container, contents in containers:
+                _put_back(container, contents)
+
+
+def _contents(container):
+    return dict(container) if isinstance(container, dict) else list(container)
+
+
+def _put_back(container, contents) -> None:
+    if isinstance(container, list):
+        container[:] = contents
+    else:
+        container.clear()
+        container.update(contents)
+
+
 @contextlib.contextmanager
 def preserved_modes(model: torch.nn.Module):
     """Every submodule's train/eval flag as it was, whatever runs inside."""
@@ -109,9 +142,7 @@ def preserved_state(model: torch.nn.Module):
     """Run a throw-away step: keep parameters' grads, buffers (BN stats) and the RNG unchanged."""
     grads = {p: (None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()}
     buffers = [(b, tensor_version(b), b.detach().clone()) for b in model.buffers()]
-    devices = sorted({p.device.index for p in model.parameters()
-                      if p.device.type == "cuda" and p.device.index is not None})
-    with torch.random.fork_rng(devices=devices):
+    with rng_kept(model):
         try:
             yield
         finally:
@@ -124,6 +155,14 @@ def preserved_state(model: torch.nn.Module):
             for p, saved in grads.items():
                 p.grad = saved
             _refresh_rnn_weights(model)
+
+
+def rng_kept(model: torch.nn.Module):
+    """The CPU generator's state, and that of each GPU the model's parameters are on, as they were
+    after the block: what runs inside (a throw-away step, ops timed on random data) draws from them."""
+    devices = sorted({p.device.index for p in model.parameters()
+                      if p.device.type == "cuda" and p.device.index is not None})
+    return torch.random.fork_rng(devices=devices)
 
 
 def _changed(buffer: torch.Tensor, version: int | None, saved: torch.Tensor) -> bool:
