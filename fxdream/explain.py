@@ -56,6 +56,7 @@ from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import DeviceSpec, get_device
 from fxdream.sim.cost.occupancy import BLOCKS_PER_SM, SPLIT_K_MIN, TILE, OccupancyAware
 from fxdream.sim.prediction import graph_prediction
+from fxdream.simulation import capture_for_prediction
 
 b = sp.Symbol("b", positive=True, integer=True)
 MAX_BATCH = 1024
@@ -221,20 +222,23 @@ class _Symbolic:
         return self.cost.dispatch_us(node)
 
 
-def _backward_graphs(captured) -> list[fx.GraphModule]:
-    parts = captured_parts(captured)
-    graphs = [p.backward for p in parts if p.backward is not None]
-    if not graphs:
+def _backward_graphs(captured, required: bool = True) -> list[fx.GraphModule]:
+    """The capture's backward graphs; ``required``: a capture without any is an error (a module
+    captured here in training may have none: every op ran eagerly, as an RNN's in training)."""
+    graphs = [p.backward for p in captured_parts(captured) if p.backward is not None]
+    if not graphs and required:
         raise ValueError("the capture has no backward graph: capture with training=True")
     return graphs
 
 
-def _captured_batch(captured) -> int:
-    parts = captured_parts(captured)
-    for p in parts:
-        for shape in p.input_shapes:
-            if isinstance(shape, tuple) and shape:
-                return int(shape[0])
+def _captured_batch(captured, example_inputs: tuple = ()) -> int:
+    """The leading size of the capture's first tensor input; of the example's first tensor where no
+    graph takes one (every op ran eagerly: an RNN in training)."""
+    shapes = [shape for p in captured_parts(captured) for shape in p.input_shapes]
+    shapes += [tuple(x.shape) for x in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
+    for shape in shapes:
+        if isinstance(shape, tuple) and shape:
+            return int(shape[0])
     raise ValueError("cannot tell the batch size of this capture (no tensor input)")
 
 
@@ -298,7 +302,7 @@ def crossover(model, device: str | DeviceSpec = "h100", batch: int | None = None
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
     if spec.kind != "cuda":
         raise ValueError(f"aux_stream_backward's crossover needs a GPU DeviceSpec (streams), got {spec.name!r}")
-    name = model if isinstance(model, str) else None
+    name, notes = (model if isinstance(model, str) else None), ()
     if name is not None:
         net, inputs, _ = models.build(name, batch or DEFAULT_BATCH, device="meta", dtype=dtype)
         captured = capture(net, inputs, training=True)
@@ -306,15 +310,29 @@ def crossover(model, device: str | DeviceSpec = "h100", batch: int | None = None
         if example_inputs is None:
             raise ValueError(f"crossover of a {type(model).__name__} needs its example_inputs (a tuple of "
                              f"tensors at the batch to explain): it is captured in training on the meta device")
-        net, inputs, _ = meta_copy(model, check_inputs(example_inputs))
-        captured = capture(net.train(), inputs, training=True)
+        example_inputs = check_inputs(example_inputs)
+        captured, notes = _captured_for_crossover(model, example_inputs)
     else:
         captured = model
-    held = _captured_batch(captured)
+    held = _captured_batch(captured, example_inputs or ())
     if batch is not None and batch != held:
         raise ValueError(f"batch={batch}, but the example holds batch {held}: a module or capture is explained at "
                          f"its example's batch (give example_inputs of batch {batch})")
-    return crossover_of_graphs(_backward_graphs(captured), spec, held, name, max_batch, join, simulate_at_batch)
+    graphs = _backward_graphs(captured, required=not isinstance(model, torch.nn.Module))
+    found = crossover_of_graphs(graphs, spec, held, name, max_batch, join, simulate_at_batch)
+    if not notes:
+        return found
+    text = found.text + "".join(f"\n  note: {note}" for note in notes)
+    return Crossover(found.expression, found.bound, text, found.definitions, found.interval, found._gain_fn)
+
+
+def _captured_for_crossover(model: torch.nn.Module, inputs: tuple) -> tuple:
+    """(the training capture of ``model`` on a meta copy of it and ``inputs``, notes): as ``simulate``
+    captures for a GPU, so a model whose capture on the meta device fails (it reads tensor values, or
+    takes lengths on the CPU) is captured on the example's data instead, with a note saying so."""
+    net, meta_inputs, _ = meta_copy(model, inputs)
+    _, captured, _, notes = capture_for_prediction((model, inputs), net.train(), meta_inputs, training=True)
+    return captured, notes
 
 
 def crossover_of_graphs(graphs: list[fx.GraphModule], device: DeviceSpec, b0: int, name: str | None = None,

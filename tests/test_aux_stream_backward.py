@@ -405,6 +405,28 @@ def test_crossover_of_a_module_with_its_inputs_equals_that_of_its_capture_and_ru
         crossover(net, device="h100", batch=32, example_inputs=inputs)
 
 
+
+class BranchesOnAValue(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = torch.nn.Conv2d(3, 8, 3), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        if y.mean() > 0.1:  # reads a value: no capture on the meta device
+            y = y * 2
+        return self.head(y.mean((2, 3)))
+
+
+def test_crossover_of_a_module_that_reads_values_is_captured_on_its_data_and_says_so():
+    x = torch.randn(4, 3, 8, 8, requires_grad=True)  # a data gradient too: a convolution to split
+    found = crossover(BranchesOnAValue(), device="h100", max_batch=64, example_inputs=(x,))
+    assert "1 convolutions split" in found.text
+    assert "captured on the example's data here, not on the meta device" in found.text
+    lstm = torch.nn.LSTM(8, 16)  # runs eagerly in training: no backward graph, nothing to split
+    assert "nothing to split" in crossover(lstm, device="h100", example_inputs=(torch.randn(5, 3, 8),)).text
+
+
 # --- CUDA: real streams -----------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_cuda_events_order_the_streams():
