@@ -70,3 +70,28 @@ def test_the_eager_check_times_seeded_steps_on_both_sides(monkeypatch):
     model = TwoHeads()
     built = fxdream.optimize(model, (torch.randn(4, 8),), training=True, eager_check=True, cost="profiled")
     assert stepped == [(model, True), (built, True)]
+
+
+class CheckpointedDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(8, 8), nn.Linear(8, 4), nn.Dropout(0.3)
+
+    def forward(self, x):
+        inner = lambda t: self.drop(torch.nn.functional.gelu(self.a(t)))  # noqa: E731
+        return self.b(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
+
+
+def test_a_replayed_dropout_is_timed_alone_with_a_valid_generator_state(monkeypatch):
+    # activation checkpointing replays dropout under run_with_rng_state(state, op, ...): synthetic
+    # bytes are no generator state ("Invalid mt19937 state"), and the cost fell back to a guess
+    from fxdream.sim.cost.analytic import Analytic
+    from fxdream.sim.cost.devices import get_device
+    from fxdream.sim.cost import profiled
+    warned = []
+    monkeypatch.setattr(profiled.log, "warning", lambda *args: warned.append(args))
+    captured = fxdream.capture(CheckpointedDropout().train(), (torch.randn(4, 8),), training=True)
+    replays = [n for n in captured.backward.graph.nodes if n.target is torch.ops.higher_order.run_with_rng_state]
+    assert replays
+    timed = profiled.Profiled(get_device("cpu")).kernel_us(replays[0])
+    assert not warned and timed != Analytic(get_device("cpu")).kernel_us(replays[0])

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
 from fxdream.capturing.captured import captured_parts
 from fxdream.capturing.dynamo import describe_error
-from fxdream.ir.nodes import arg_values, is_view, op_name
+from fxdream.ir.nodes import is_view, op_name
 from fxdream.ir.tensors import real_tensors
 from fxdream.runtime.direct_calls import direct
 from fxdream.sim.cost.analytic import Analytic
@@ -44,7 +43,7 @@ from fxdream.sim.profile.in_context import (  # noqa: F401  (MIN_ROUNDS)
     compute_nodes,
     ones_like,
     owned_copies,
-    random_like,
+    synthetic_args,
     time_graph,
 )
 from fxdream.sim.profile.op_keys import profile_key
@@ -184,7 +183,7 @@ class Profiled:
         if not callable(node.target) or isinstance(node.target, str):
             return 0.0, None
         try:
-            args, kwargs = tree_map(lambda v: random_like(v, self.torch_device), arg_values(node))
+            args, kwargs = synthetic_args(node, self.torch_device)
             op = direct(node.target)  # as graph code calls it (``direct_calls``)
             call = lambda: op(*args, **kwargs)  # noqa: E731
             if self.torch_device.type == "cuda":

@@ -13,10 +13,10 @@ import weakref
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fxdream.ir.aliasing import written_inputs
-from fxdream.ir.nodes import is_view, op_name
+from fxdream.ir.nodes import arg_values, is_view, op_name
 from fxdream.ir.tensors import real_tensors, size_hint
 from fxdream.runtime.cuda_graph_runner import capture_paused
 from fxdream.sim.profile import cuda_timing
@@ -245,6 +245,17 @@ def random_like(value, device: torch.device):
     if not value.numel():
         return torch.empty(shape, dtype=value.dtype, device=device)
     return torch.as_strided(flat, shape, stride)
+
+
+def synthetic_args(node: fx.Node, device: torch.device) -> tuple[tuple, dict]:
+    """(args, kwargs) to call ``node``'s op with alone: ``random_like`` of each value, except the
+    generator state ``run_with_rng_state`` (activation checkpointing's replayed dropout) sets
+    before its op, which must be a valid one: the generator's current state (the op puts the
+    state it found back)."""
+    args, kwargs = tree_map(lambda v: random_like(v, device), arg_values(node))
+    if node.target is torch.ops.higher_order.run_with_rng_state and args:
+        args = (torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state(), *args[1:])
+    return args, kwargs
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
