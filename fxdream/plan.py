@@ -23,6 +23,9 @@ from fxdream.sim.optimizer_step import OptimizerModel
 from fxdream.sim.prediction import Prediction, predict
 
 
+SETTLING_RUNS = 3  # pipeline runs after the first at most, each on the costs the one before it timed
+
+
 @dataclass(frozen=True)
 class Plan:
     device: str
@@ -65,8 +68,14 @@ def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu"
     context = PassContext(device=cost_model.device.kind, training=training, sim_device=cost_model.device.name,
                           cost_model=cost_model, memory_budget=memory_budget)
     pipeline = _passes_run(model, captured, PassPipeline(selected, context, auto=passes == "auto"))
-    if isinstance(cost_model, Profiled):  # the rewrites' new ops were timed alone; in context now, the
-        cost_model.profile_in_context(captured, graphs=pipeline.rewritten)  # rows say what the totals say
+    for _ in range(SETTLING_RUNS if isinstance(cost_model, Profiled) else 0):
+        # the rewrites' new ops were timed alone; timed in context now, the passes run again on those
+        # costs, so each row says what the totals say. A run on them may choose another variant,
+        # whose ops are then timed in context in turn: until no cost changes.
+        revision = cost_model.revision
+        cost_model.profile_in_context(captured, graphs=pipeline.rewritten)
+        if cost_model.revision == revision:
+            break
         pipeline = _passes_run(model, captured, PassPipeline(selected, context, auto=passes == "auto"))
     before = predict(captured, cost_model, training, optimizer, contention=contention, step=step)
     after = predict(captured, cost_model, training, optimizer, graphs=pipeline.rewritten, contention=contention,

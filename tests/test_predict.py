@@ -525,6 +525,23 @@ def test_the_pipeline_predicts_a_graph_again_once_a_cost_it_used_changed():
     assert pipeline.predict(gm, "fw")[0] < stale / 100
 
 
+def test_plan_runs_the_passes_again_until_the_costs_they_chose_on_settle(monkeypatch):
+    # a run on in-context costs may choose another variant, whose ops are timed in context then
+    import fxdream.plan as plan_module
+    model, x = ConvBnNet().eval(), torch.randn(2, 3, 16, 16)
+    captured = fxdream.capture(model, (x,))
+    runs, changes = [], iter([True, True, False])
+    real_run = plan_module._passes_run
+    monkeypatch.setattr(plan_module, "_passes_run", lambda *a: runs.append(1) or real_run(*a))
+
+    def timed_in_context(self, captured, graphs=None, **kwargs):
+        if graphs is not None and next(changes, False):
+            self.revision += 1  # a cost the run before used changed
+    monkeypatch.setattr(Profiled, "profile_in_context", timed_in_context)
+    plan(model, captured, device="cpu", passes=["fuse_conv_bias_act"], cost="profiled")
+    assert len(runs) == 3  # the first, then one per change
+
+
 def test_measured_plan_rows_add_up_to_its_predicted_totals():
     """The rewrite's new ops are timed alone while the passes choose, then in context for the
     totals: the passes run again on those costs, so each row says what the totals say."""

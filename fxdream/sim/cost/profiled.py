@@ -300,8 +300,10 @@ class Profiled:
         return rounds
 
     def _set(self, key: str, us: float) -> None:
-        """``key``'s cost is ``us`` from now on; a change of a cost already taken is a new revision."""
-        if key in self.measurements and self.measurements[key] != us:
+        """``key``'s cost is ``us`` from now on; a change of a cost already taken (its own, or the
+        isolated timing that stood in for it) is a new revision."""
+        taken = self.measurements.get(key, self.measurements.get("isolated|" + key))
+        if taken is not None and taken != us:
             self.revision += 1
         self.measurements[key] = us
 
