@@ -12,6 +12,7 @@ import torch
 
 from fxdream.build import cost_model_for
 from fxdream.capturing.captured import Captured, captured_parts
+from fxdream.capturing.model_state import rng_kept
 from fxdream.capturing.session import _model_state_of
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
@@ -60,8 +61,15 @@ def plan(model: torch.nn.Module, captured: Captured | tuple, device: str = "cpu"
          passes="auto", cost: str | CostModel = "auto", memory_budget: int | None = None,
          optimizer: OptimizerModel | None = None, contention: bool = True, step=None) -> Plan:
     """Run ``passes`` ("auto" or names) over ``captured`` for ``device`` and simulate before/after
-    (a training step with ``optimizer``'s step when given; ``step`` as ``predict`` takes it)."""
-    cost_model = cost_model_for(device, cost) if isinstance(cost, str) else cost
+    (a training step with ``optimizer``'s step when given; ``step`` as ``predict`` takes it).
+    The RNG is left as it was: measured costs time ops on random data."""
+    with rng_kept(model):
+        return _plan(model, captured, training, passes, cost_model_for(device, cost) if isinstance(cost, str) else cost,
+                     memory_budget, optimizer, contention, step)
+
+
+def _plan(model: torch.nn.Module, captured: Captured | tuple, training: bool, passes, cost_model: CostModel,
+          memory_budget: int | None, optimizer: OptimizerModel | None, contention: bool, step) -> Plan:
     if isinstance(cost_model, Profiled):
         cost_model.profile_in_context(captured)
     selected = resolve_passes(available_passes() if passes == "auto" else passes)

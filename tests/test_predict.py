@@ -547,6 +547,8 @@ def test_measured_plan_rows_add_up_to_its_predicted_totals():
     totals: the passes run again on those costs, so each row says what the totals say."""
     model, x = ConvBnNet().eval(), torch.randn(2, 3, 16, 16)
     captured = fxdream.capture(model, (x,))
+    rng = torch.get_rng_state()
     planned = plan(model, captured, device="cpu", passes=["fuse_conv_bias_act"], cost="profiled")
+    assert torch.equal(torch.get_rng_state(), rng)  # its ops were timed on random data, drawn from a fork
     (row,) = [r for r in planned.rows if r.applied]
     assert row.predicted_delta_us == pytest.approx((planned.after.time_ms - planned.before.time_ms) * 1e3)
