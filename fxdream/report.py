@@ -107,6 +107,10 @@ class Report:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=str)
 
+    def __str__(self) -> str:
+        """What ``print(report)`` shows: the markdown page, not the dataclass's field dump."""
+        return self.to_markdown()
+
     def to_markdown(self) -> str:
         mode = "training" if self.training else "inference"
         lines = [f"## fxdream report: {self.model} ({mode}, {self.device})", ""]

@@ -71,9 +71,11 @@ def test_the_report_shows_each_prediction_with_its_range_and_the_gain_with_its_o
                     predicted_optimized_ms_range=(40.0, 44.0), predicted_peak_delta_bytes=0)
     assert report.predicted_speedup == pytest.approx(2.0)
     assert report.predicted_speedup_range == pytest.approx((80.0 / 44.0, 88.0 / 40.0))
-    text = report.to_markdown()
+    text = str(report)  # print(report) shows the page, not the dataclass's fields
+    assert text.startswith("## fxdream report: M (inference, cpu)")
     assert "84.000 ms (80.000–88.000) without passes → 42.000 ms (40.000–44.000) with them" in text
     assert "2.00x (1.82–2.20)" in text
+    assert repr(report).startswith("Report(model='M'")
 
 
 def test_the_gain_is_exactly_one_where_no_pass_rewrote_the_graphs():
