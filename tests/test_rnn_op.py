@@ -256,6 +256,31 @@ def test_an_lstm_without_projections_keeps_onednns_layer():
     assert lstm_inference not in [n.target for n in _call_functions(optimized)]
 
 
+class LastStep(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.fc = torch.nn.LSTM(6, 8, batch_first=True), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        y, _ = self.lstm(x)
+        return self.fc(y[:, -1])
+
+
+@pytest.mark.parametrize("passes", [(), "auto"])
+def test_an_lstm_called_with_an_empty_batch_returns_empty_outputs_as_eager(passes):
+    # torch's LSTM decomposition sends an empty input to oneDNN's layer, which dies of a division
+    # by zero (SIGFPE: the process, not an exception); eager's LSTM returns empty outputs
+    model, x = LastStep().eval(), torch.randn(4, 5, 6)
+    optimized = fxdream.optimize(model, (x,), passes=passes, eager_check=False)
+    empty = torch.randn(0, 5, 6)
+    with torch.no_grad():
+        expected = model(empty)
+    actual = optimized(empty)
+    assert actual.shape == expected.shape == (0, 3)
+    with torch.no_grad():  # the full batch still runs oneDNN's layer, equal to eager
+        torch.testing.assert_close(optimized(x), model(x))
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_onednns_lstm_layer_counts_its_two_weight_matrices(bias):
     # without biases the layer takes zeros of the weights' shapes in their place: not more weights

@@ -232,7 +232,7 @@ def _monte_carlo_dropout(input, dropout, train, num_layers, *tensors) -> bool:
 
 def redirect_lstm(args, kwargs):
     """For an LSTM as nn.LSTM calls ``_VF.lstm`` (9 arguments): in inference (train=False)
-    ``lstm_inference(...)`` on the meta device or on a CPU with projections; in train mode without
+    ``lstm_inference(...)`` on the meta device, or on a CPU with projections or an empty input; in train mode without
     gradients, stacked with dropout, ``lstm_dropout(...)``; in training ``lstm_train(...)`` on the
     meta device; else None."""
     if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)):
@@ -250,9 +250,17 @@ def redirect_lstm(args, kwargs):
                                               batch_first)
         return output, hy, cy
     projected_on_cpu = input.device.type == "cpu" and h.shape[-1] != c.shape[-1]
-    if not (projected_on_cpu or input.device.type == "meta"):
+    if not (projected_on_cpu or _empty_on_cpu(input) or input.device.type == "meta"):
         return None
     return tuple(lstm_inference(input, [h, c], list(params), has_biases, num_layers, bidirectional, batch_first))
+
+
+def _empty_on_cpu(input: torch.Tensor) -> bool:
+    """An empty CPU input (a batch of 0): torch's LSTM decomposition still picks oneDNN's layer for
+    it (its ``use_mkldnn`` has no size check, ATen's has), and that layer dies of a division by
+    zero, killing the process; eager's LSTM returns empty outputs. Only sizes fixed at 0 count: a
+    symbolic size is never asked, so no guard is added."""
+    return input.device.type == "cpu" and any(type(size) is int and size == 0 for size in input.shape)
 
 
 def redirect_rnn(mode, args, kwargs):
