@@ -10,6 +10,7 @@ import warnings
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from fxdream.capturing.arguments import positional_call
 from fxdream.capturing.dynamo import describe_error, raised_compiling, recompile_limit_notes
@@ -19,6 +20,10 @@ from fxdream.capturing.traced_runner import autocast_enabled
 from fxdream.pass_runner import PassPipeline
 from fxdream.report import GraphReport, Report
 
+# Exceptions torch raises through a forward on purpose, to be caught by its own caller: never a
+# failure of the rewritten graphs (checkpoint's recomputation stops a replayed forward so, once it
+# has the activations it needs). Falling back to eager on one would run the forward a second time.
+TORCH_CONTROL_FLOW = (torch.utils.checkpoint._StopRecomputationError,)
 RECOMPILE_LIMIT = 3  # compilations of calls alike (the build's included) before running eagerly
 
 
@@ -132,6 +137,8 @@ class OptimizedModule(torch.nn.Module):
         self._calls[0] += 1
         try:
             output = self._call(self._runner, args, kwargs)
+        except TORCH_CONTROL_FLOW:
+            raise
         except Exception as error:
             compiling = raised_compiling(error)
             if self._strict or not (compiling or any(row.applied for row in self._pipeline.rows)):
