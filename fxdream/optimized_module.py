@@ -151,6 +151,7 @@ class OptimizedModule(torch.nn.Module):
         if len(self._session.records) > compiled:
             key = call_kind(args, kwargs, torch.is_grad_enabled() and not self._inference, self.model.training)
             self._count_compilation(key, self._session.records[compiled:])
+            self._session.forget_real_tensors()
         return output
 
     def called_positionally(self) -> torch.nn.Module:
@@ -249,9 +250,11 @@ class OptimizedModule(torch.nn.Module):
             if r.predicted_delta_us is not None or r.name == "auto" else r for r in self._pipeline.rows]
 
     def _finish(self, build_seconds: float, rebuild: Callable[[torch.nn.Module], "OptimizedModule"]) -> None:
-        """The build's time, and how to build the same for another model (``copy.deepcopy``)."""
+        """The build's time, and how to build the same for another model (``copy.deepcopy``); the
+        model's tensors left free to be swapped (``CaptureSession.forget_real_tensors``)."""
         self._build_seconds = build_seconds
         self._rebuild = rebuild
+        self._session.forget_real_tensors()
 
     def _call(self, fn: Callable, args, kwargs):
         if self._inference:

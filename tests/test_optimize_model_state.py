@@ -273,3 +273,33 @@ def test_a_prediction_leaves_the_python_attributes_a_forward_changes_and_the_rng
     fxdream.simulate(model, (x,), device="h100", training=True)
     assert (model.calls, model.history, model.last) == (0, [], None)
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("training,passes", [(False, ()), (False, ["fuse_conv_bias_act"]), (True, ()),
+                                             (True, ["reinplace"])])
+def test_the_models_parameters_can_be_swapped_after_a_build(training, passes):
+    # the captures' fake modes held weak references to the parameters they converted, and
+    # torch.utils.swap_tensors (load_state_dict, .to() under swap_module_params_on_conversion)
+    # refuses a tensor something holds weakly
+    torch.manual_seed(0)
+    model, other, x = Small().train(training), Small().train(training), torch.randn(2, 3, 8, 8)
+    optimized = fxdream.optimize(model, (x,), passes=passes, training=training, eager_check=False)
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(other.state_dict())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    if training:
+        assert_same_training_step(model, optimized, (x,))
+    else:
+        with torch.no_grad():
+            torch.testing.assert_close(optimized(x), other(x))
+
+
+def test_the_models_parameters_can_be_swapped_after_a_prediction():
+    model, x = Small().train(), torch.randn(2, 3, 8, 8)
+    fxdream.simulate(model, (x,), device="cpu", training=True)
+    replacement = nn.Parameter(torch.zeros_like(model.fc.weight))
+    torch.utils.swap_tensors(model.fc.weight, replacement)  # raises where a weak reference is held
+    assert torch.equal(model.fc.weight, torch.zeros_like(model.fc.weight))

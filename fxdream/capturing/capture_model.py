@@ -85,6 +85,7 @@ def _capture(model: torch.nn.Module, inputs: tuple, training: bool, measure: boo
         step, notes = order, notes + describe_calls(order)
         if not captured:
             notes = (f"{nothing}; the whole step ran as eager code, predicted from its ATen ops",) + notes
+    session.forget_real_tensors()  # the model's tensors free to be swapped again
     if not captured and step is None:  # no graph to cost, and no time measured
         raise CaptureError(nothing if measure else f"{nothing}; fxdream.simulate for this machine with real inputs "
                                                    f"(cost='auto') measures the step as eager code instead")

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 from functorch.compile import aot_module_simplified, make_boxed_func
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
 
 from fxdream.capturing.captured import Captured
 from fxdream.capturing.constants import fold_input_free_values
@@ -56,6 +59,7 @@ class _SubgraphRecord:
     # (the frame's place in the model, a parameter's path below it: ``layers.frame_anchor``)
     anchor: tuple[str, str] | None = None
     modes: tuple[bool, ...] = ()  # each module's ``training`` flag when it was compiled
+    tracing_context: object = None  # a weak reference to dynamo's (aot_autograd's lazy backward keeps it)
 
     def freeze(self) -> Captured:
         return Captured(self.index, self.forward, self.backward, self.torch_graph,
@@ -111,6 +115,8 @@ class CaptureSession:
                                  _user_input_shapes(gm, example_inputs))
         record.code = compiling_code()
         record.modes = tuple(m.training for m in self.modules)
+        context = torch._guards.TracingContext.try_get()
+        record.tracing_context = None if context is None else weakref.ref(context)
         self.clock.compilations += 1
         self._note_recompilation(record)
         self.records.append(record)
@@ -247,6 +253,33 @@ class CaptureSession:
 
     def captured(self) -> tuple[Captured, ...]:
         return tuple(r.freeze() for r in self.records if r.forward is not None)
+
+    def forget_real_tensors(self) -> None:
+        """Drop the weak references the captures' fake modes hold to the real tensors they
+        converted (the model's parameters among them): ``torch.utils.swap_tensors`` refuses a
+        tensor something holds weakly, and with it ``load_state_dict`` and ``.to()`` under
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``. dynamo drops them (its
+        tracing context's and its fake mode's) after compiling for its registered backends, not for
+        a backend object such as this one. Only caches of conversions go: a later conversion of
+        the same tensor makes a new fake."""
+        graphs = [g for r in self.records for g in (r.torch_graph, r.forward, r.backward) if g is not None]
+        for mode in {id(m): m for m in map(_fake_mode_of, graphs) if m is not None}.values():
+            describer = mode.fake_tensor_converter.meta_converter.describer
+            describer.lookup_tensor.clear()
+            describer.lookup_storage.clear()
+        for record in self.records:
+            context = record.tracing_context() if record.tracing_context is not None else None
+            if context is not None:
+                context.tensor_to_context.clear()
+
+
+def _fake_mode_of(gm: fx.GraphModule):
+    """The fake mode of the first fake value a node of ``gm`` holds (one mode traces a graph)."""
+    for node in gm.graph.nodes:
+        for value in pytree.tree_leaves((node.meta.get("val"), node.meta.get("example_value"))):
+            if isinstance(value, FakeTensor):
+                return value.fake_mode
+    return None
 
 
 def _traced_once(gm: fx.GraphModule, example_inputs: Sequence) -> fx.GraphModule | None:
