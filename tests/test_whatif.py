@@ -324,6 +324,18 @@ def test_bad_what_if_arguments_get_one_line_and_never_a_hang(captured_mlp, call,
 
 
 # ---- P3 ------------------------------------------------------------------------------------------
+def test_p3_updates_each_parameter_alone_even_where_the_multi_tensor_step_has_as_many_ops(captured_mlp):
+    # Adam's multi-tensor step is 7 ops whatever the parameters; the MLP has 6: read as one op per
+    # parameter, P3's window dropped updates and predicted two GPUs faster than one with no network
+    _, captured = captured_mlp
+    base = h100_prediction(captured, ADAM)
+    assert len(base.task_graph.select(phase="optim")) // 2 == ADAM.foreach_ops > len(W.gradients(captured, base.task_graph))
+    inf = W.Cluster(2, 1, network_gbps=math.inf, network_latency_us=0)
+    same = W.p3(base, inf, captured=captured, slice_bytes=4096)
+    per_parameter = h100_prediction(captured, dataclasses.replace(ADAM, foreach=False))
+    assert same.time_ms == pytest.approx(per_parameter.time_ms, rel=1e-9)
+
+
 def test_p3_lets_the_next_forward_start_before_all_gradients_arrive(captured_mlp):
     _, captured = captured_mlp
     base = h100_prediction(captured)

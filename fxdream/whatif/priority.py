@@ -60,9 +60,11 @@ def _optimizer_tasks(tg: TaskGraph) -> dict[int, list[str]]:
 def _updates_per_parameter(tg: TaskGraph, grads: Sequence[Gradient], device) -> TaskGraph:
     """``tg`` with its optimizer step as one update per parameter, as P3 applies them (each as
     its slices arrive), where the prediction's step updates them together (torch's multi-tensor
-    ops on a GPU). A fused step stays as it is: it cannot update one parameter alone."""
+    ops on a GPU: ``foreach_ops`` tasks, whatever the number of parameters, so their count says
+    nothing). A fused step stays as it is: it cannot update one parameter alone; a CPU's step is
+    one update per parameter already."""
     optim, model, on_gpu = optimizer_in(tg)
-    if model is None or model.fused or len(_optimizer_tasks(tg)) >= len(grads):
+    if model is None or model.fused or not (on_gpu and model.foreach):
         return tg
     per_parameter = tg.remove(optim)
     append_optimizer_step(per_parameter, [(gr.nbytes, 0) for gr in sorted(grads, key=lambda gr: gr.index)],
