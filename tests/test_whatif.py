@@ -329,7 +329,8 @@ def test_p3_updates_each_parameter_alone_even_where_the_multi_tensor_step_has_as
     # parameter, P3's window dropped updates and predicted two GPUs faster than one with no network
     _, captured = captured_mlp
     base = h100_prediction(captured, ADAM)
-    assert len(base.task_graph.select(phase="optim")) // 2 == ADAM.foreach_ops > len(W.gradients(captured, base.task_graph))
+    parameters = len(W.gradients(captured, base.task_graph))
+    assert len(base.task_graph.select(phase="optim")) // 2 == ADAM.foreach_ops > parameters
     inf = W.Cluster(2, 1, network_gbps=math.inf, network_latency_us=0)
     same = W.p3(base, inf, captured=captured, slice_bytes=4096)
     per_parameter = h100_prediction(captured, dataclasses.replace(ADAM, foreach=False))
