@@ -39,6 +39,9 @@ class PassContext:
     with the pipeline's cost model, so a pass can compare its candidate rewrites.
     ``forced`` is True when the user named the pass, False under ``passes="auto"``: a
     pass that is not forced should decline when its rewrite is not predicted to help.
+    ``forward``, for a backward graph, is the forward graph it follows in a step (as rewritten):
+    on a GPU the backward's host work starts while the forward's kernels still run, so a backward
+    is predicted after it (``sim.prediction.step_prediction``), never from a standing start.
     """
     device: str = "cpu"            # where the module runs: "cpu" | "cuda"
     training: bool = False
@@ -49,6 +52,7 @@ class PassContext:
     params: Mapping[str, torch.Tensor] = field(default_factory=dict)
     predict_us: Callable[[fx.GraphModule], float] | None = None
     forced: bool = True            # named explicitly: apply even without a predicted gain
+    forward: fx.GraphModule | None = None  # a backward graph's forward in its step
 
     @property
     def frozen(self) -> bool:

@@ -24,7 +24,7 @@ from fxdream.report import PassReport
 from fxdream.runtime.direct_calls import call_ops_directly
 from fxdream.sim.cost.profiled import Profiled
 from fxdream.sim.cost.spread import SpreadBound
-from fxdream.sim.prediction import graph_prediction
+from fxdream.sim.prediction import graph_prediction, step_prediction
 from fxdream.sim.profile.in_context import graph_fingerprint
 
 log = logging.getLogger("fxdream")
@@ -78,6 +78,7 @@ class PassPipeline:
         self._best_us: dict[tuple[int, str], float] = {}  # (subgraph, phase) → best candidate predicted
         self._ran_alone: set[tuple[int, str]] = set()  # graphs that ran on their real inputs (or did before)
         self._timed_now: set[tuple[int, str]] = set()  # graphs this build timed as captured (not a rebuild)
+        self._step_forward: fx.GraphModule | None = None  # the backward being run's forward, on a GPU
 
     # --- predictions -------------------------------------------------------------------------
     def predict(self, gm: fx.GraphModule, phase: str) -> tuple[float, int] | None:
@@ -99,10 +100,17 @@ class PassPipeline:
         if cached is None or cached[0] is not gm:
             key = (graph_fingerprint(gm), phase)
             if key not in self._by_nodes:
-                self._by_nodes[key] = graph_prediction(gm, cost, phase)
+                self._by_nodes[key] = self._graph_prediction(gm, cost, phase)
             cached = (gm, self._by_nodes[key])
             self._predictions[id(gm)] = cached
         return cached[1]
+
+    def _graph_prediction(self, gm: fx.GraphModule, cost, phase: str) -> tuple[float, int]:
+        """One graph's prediction; a backward on a GPU in its step, after its forward
+        (``step_prediction``): its candidates differ as the whole steps do."""
+        if phase == "bw" and self._step_forward is not None:
+            return step_prediction(self._step_forward, gm, cost)
+        return graph_prediction(gm, cost, phase)
 
     def _profile(self, gm: fx.GraphModule, phase: str, index: int, inputs) -> None:
         """Time the graph's nodes on their real inputs, unless every one was timed in context
@@ -182,8 +190,11 @@ class PassPipeline:
                 us = self.predict(candidate, phase)[0]
                 self._best_us[(index, phase)] = min(us, self._best_us.get((index, phase), math.inf))
                 return us
+        forward = self.rewritten.get((index, "fw")) if phase == "bw" else None
+        cost = self.base_context.cost_model
+        self._step_forward = forward if getattr(getattr(cost, "device", None), "kind", None) == "cuda" else None
         ctx = dataclasses.replace(self.base_context, phase=phase, params=params, predict_us=predict_us,
-                                  forced=not self.auto)
+                                  forced=not self.auto, forward=forward)
         for p in self.leading:
             gm, row = self._run_one(p, gm, dataclasses.replace(ctx, forced=True), index)
             self._add(row)
@@ -195,6 +206,7 @@ class PassPipeline:
                 self._add(row)
         self.rewritten[(index, phase)] = gm = compiled(gm)
         self._by_nodes.clear()  # a graph's candidates are not another graph's
+        self._step_forward = None
         if phase == "bw" or not self.base_context.training:  # done with this subgraph: let its tensors go
             self._inputs.pop((index, "fw"), None)
             self._inputs.pop((index, "bw"), None)
@@ -352,7 +364,8 @@ class PassPipeline:
         best = scored[0]
         if not isinstance(cost, Profiled) or best[0] or not best[4]:
             return scored, None
-        high_us = min(graph_prediction(best[5], SpreadBound(cost, "high"), phase)[0], best[2] * (1 + TIE_MAX_GAIN))
+        high_us = min(self._graph_prediction(best[5], SpreadBound(cost, "high"), phase)[0],
+                      best[2] * (1 + TIE_MAX_GAIN))
         ties = [s for s in scored if not s[0] and s[2] <= high_us]
         simplest = min(ties, key=lambda s: (len(s[4]), s[2]))
         if simplest is best:

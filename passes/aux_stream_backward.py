@@ -49,14 +49,16 @@ but every split convolution's inputs are held to the end of the backward (ResNet
 batch 32: +1.1 GiB predicted against +48 MiB).
 
 When it applies (the decision; ``force``):
-* on CUDA, the candidate and the original graph are simulated with the context's cost
+* on CUDA, the candidate and the original graph are simulated in their step, after the
+  forward (``ctx.forward``: the forward's queued kernels hide host work the split adds, which a
+  backward simulated alone would pay from an empty queue), with the context's cost
   model (``fxdream.sim.occupancy.occupancy_aware``: GEMM kernels get the fill-model
   utilization) and the contention model (the context's ``predict_us`` uses the pipeline's cost model as
   it is: without the fill model it would call every wgrad small at any batch); not forced,
   the pass applies only if the predicted gain is beyond noise: > ``min_gain_pct`` % of the
   graph and > ``min_gain_us``;
 * a ``memory_budget`` (bytes) declines it, forced or not, when the candidate's predicted
-  peak (of this graph, as the pipeline predicts each graph) exceeds it;
+  peak (of its step, forward and backward) exceeds it;
 * on the CPU there are no streams: forced, the graph is rewritten (stream metadata kept, the
   two calls run one after the other, numerically identical) and the reason says "CPU: no
   concurrent streams" with the gain predicted for ``ctx.sim_device`` (or h100) with the
@@ -92,7 +94,7 @@ from fxdream.runtime import streams
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import get_device
 from fxdream.sim.cost.occupancy import occupancy, occupancy_aware
-from fxdream.sim.prediction import graph_prediction
+from fxdream.sim.prediction import graph_prediction, step_prediction
 
 aten = torch.ops.aten
 CONV_BW = aten.convolution_backward.default
@@ -232,6 +234,12 @@ def _place_waits(graph: fx.Graph, sites: list[Site], join: str, stream: int) -> 
 _BACKWARD_ONLY = "rewrites backward graphs (convolution_backward); forward graphs are left as they are"
 
 
+def _in_step(backward: fx.GraphModule, forward: fx.GraphModule | None, cost) -> tuple[float, int]:
+    """(µs, peak bytes) of ``backward`` after its forward where the context has it (the queue of
+    forward kernels hides host work the split adds: ``step_prediction``), else on its own."""
+    return graph_prediction(backward, cost, "bw") if forward is None else step_prediction(forward, backward, cost)
+
+
 @register_pass
 class AuxStreamBackward(PassBase):
     """See the module docstring."""
@@ -277,12 +285,13 @@ class AuxStreamBackward(PassBase):
             if not forced:
                 return PassResult(gm, False, "no cost model to predict the gain", tuple(notes))
             return PassResult(candidate, True, f"{what}; no cost model: applied as asked", tuple(notes))
-        (before_us, before_peak), (after_us, after_peak) = (graph_prediction(gm, cost, "bw"),
-                                                            graph_prediction(candidate, cost, "bw"))
+        (before_us, before_peak), (after_us, after_peak) = (_in_step(gm, ctx.forward, cost),
+                                                            _in_step(candidate, ctx.forward, cost))
         gain_us = before_us - after_us
         pct = 100.0 * gain_us / before_us if before_us else 0.0
         grow = after_peak - before_peak
-        predicted = (f"predicted on {device_name}: {before_us / 1e3:.3f} → {after_us / 1e3:.3f} ms "
+        step = " (the step: forward and backward)" if ctx.forward is not None else ""
+        predicted = (f"predicted on {device_name}{step}: {before_us / 1e3:.3f} → {after_us / 1e3:.3f} ms "
                      f"({-pct:+.1f} %), peak {grow / 2**20:+.2f} MiB")
         notes = [predicted] + self._site_notes(candidate, sites, cost) + notes
         if ctx.memory_budget is not None and after_peak > ctx.memory_budget:
