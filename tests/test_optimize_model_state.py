@@ -303,3 +303,22 @@ def test_the_models_parameters_can_be_swapped_after_a_prediction():
     replacement = nn.Parameter(torch.zeros_like(model.fc.weight))
     torch.utils.swap_tensors(model.fc.weight, replacement)  # raises where a weak reference is held
     assert torch.equal(model.fc.weight, torch.zeros_like(model.fc.weight))
+
+
+def test_a_cache_object_among_the_keywords_is_as_it_was_after_the_build():
+    # a Hugging Face DynamicCache is no tensor: it stays a constant of the call, and each of the
+    # build's runs appended to it (its layers rebind their keys and values)
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model, ids = transformers.GPT2LMHeadModel(config).eval(), torch.randint(1, 100, (2, 6))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    step = dict(input_ids=ids[:, -1:], attention_mask=torch.ones(2, 7, dtype=torch.long), use_cache=True)
+    keys = [layer.keys for layer in cache.layers]
+    optimized = fxdream.optimize(model, (), example_kwargs=dict(step, past_key_values=cache), eager_check=False)
+    assert cache.get_seq_length() == 6 and all(layer.keys is k for layer, k in zip(cache.layers, keys))
+    with torch.no_grad():
+        expected = model(**step, past_key_values=copy.deepcopy(cache)).logits
+    torch.testing.assert_close(optimized(**step, past_key_values=copy.deepcopy(cache)).logits, expected)

@@ -4,6 +4,8 @@ a model built for the other mode."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from dataclasses import dataclass
 
 import torch
@@ -15,16 +17,19 @@ from fxdream.runtime.graph_guards import tensor_version
 @contextlib.contextmanager
 def preserved_inputs(inputs):
     """Input tensors a forward updates in place (``x.mul_(2)``) get their values back afterwards,
-    and inputs that require grad their ``.grad``: a build runs the model several times, and the
-    user's example must not come out changed (nor differ between the runs that check a trace
-    against eager)."""
-    tensors = [t for t in torch.utils._pytree.tree_leaves(inputs)
-               if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
+    and inputs that require grad their ``.grad``; Python objects among the inputs (a KV cache a
+    forward appends to) get their attributes and containers' contents back: a build runs the model
+    several times, and the user's example must not come out changed (nor differ between the runs
+    that check a trace against eager)."""
+    objects, held = python_objects(inputs)
+    tensors = list({id(t): t for t in [*torch.utils._pytree.tree_leaves(inputs), *held]
+                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)}.values())
     saved = [(t, tensor_version(t), t.detach().clone()) for t in tensors]
     grads = [(t, t.grad, None if t.grad is None else t.grad.clone()) for t in tensors if t.is_leaf and t.requires_grad]
     try:
         yield
     finally:
+        _put_all_back(objects)
         with torch.no_grad():
             for tensor, version, copy in saved:
                 if tensor_version(tensor) != version or (version is None and torch.is_inference_mode_enabled()):
@@ -34,6 +39,46 @@ def preserved_inputs(inputs):
                     grad.copy_(values)
                 else:
                     tensor.grad = grad
+
+
+_NOT_STATE = (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+              types.MethodType, functools.partial, str, bytes, int, float, complex, bool, type(None), torch.dtype,
+              torch.device)
+_MOST_OBJECTS = 10_000  # a bound on the walk: inputs are data, not object graphs
+
+
+def python_objects(roots) -> tuple[list[tuple[object, object]], list[torch.Tensor]]:
+    """(Python object or container, its attributes or contents) for everything reachable from
+    ``roots`` (tuples, lists, dicts, sets, objects' attributes) that a forward could rebind or
+    refill: a ``DynamicCache``'s layers rebind their keys and values on every call. With the
+    tensors found on the way (a static cache's tensors, updated in place). Modules are walked by
+    ``python_attributes_kept``; tensors' values are ``preserved_inputs``' business."""
+    found, tensors, seen, stack = [], [], set(), [roots]
+    while stack and len(seen) < _MOST_OBJECTS:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        if isinstance(value, _NOT_STATE) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, (list, dict, set)):
+            found.append((value, _contents(value)))
+            stack.extend(value.values() if isinstance(value, dict) else value)
+        elif isinstance(value, tuple):
+            stack.extend(value)
+        elif isinstance(getattr(value, "__dict__", None), dict):
+            found.append((value, dict(vars(value))))
+            stack.extend(vars(value).values())
+    return found, tensors
+
+
+def _put_all_back(objects: list[tuple[object, object]]) -> None:
+    for value, contents in objects:
+        if isinstance(value, (list, dict, set)):
+            _put_back(value, contents)
+        else:
+            vars(value).clear()
+            vars(value).update(contents)
 
 
 def uninitialized_lazy_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -101,17 +146,18 @@ def python_attributes_kept(model: torch.nn.Module):
     """Every module's own Python attributes as they were (a call counter, the step a schedule
     reads, a list a forward appends to, a tensor it keeps as ``self.last``): a build or a
     prediction calls forward many times, and the user's next call must see the model its
-    previous one left. Attributes are rebound as ``attributes_kept`` does; lists, dicts and sets
-    also get their contents back in place (one held elsewhere stays the same object). Tensor
-    values are not copied: their in-place updates are the buffers' and parameters' business."""
-    containers = [(value, _contents(value)) for module in model.modules() for key, value in vars(module).items()
-                  if key not in _MODULE_INTERNALS and isinstance(value, (list, dict, set))]
+    previous one left. Attributes are rebound as ``attributes_kept`` does; lists, dicts and sets,
+    and the Python objects they reach (a cache object a forward appends to, the keywords a
+    ``WithKeywords`` holds as constants), get their contents and attributes back in place (one
+    held elsewhere stays the same object). Tensor values are not copied: their in-place updates
+    are the buffers' and parameters' business."""
+    objects, _ = python_objects([value for module in model.modules() for key, value in vars(module).items()
+                                 if key not in _MODULE_INTERNALS])
     with attributes_kept(model):
         try:
             yield
         finally:
-            for container, contents in containers:
-                _put_back(container, contents)
+            _put_all_back(objects)
 
 
 def _contents(container):

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from fxdream.capturing.dynamo import graph_break_counts, new_graph_breaks
+from fxdream.capturing.keywords import WithKeywords
 from fxdream.capturing.meta import on_meta, traceable_on_meta
 from fxdream.capturing.model_state import preserved_inputs, preserved_state
 
@@ -113,7 +114,9 @@ def seeded_step(call: Callable, inputs: tuple, training: bool) -> Callable[[], o
 def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
     meta = on_meta(model, inputs)
-    with preserved_state(model), preserved_inputs(inputs), traceable_on_meta(meta), tracing_config(training, meta):
+    call_values = (inputs, model.constants) if isinstance(model, WithKeywords) else inputs  # a cache object too
+    with preserved_state(model), preserved_inputs(call_values), traceable_on_meta(meta), \
+            tracing_config(training, meta):
         return one_step(compiled, inputs, training)
 
 
