@@ -20,7 +20,7 @@ from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.dynamo import describe_error, dynamo_state_kept, graph_break_counts, new_graph_breaks
 from fxdream.capturing.gc_freeze import older_objects_frozen
 from fxdream.capturing.host_gaps import describe_gaps, measure_model_gaps, worth_measuring
-from fxdream.capturing.keywords import WithKeywords, bind_keywords, user_model
+from fxdream.capturing.keywords import WithKeywords, bind_keywords, call_values, user_model
 from fxdream.capturing.model_state import (
     StateSamples,
     initialize_lazy_modules,
@@ -28,6 +28,7 @@ from fxdream.capturing.model_state import (
     preserved_inputs,
     preserved_state,
     python_attributes_kept,
+    python_objects_restorer,
     switch_to_build_mode,
 )
 from fxdream.capturing.session import CaptureSession
@@ -214,7 +215,9 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
     against the capture without passes, and the eager check (which may send the module to run
     eagerly; on disturbed measurements it times eager itself instead of trusting the prediction).
     ``changed_numerics``: a pass that changes numerics (bf16) applied, so a verified difference
-    beyond float32 rounding is its expected deviation, not a wrong result."""
+    beyond float32 rounding is its expected deviation, not a wrong result. Each check starts from
+    the example's Python objects (a cache object the calls append to)."""
+    restore = python_objects_restorer(call_values(model, inputs))
     if verify:
         causes: list[str] = []
         found = difference(model, module.called_positionally(), inputs, training, causes=causes)
@@ -226,8 +229,9 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
                     "an output's shape, or the number of outputs, differs from eager's: a pass changed what the "
                     "graph returns (run with passes=() to tell which)"]:
                 module._note(note)
+        restore()
     if measure:
-        measured = _measure_against_capture(model, module, inputs, training, target)
+        measured = _measure_against_capture(model, module, inputs, training, target, restore)
         module._record(**measured)
         note = fresh_memory_note(measured["measured_page_faults_per_call"])
         if note:
@@ -368,13 +372,16 @@ def _whole_model_prediction(module: OptimizedModule, model, inputs, training: bo
                 top_layers=tuple((layer, us / 1e3) for layer, us in after.top_layers(10)), notes=notes)
 
 
-def _measure_against_capture(model, module, inputs, training, target) -> dict:
-    """Time the optimized module against the same capture without passes, interleaved."""
+def _measure_against_capture(model, module, inputs, training, target, restore) -> dict:
+    """Time the optimized module against the same capture without passes, interleaved, each
+    call after ``restore`` (the example's Python objects put back)."""
     baseline = _build(model, inputs, (), False, training, target, False, None, None)
+    restore()
     with preserved_state(model):
-        times = time_interleaved({"baseline": seeded_step(baseline.called_positionally(), inputs, training),
-                                  "optimized": seeded_step(module.called_positionally(), inputs, training)},
+        times = time_interleaved({"baseline": seeded_step(baseline.called_positionally(), inputs, training, restore),
+                                  "optimized": seeded_step(module.called_positionally(), inputs, training, restore)},
                                  desc="measure")
+    restore()
     return dict(measured_baseline_ms=times["baseline"].median_ms, measured_optimized_ms=times["optimized"].median_ms,
                 measured_page_faults_per_call=times["optimized"].page_faults_per_call)
 

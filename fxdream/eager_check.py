@@ -3,11 +3,13 @@ eagerly where it is measured slower (short calls only: there the wrappers around
 cost more than the passes save)."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
-from fxdream.capturing.model_state import preserved_state
+from fxdream.capturing.keywords import call_values
+from fxdream.capturing.model_state import preserved_state, python_objects_restorer
 from fxdream.capturing.steps import seeded_step
 from fxdream.measure import time_interleaved
 from fxdream.optimized_module import OptimizedModule
@@ -31,8 +33,10 @@ def check_against_eager(model, module: OptimizedModule, inputs, training: bool,
             f"not timed against eager: the captured graphs' ops alone take {predicted_ms:.1f} ms (predicted from "
             f"their times measured here), and the check times calls of ≤ {EAGER_CHECK_MAX_CALL_MS:g} ms")
         return {}
-    eager = seeded_step(model, inputs, training)
-    with preserved_state(model), torch.set_grad_enabled(training):
+    restore = python_objects_restorer(call_values(model, inputs))  # each call sees the example's cache object
+    eager = seeded_step(model, inputs, training, before_each=restore)
+    with preserved_state(model), torch.set_grad_enabled(training), contextlib.ExitStack() as after:
+        after.callback(restore)
         call_ms = []
         for _ in range(2):  # the faster of two: a first call can be cold, but not 5x the limit
             started = time.perf_counter()
@@ -47,7 +51,8 @@ def check_against_eager(model, module: OptimizedModule, inputs, training: bool,
                 f"≤ {EAGER_CHECK_MAX_CALL_MS:g} ms (where the graphs' Python overhead can outweigh the passes)")
             return {}
         block = max(1, min(20, int(10.0 / max(one_call_ms, 1e-3))))  # ~10 ms per block
-        times = time_interleaved({"eager": eager, "built": seeded_step(module.called_positionally(), inputs, training)},
+        built = seeded_step(module.called_positionally(), inputs, training, before_each=restore)
+        times = time_interleaved({"eager": eager, "built": built},
                                  rounds=7, block=block, warmup=2, progress=False)  # ~0.2 s
     eager_ms, built_ms = times["eager"].median_ms, times["built"].median_ms
     if built_ms > EAGER_CHECK_TOLERANCE * eager_ms:

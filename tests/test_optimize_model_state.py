@@ -322,3 +322,23 @@ def test_a_cache_object_among_the_keywords_is_as_it_was_after_the_build():
     with torch.no_grad():
         expected = model(**step, past_key_values=copy.deepcopy(cache)).logits
     torch.testing.assert_close(optimized(**step, past_key_values=copy.deepcopy(cache)).logits, expected)
+
+
+def test_every_timed_call_of_a_build_sees_the_examples_cache_object():
+    # OPT takes its positions from the attention mask: a cache one token longer than the mask
+    # says leaves the new token no position, and the call raises; the build's timing loops (host
+    # gaps, the eager check, verify) called the model again and again on the cache they grew
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2,
+                                    max_position_embeddings=64, word_embed_proj_dim=32, vocab_size=100)
+    model, ids = transformers.OPTForCausalLM(config).eval(), torch.randint(1, 100, (2, 6))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    step = dict(input_ids=ids[:, -1:], attention_mask=torch.ones(2, 7, dtype=torch.long), use_cache=True)
+    optimized = fxdream.optimize(model, (), example_kwargs=dict(step, past_key_values=cache), passes="auto",
+                                 verify=True)
+    assert cache.get_seq_length() == 6 and not optimized.report.verified_beyond_rounding
+    with torch.no_grad():
+        expected = model(**step, past_key_values=copy.deepcopy(cache)).logits
+    torch.testing.assert_close(optimized(**step, past_key_values=copy.deepcopy(cache)).logits, expected)

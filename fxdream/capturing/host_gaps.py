@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 
 from fxdream.capturing.gap_layers import gap_bounds, gap_layers, module_calls
-from fxdream.capturing.model_state import preserved_state
+from fxdream.capturing.keywords import call_values
+from fxdream.capturing.model_state import preserved_state, python_objects_restorer
 from fxdream.capturing.steps import seeded_step
 
 END = "end"
@@ -153,7 +154,8 @@ MAX_SAMPLES = 20
 def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: int = 3,
                       warmup: int = 1, budget_s: float = 1.0,
                       modules_of: torch.nn.Module | None = None, fill_s: float = 0.0,
-                      compiling_steps: int = COMPILING_STEPS) -> StepCalls | None:
+                      compiling_steps: int = COMPILING_STEPS,
+                      between: Callable[[], None] | None = None) -> StepCalls | None:
     """Run ``step`` ``warmup + rounds`` times (more where ``fill_s`` asks) with the graph calls
     time-stamped; the median step.
 
@@ -166,7 +168,8 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
     steady step is measured after it. Short steps are sampled beyond ``rounds`` until ``fill_s``
     seconds are spent (at most ``MAX_SAMPLES``). ``modules_of``: the warm-up steps time that
     model's module calls and name the modules that ran in each gap (``StepCalls.gap_layers``);
-    such a step is never a sample."""
+    such a step is never a sample. ``between``: run before each step, outside its time (the
+    example's cache object put back)."""
     samples, steady, compiled, named = [], 0, 0, None
     begun = time.perf_counter()
     try:
@@ -174,6 +177,8 @@ def measure_host_gaps(step: Callable[[], object], clock: SubgraphClock, rounds: 
             clock.events = []
             compilations = clock.compilations
             naming = modules_of is not None and steady < warmup
+            if between is not None:
+                between()
             with module_calls(modules_of) if naming else contextlib.nullcontext([]) as modules:
                 started = time.perf_counter()
                 step()
@@ -238,13 +243,15 @@ def measure_model_gaps(call: Callable, model, inputs: tuple, training: bool, clo
             return one()
 
     clock.call_storages = []
+    restore = python_objects_restorer(call_values(model, inputs))  # each step sees the example's cache object
     try:
         with preserved_state(model):
             measured = measure_host_gaps(step, clock, rounds, warmup, budget_s, modules_of=model if named else None,
-                                         fill_s=fill_s, compiling_steps=compiling_steps)
+                                         fill_s=fill_s, compiling_steps=compiling_steps, between=restore)
         per_call = tuple(clock.call_storages)
     finally:
         clock.call_storages = None
+        restore()
     if measured is None:
         return None
     last_step = per_call[len(per_call) - len(measured.calls):] if len(per_call) >= len(measured.calls) else ()

@@ -109,3 +109,9 @@ def _flags_and_tensors(unplaced: Mapping) -> tuple[dict, tuple[str, ...]]:
     the names of those that do, in order: inputs)."""
     tensor_keywords = tuple(k for k, v in unplaced.items() if holds_tensors(v))
     return {k: v for k, v in unplaced.items() if k not in tensor_keywords}, tensor_keywords
+
+
+def call_values(model: torch.nn.Module, inputs: tuple) -> tuple:
+    """Everything a call of ``model`` on ``inputs`` reads: the inputs, and a ``WithKeywords``'
+    constants (a cache object passed by keyword is one)."""
+    return (inputs, model.constants) if isinstance(model, WithKeywords) else inputs

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import types
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
@@ -70,6 +71,14 @@ def python_objects(roots) -> tuple[list[tuple[object, object]], list[torch.Tenso
             found.append((value, dict(vars(value))))
             stack.extend(vars(value).values())
     return found, tensors
+
+
+def python_objects_restorer(roots) -> Callable[[], None]:
+    """A function that gives the Python objects ``roots`` reach (``python_objects``) their
+    attributes and contents as they are now: called between repeated calls of a model that
+    appends to a cache object, so that every call sees the example's."""
+    objects, _ = python_objects(roots)
+    return lambda: _put_all_back(objects)
 
 
 def _put_all_back(objects: list[tuple[object, object]]) -> None:

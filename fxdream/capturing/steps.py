@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from fxdream.capturing.dynamo import graph_break_counts, new_graph_breaks
-from fxdream.capturing.keywords import WithKeywords
+from fxdream.capturing.keywords import call_values
 from fxdream.capturing.meta import on_meta, traceable_on_meta
 from fxdream.capturing.model_state import preserved_inputs, preserved_state
 
@@ -88,18 +88,25 @@ def one_step(call: Callable, inputs: tuple, training: bool):
     return output
 
 
-def seeded_step(call: Callable, inputs: tuple, training: bool) -> Callable[[], object]:
+def seeded_step(call: Callable, inputs: tuple, training: bool,
+                before_each: Callable[[], None] | None = None) -> Callable[[], object]:
     """One step of ``call`` as a build times it: ``one_step``, except that in training the
     backward starts from a gradient of ones at each output that requires grad, made on the
     first step (under ``LOSS_RANGE``) and kept while the outputs keep their shapes. The same
     gradients as ``one_step``'s scalar, without its ops: a sum and an add per output, and their
     backward, ~0.1 ms a step here, 15 % of an MNIST training step, which are fxdream's and not
-    the model's."""
+    the model's. ``before_each`` runs first in every step (a cache object put back)."""
     if not training:
-        return lambda: one_step(call, inputs, False)
+        def inference_step():
+            if before_each is not None:
+                before_each()
+            return one_step(call, inputs, False)
+        return inference_step
     seeds: list[torch.Tensor] = []
 
     def step():
+        if before_each is not None:
+            before_each()
         output = call(*cut_from_callers_graph(inputs))
         leaves = grad_leaves(output)
         if [(s.shape, s.dtype, s.device) for s in seeds] != [(t.shape, t.dtype, t.device) for t in leaves]:
@@ -114,8 +121,7 @@ def seeded_step(call: Callable, inputs: tuple, training: bool) -> Callable[[], o
 def run_once(compiled: Callable, model: torch.nn.Module, inputs: tuple, training: bool):
     """One forward (and backward in training) through ``compiled``, leaving no trace on the model."""
     meta = on_meta(model, inputs)
-    call_values = (inputs, model.constants) if isinstance(model, WithKeywords) else inputs  # a cache object too
-    with preserved_state(model), preserved_inputs(call_values), traceable_on_meta(meta), \
+    with preserved_state(model), preserved_inputs(call_values(model, inputs)), traceable_on_meta(meta), \
             tracing_config(training, meta):
         return one_step(compiled, inputs, training)
 
