@@ -299,8 +299,8 @@ def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
     monkeypatch.setattr(pipeline, "EAGER_CHECK_MAX_CALL_MS", 40.0)
     model, calls = Net().eval(), []
 
-    def seeded_step(m, *args):  # an eager call of ≥ 250 ms, over 5x the limit
-        step = pipeline_seeded_step(m, *args)
+    def seeded_step(m, *args, **kwargs):  # an eager call of ≥ 250 ms, over 5x the limit
+        step = pipeline_seeded_step(m, *args, **kwargs)
 
         def counted():
             calls.append(m)
@@ -319,8 +319,8 @@ def test_eager_check_on_a_long_call_says_it_did_not_time(monkeypatch):
 def test_eager_check_skips_eager_calls_where_the_graphs_alone_predict_a_long_call(monkeypatch):
     import fxdream.eager_check as pipeline
     model, calls = Net().eval(), []
-    def seeded_step(m, *args):
-        step = pipeline_seeded_step(m, *args)
+    def seeded_step(m, *args, **kwargs):
+        step = pipeline_seeded_step(m, *args, **kwargs)
         return lambda: calls.append(m) or step()
     monkeypatch.setattr(pipeline, "seeded_step", seeded_step)
     predicted = fxdream.optimize(model, (torch.randn(8, 64),), passes="auto").report.predicted_baseline_ms

@@ -63,9 +63,9 @@ def test_a_seeded_step_makes_new_seeds_when_the_outputs_shape_changes():
 def test_the_eager_check_times_seeded_steps_on_both_sides(monkeypatch):
     stepped = []
 
-    def recording(call, inputs, training):
+    def recording(call, inputs, training, before_each=None):
         stepped.append((call, training))
-        return seeded_step(call, inputs, training)
+        return seeded_step(call, inputs, training, before_each)
     monkeypatch.setattr(eager_check, "seeded_step", recording)
     model = TwoHeads()
     built = fxdream.optimize(model, (torch.randn(4, 8),), training=True, eager_check=True, cost="profiled")
