@@ -46,7 +46,8 @@ KINDS = (("reorder / copy", ("reorder", "copy", "transpose", "clone", "contiguou
          ("pooling", ("pool",)),
          ("matmul / linear", ("matmul", "gemm", "linear", "addmm", "mm", "fullyconnected", "fc", "bmm")),
          ("normalization", ("norm", "mvn")),
-         ("elementwise", ("relu", "add", "mul", "eltwise", "gelu", "sigmoid", "tanh", "div", "sub", "softmax")))
+         ("elementwise", ("relu", "add", "mul", "eltwise", "gelu", "sigmoid", "tanh", "div", "sub", "softmax",
+                                 "binary")))
 ONE_BY_ONE, LARGER = " 1x1", " kxk"  # suffixes of a convolution's label
 
 
@@ -140,6 +141,8 @@ def onednn_kernels_us(run, calls: int) -> dict[str, float]:
                  if line.startswith("onednn_verbose") and ",exec," in line]
     times: dict[str, float] = collections.defaultdict(float)
     for fields in lines:  # onednn_verbose,v1,primitive,exec,cpu,KIND,IMPL,...,ms
+        if fields[2] != "primitive":  # oneDNN Graph's partition totals: the primitives they ran are logged too
+            continue
         kind, impl, ms = fields[5], fields[6], float(fields[-1])
         label = f"{kind}{ONE_BY_ONE if '1x1' in impl else LARGER}" if kind == "convolution" else kind
         times[label] += ms * 1e3 / calls
