@@ -293,7 +293,7 @@ def test_cpu_peer_profile_groups_each_engines_op_names_into_the_same_kinds():
                 "pooling": ["aten.max_pool2d_with_indices", "MaxPool"],
                 "matmul / linear": ["aten.addmm", "Gemm", "FullyConnected"],
                 "reorder / copy": ["Reorder", "aten._to_copy", "aten.copy_", "Convert"],
-                "elementwise": ["aten.relu", "Add", "aten.div_"],
+                "elementwise": ["aten.relu", "Add", "aten.div_", "binary"],  # oneDNN's primitive kind
                 "normalization": ["aten.native_layer_norm", "MVN"],
                 "other": ["ReduceMean", "aten.mean", "aten.view"]}
     assert {name: kind_of(name) for names in expected.values() for name in names} == {
