@@ -55,8 +55,8 @@ When it applies (the decision; ``force``):
   model (``fxdream.sim.occupancy.occupancy_aware``: GEMM kernels get the fill-model
   utilization) and the contention model (the context's ``predict_us`` uses the pipeline's cost model as
   it is: without the fill model it would call every wgrad small at any batch); not forced,
-  the pass applies only if the predicted gain is beyond noise: > ``min_gain_pct`` % of the
-  graph and > ``min_gain_us``;
+  the pass applies only if the predicted gain is beyond noise: > ``min_gain_pct`` % of what
+  was simulated (the step; the graph alone where no forward is known) and > ``min_gain_us``;
 * a ``memory_budget`` (bytes) declines it, forced or not, when the candidate's predicted
   peak (of its step, forward and backward) exceeds it;
 * on the CPU there are no streams: forced, the graph is rewritten (stream metadata kept, the
