@@ -12,7 +12,8 @@ recognises in their composite form are written back in it (``convolution`` → `
 ``_native_batch_norm_legit_no_training`` → ``batch_norm``, ``native_layer_norm`` →
 ``layer_norm``, ``max_pool2d_with_indices`` → ``max_pool2d``, ``addmm(b, x, t(w))`` and
 ``addmm(b, x, w)`` of a constant ``w`` → ``linear``, a ``cat`` onto an empty KV cache without
-it), and that graph is traced, frozen and run
+it; a tanh GELU as its formula, which the fuser would run in erf form), and that graph is
+traced, frozen and run
 with the fuser on until TorchScript has compiled it. The FX graph then calls the compiled module
 as one op, timed in context like any other, so the prediction is of what runs. Its output must
 equal the graph's on random inputs of the graph's shapes (to float32 rounding), else the pass
@@ -27,6 +28,7 @@ the report's per-layer times. Declines where this torch has no oneDNN Graph fuse
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 import warnings
 from types import MappingProxyType
@@ -148,6 +150,7 @@ def composite_graph(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModul
         return None
     root, activations = found
     _constant_weights_transposed(new.graph, root)
+    _tanh_gelus_written_out(new.graph)
     _write_in_composite_form(new.graph)
     new.graph.output_node().args = (tuple(dict.fromkeys(_flat_outputs(new.graph))),)
     return fx.GraphModule(root, new.graph), activations
@@ -197,6 +200,27 @@ def _constant_weights_transposed(graph: fx.Graph, root: torch.nn.Module) -> None
         node.args = (node.args[0], node.args[1], transposed)
         if not weight.users:
             graph.erase_node(weight)
+
+
+def _tanh_gelus_written_out(graph: fx.Graph) -> None:
+    """Each ``gelu(x, approximate="tanh")`` written as its formula, 0.5·x·(1 + tanh(√(2/π)·(x +
+    0.044715·x³))): TorchScript's bridge hands oneDNN Graph a GELU without its ``approximate``, and
+    oneDNN runs the erf form (``eltwise_gelu_erf``, 2e-4 off), so the graph would fail the check
+    against its own outputs; the formula's ops it fuses as post-ops of the op before, as it does
+    GPT-2's GELU, written out by the model."""
+    for node in list(graph.nodes):
+        if node.target is not aten.gelu.default or node.kwargs.get("approximate", "none") != "tanh":
+            continue
+        x = node.args[0]
+        with graph.inserting_before(node):
+            cube = graph.call_function(aten.pow.Tensor_Scalar, (x, 3))
+            inner = graph.call_function(aten.add.Tensor, (x, graph.call_function(aten.mul.Tensor, (cube, 0.044715))))
+            scaled = graph.call_function(aten.mul.Tensor, (inner, math.sqrt(2 / math.pi)))
+            one_plus = graph.call_function(aten.add.Tensor, (graph.call_function(aten.tanh.default, (scaled,)), 1))
+            gelu = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.mul.Tensor, (x, 0.5)), one_plus))
+        gelu.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(gelu)
+        graph.erase_node(node)
 
 
 def _write_in_composite_form(graph: fx.Graph) -> None:
