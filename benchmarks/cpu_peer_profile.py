@@ -44,7 +44,8 @@ RESULTS = Path(__file__).parent / "results"
 KINDS = (("reorder / copy", ("reorder", "copy", "transpose", "clone", "contiguous", "convert", "_to_copy")),
          ("convolution", ("conv",)),
          ("pooling", ("pool",)),
-         ("matmul / linear", ("matmul", "gemm", "linear", "addmm", "mm", "fullyconnected", "fc", "bmm")),
+         ("matmul / linear", ("matmul", "gemm", "linear", "addmm", "mm", "fullyconnected", "fc", "bmm",
+                                     "inner_product")),
          ("normalization", ("norm", "mvn")),
          ("elementwise", ("relu", "add", "mul", "eltwise", "gelu", "sigmoid", "tanh", "div", "sub", "softmax",
                                  "binary")))

@@ -291,7 +291,7 @@ def test_cpu_peer_profile_groups_each_engines_op_names_into_the_same_kinds():
     kind_of = _script("cpu_peer_profile").kind_of
     expected = {"convolution": ["fxdream.conv_fused_inference", "aten.convolution", "Conv", "Convolution"],
                 "pooling": ["aten.max_pool2d_with_indices", "MaxPool"],
-                "matmul / linear": ["aten.addmm", "Gemm", "FullyConnected"],
+                "matmul / linear": ["aten.addmm", "Gemm", "FullyConnected", "inner_product"],
                 "reorder / copy": ["Reorder", "aten._to_copy", "aten.copy_", "Convert"],
                 "elementwise": ["aten.relu", "Add", "aten.div_", "binary"],  # oneDNN's primitive kind
                 "normalization": ["aten.native_layer_norm", "MVN"],
