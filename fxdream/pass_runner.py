@@ -108,7 +108,7 @@ class PassPipeline:
     def _graph_prediction(self, gm: fx.GraphModule, cost, phase: str) -> tuple[float, int]:
         """One graph's prediction; a backward on a GPU in its step, after its forward
         (``step_prediction``): its candidates differ as the whole steps do."""
-        if phase == "bw" and self._step_forward is not None:
+        if phase == "bw":
             return step_prediction(self._step_forward, gm, cost)
         return graph_prediction(gm, cost, phase)
 

@@ -94,7 +94,7 @@ from fxdream.runtime import streams
 from fxdream.sim.cost.analytic import Analytic
 from fxdream.sim.cost.devices import get_device
 from fxdream.sim.cost.occupancy import occupancy, occupancy_aware
-from fxdream.sim.prediction import graph_prediction, step_prediction
+from fxdream.sim.prediction import step_prediction
 
 aten = torch.ops.aten
 CONV_BW = aten.convolution_backward.default
@@ -234,12 +234,6 @@ def _place_waits(graph: fx.Graph, sites: list[Site], join: str, stream: int) -> 
 _BACKWARD_ONLY = "rewrites backward graphs (convolution_backward); forward graphs are left as they are"
 
 
-def _in_step(backward: fx.GraphModule, forward: fx.GraphModule | None, cost) -> tuple[float, int]:
-    """(µs, peak bytes) of ``backward`` after its forward where the context has it (the queue of
-    forward kernels hides host work the split adds: ``step_prediction``), else on its own."""
-    return graph_prediction(backward, cost, "bw") if forward is None else step_prediction(forward, backward, cost)
-
-
 @register_pass
 class AuxStreamBackward(PassBase):
     """See the module docstring."""
@@ -285,8 +279,8 @@ class AuxStreamBackward(PassBase):
             if not forced:
                 return PassResult(gm, False, "no cost model to predict the gain", tuple(notes))
             return PassResult(candidate, True, f"{what}; no cost model: applied as asked", tuple(notes))
-        (before_us, before_peak), (after_us, after_peak) = (_in_step(gm, ctx.forward, cost),
-                                                            _in_step(candidate, ctx.forward, cost))
+        (before_us, before_peak), (after_us, after_peak) = (step_prediction(ctx.forward, gm, cost),
+                                                            step_prediction(ctx.forward, candidate, cost))
         gain_us = before_us - after_us
         pct = 100.0 * gain_us / before_us if before_us else 0.0
         grow = after_peak - before_peak

@@ -168,12 +168,15 @@ def graph_prediction(gm, cost: CostModel, phase: str = "fw", contention: bool = 
 
 
 def step_prediction(forward, backward, cost: CostModel, contention: bool = True) -> tuple[float, int]:
-    """(predicted µs, predicted peak bytes) of a forward graph and its backward run as one step.
-    On a GPU the host runs ahead: when the backward's host work starts, the forward's kernels are
-    still queued, and host work a rewrite adds to the backward hides behind them. A backward
-    predicted on its own starts from an empty queue and pays it in full (ResNet-50 training at
-    batch 32 on an h100, aux_stream_backward: +72 µs alone, -319 µs in its step). Two backward
-    candidates after the same forward differ as the whole steps do."""
+    """(predicted µs, predicted peak bytes) of a forward graph and its backward run as one step;
+    of the backward alone where ``forward`` is None. On a GPU the host runs ahead: when the
+    backward's host work starts, the forward's kernels are still queued, and host work a rewrite
+    adds to the backward hides behind them. A backward predicted on its own starts from an empty
+    queue and pays it in full (ResNet-50 training at batch 32 on an h100, aux_stream_backward:
+    +72 µs alone, -319 µs in its step). Two backward candidates after the same forward differ as
+    the whole steps do."""
+    if forward is None:
+        return graph_prediction(backward, cost, "bw", contention)
     return _makespan_and_peak(lower([("g.fw", forward), ("g.bw", backward)], cost), contention)
 
 
