@@ -238,7 +238,7 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
             module._note(note)
     if eager_check and module._fallback_reason is None:
         predicted = None if disturbed else module._extras.get("predicted_baseline_ms")
-        module._record(**check_against_eager(model, module, inputs, training, predicted))
+        module._record(**check_against_eager(model, module, inputs, training, restore, predicted))
 
 
 # dynamo cannot trace DDP's forward (its logger, its hooks' bookkeeping); wrapped around the

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Callable
 
 import torch
 
-from fxdream.capturing.keywords import call_values
-from fxdream.capturing.model_state import preserved_state, python_objects_restorer
+from fxdream.capturing.model_state import preserved_state
 from fxdream.capturing.steps import seeded_step
 from fxdream.measure import time_interleaved
 from fxdream.optimized_module import OptimizedModule
@@ -20,9 +20,11 @@ EAGER_CHECK_MAX_CALL_MS = 20.0
 EAGER_CHECK_TOLERANCE = 1.05
 
 
-def check_against_eager(model, module: OptimizedModule, inputs, training: bool,
+def check_against_eager(model, module: OptimizedModule, inputs, training: bool, restore: Callable[[], None],
                         predicted_ms: float | None = None) -> dict:
-    """Time the module against eager (short calls only); run eagerly where eager is faster.
+    """Time the module against eager (short calls only); run eagerly where eager is faster. Each
+    call, and the check's end, run ``restore`` first (the example's Python objects put back: a
+    cache object the calls append to).
 
     Not even one eager call where the captured graphs' ops, timed in context, predict a call of
     more than twice the limit (``predicted_ms``): a large model's eager calls would cost the
@@ -33,7 +35,6 @@ def check_against_eager(model, module: OptimizedModule, inputs, training: bool,
             f"not timed against eager: the captured graphs' ops alone take {predicted_ms:.1f} ms (predicted from "
             f"their times measured here), and the check times calls of ≤ {EAGER_CHECK_MAX_CALL_MS:g} ms")
         return {}
-    restore = python_objects_restorer(call_values(model, inputs))  # each call sees the example's cache object
     eager = seeded_step(model, inputs, training, before_each=restore)
     with preserved_state(model), torch.set_grad_enabled(training), contextlib.ExitStack() as after:
         after.callback(restore)
