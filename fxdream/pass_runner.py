@@ -44,6 +44,7 @@ SIDE_BY_SIDE_NEW_SHARE = 0.05  # ... unless its ops not in the graphs timed with
 # round: a second would cost a whole run of build time for samples those rounds replace. Past a
 # tenth of a second a first round's one-time costs (oneDNN primitives made) are a small share of it.
 FIRST_LOOK_ONE_ROUND_S = 0.1
+RETIMED_SHOWN_ABOVE = 0.01  # a row's Δ moved more than this share of its graph by re-timing: its reason says so
 
 
 class RewriteFailed(RuntimeError):
@@ -175,7 +176,7 @@ class PassPipeline:
                 try:
                     cost.profile_graph(gm, inputs, new_keys_only=True, give_up_above_us=GIVE_UP_SLOWER_THAN * best,
                                        raise_errors=(index, phase) in self._ran_alone,
-                                       one_round_above_s=self._first_look_s())
+                                       one_round_above_s=self._first_look_s(), one_round_under_us=best)
                 except Exception as error:
                     raise RewriteFailed(f"the rewritten graph raised when run on the example inputs, where the "
                                         f"graph before it ran: {describe_error(error)}") from error
@@ -299,7 +300,9 @@ class PassPipeline:
                             for s in scored)
         best_rows = [self._repredicted(row, candidates[best[:k]][0], candidates[best[:k + 1]][0], ctx.phase)
                      for k, row in enumerate(best_rows)]
-        for row in rows + best_rows + _rows_not_chosen(candidates, best):
+        not_chosen = [self._repredicted(row, candidates[subset[:-1]][0], candidates[subset][0], ctx.phase)
+                      for row, subset in _rows_not_chosen(candidates, best)]
+        for row in rows + best_rows + not_chosen:
             self._add(row)
         over_budget = " (none fits memory_budget: the lowest predicted peak)" if over else ""
         ties = (f"; it ties with the fastest, {names(tied[4])} at {tied[2] / 1e3:.3f} ms (within that one's "
@@ -314,11 +317,17 @@ class PassPipeline:
     def _repredicted(self, row: PassReport, before: fx.GraphModule, after: fx.GraphModule,
                      phase: str) -> PassReport:
         """``row`` with its predicted deltas from the costs as they are now (after the side-by-side
-        rounds), so that the rows add up to the report's predicted totals."""
+        rounds), so that the rows add up to the report's predicted totals; where that moved them,
+        its reason (the pass's own judgement, on the first look at each graph) gains the times
+        re-timed side by side where its Δ moved by more than ``RETIMED_SHOWN_ABOVE`` of the graph's
+        time, so the row reads the numbers its Δ column and the totals use."""
         if row.predicted_delta_us is None or before is after:
             return row
         (before_us, before_peak), (after_us, after_peak) = self.predict(before, phase), self.predict(after, phase)
-        return dataclasses.replace(row, predicted_delta_us=after_us - before_us,
+        reason = row.reason
+        if abs(after_us - before_us - row.predicted_delta_us) > RETIMED_SHOWN_ABOVE * before_us:
+            reason += f"; re-timed side by side: {before_us / 1e3:.3f} → {after_us / 1e3:.3f} ms"
+        return dataclasses.replace(row, reason=reason, predicted_delta_us=after_us - before_us,
                                    predicted_delta_peak_bytes=after_peak - before_peak)
 
     def _contenders(self, candidates: dict, phase: str) -> list[fx.GraphModule]:
@@ -415,13 +424,14 @@ def not_run(row: PassReport, why: str) -> PassReport:
                                f"{row.reason}", predicted_delta_us=None, predicted_delta_peak_bytes=None)
 
 
-def _rows_not_chosen(candidates: dict, best: tuple) -> list[PassReport]:
-    """A row for every applicable pass outside the chosen subset: what it did on its own (the
-    first subset it ran in), or why it did nothing, so no pass vanishes from the report."""
+def _rows_not_chosen(candidates: dict, best: tuple) -> list[tuple[PassReport, tuple]]:
+    """A row for every applicable pass outside the chosen subset, with that subset: what it did
+    on its own (the first subset it ran in), or why it did nothing, so no pass vanishes from the
+    report."""
     rows = {}
     for subset, (_, subset_rows) in candidates.items():  # smaller subsets first
         if subset and subset[-1] not in best and subset[-1] not in rows:
             row = subset_rows[-1]
-            rows[subset[-1]] = dataclasses.replace(row, applied=False, reason=f"not chosen: {row.reason}") \
-                if row.applied else row
+            rows[subset[-1]] = (dataclasses.replace(row, applied=False, reason=f"not chosen: {row.reason}")
+                                if row.applied else row, subset)
     return list(rows.values())

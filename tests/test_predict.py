@@ -138,6 +138,16 @@ def test_a_first_look_at_a_long_graph_is_one_round_and_every_round_ignores_it(mo
     assert _time_slow_graph({}, rounds=3, one_round_above_s=0.05, every_round=True) == 3
 
 
+def test_a_first_look_that_reads_slower_than_the_best_so_far_takes_more_rounds(monkeypatch):
+    import fxdream.sim.profile.in_context as in_context
+    monkeypatch.setattr(in_context, "LONG_ROUNDS_S", float("inf"))
+    samples = {}  # the cold first round (~80 ms) is over the best so far (50 ms): not decisive alone
+    assert _time_slow_graph(samples, rounds=3, one_round_above_s=0.05, one_round_under_us=50e3) == 3
+    (times,) = samples.values()
+    assert len(times) == 3 and sorted(times)[1] < 50e3  # the median is a warm round's (~20 ms)
+    assert _time_slow_graph({}, rounds=3, one_round_above_s=0.05, one_round_under_us=100e3) == 1
+
+
 def test_auto_takes_a_first_look_of_one_round_where_side_by_side_rounds_follow():
     from fxdream.pass_runner import FIRST_LOOK_ONE_ROUND_S, PassPipeline
     assert PassPipeline((), PassContext(), auto=True)._first_look_s() == FIRST_LOOK_ONE_ROUND_S

@@ -240,7 +240,7 @@ class Profiled:
     def profile_graph(self, gm: fx.GraphModule, inputs, rounds: int | None = None, warmup: int = 0,
                       budget_s: float | None = None, new_keys_only: bool = False,
                       give_up_above_us: float = math.inf, raise_errors: bool = False,
-                      one_round_above_s: float = math.inf) -> dict | None:
+                      one_round_above_s: float = math.inf, one_round_under_us: float = math.inf) -> dict | None:
         """Measure ``gm``'s nodes in context; return its outputs by node name (None if it cannot run).
 
         Past ``MIN_ROUNDS`` timed rounds, no new round starts once they took ``budget_s``: a
@@ -252,7 +252,8 @@ class Profiled:
         the costs a prediction of the unrewritten graph used stay as they were.
         ``give_up_above_us``: no third round where both first ones took longer (``time_graph``).
         ``raise_errors``: a graph that raises when run raises here, instead of giving None.
-        ``one_round_above_s``: one timed round where it took longer (``time_graph``)."""
+        ``one_round_above_s``: one timed round where it took longer, and its graph less than
+        ``one_round_under_us`` (``time_graph``)."""
         if rounds is None:
             rounds = self.context_rounds or 5
         if budget_s is None:
@@ -262,7 +263,7 @@ class Profiled:
         with real_tensors():
             values = time_graph(gm, inputs, self.torch_device, samples, rounds, warmup, budget_s, give_up_above_us,
                                 raise_errors, every_round=self.context_rounds is not None,
-                                one_round_above_s=one_round_above_s)
+                                one_round_above_s=one_round_above_s, one_round_under_us=one_round_under_us)
         for key, times in samples.items():
             if new_keys_only and key in self.samples:
                 continue

@@ -138,7 +138,7 @@ def timed_copy(gm: fx.GraphModule, device_type: str) -> tuple[fx.GraphModule, li
 def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, rounds: int,
                warmup: int, budget_s: float = math.inf, give_up_above_us: float = math.inf,
                raise_errors: bool = False, every_round: bool = False,
-               one_round_above_s: float = math.inf) -> dict | None:
+               one_round_above_s: float = math.inf, one_round_under_us: float = math.inf) -> dict | None:
     """Add each profile key's in-context time per round to ``samples``; return the output values
     by node name. No third round where both timed ones took more than ``give_up_above_us`` in
     all: a candidate clearly slower than another needs no median, but one run can be cold (a
@@ -155,7 +155,10 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     ``rounds`` run and every one is a sample (no stop on agreement, no faster-of-two): the spread
     the prediction's range is read from (``SpreadBound``). ``one_round_above_s``: a first timed
     round longer than this is the only one (a first look, which side-by-side rounds time again:
-    ``Profiled.profile_side_by_side``)."""
+    ``Profiled.profile_side_by_side``), where it took under ``one_round_under_us`` (the best
+    prediction so far of the graph a candidate would replace): a candidate whose one round reads
+    slower gets a second and keeps the faster, so that one noisy round does not decide against
+    it (a slow first look keeps it out of the side-by-side rounds)."""
     outputs, taken = None, []
     cuda = device.type == "cuda"
     if cuda:  # the first run on a GPU autotunes (cuDNN) and tells how long the host takes to queue it
@@ -186,7 +189,8 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
                             this_round.setdefault(HOST + keys[index], []).append(host * 1e6)
                     taken.append((sum(seconds for _, seconds, _ in stamps) * 1e6,
                                   {key: sum(times) / len(times) for key, times in this_round.items()}))
-                    if i == warmup and not every_round and time.perf_counter() - timed_from > one_round_above_s:
+                    if i == warmup and not every_round and time.perf_counter() - timed_from > one_round_above_s \
+                            and taken[0][0] < one_round_under_us:
                         break
                     if i == warmup + 1 and not every_round and (
                             min(total for total, _ in taken) > give_up_above_us
