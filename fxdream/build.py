@@ -40,7 +40,8 @@ from fxdream.numerics import deviation, difference
 from fxdream.optimized_module import OptimizedModule, call_kind
 from fxdream.pass_api import PassContext
 from fxdream.pass_registry import available_passes, resolve_passes
-from fxdream.pass_runner import PassPipeline, not_run
+from fxdream.pass_rows import not_run
+from fxdream.pass_runner import PassPipeline
 from fxdream.runtime.host_memory import fresh_memory_note, settle_dynamic_thresholds, timed_fresh_memory_note
 from fxdream.sim.cost import Analytic, CostModel, DeviceSpec, Profiled, get_device
 from fxdream.sim.measured_scale import graph_scale, rescaled_ms

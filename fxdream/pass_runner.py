@@ -20,6 +20,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule  # private: GraphModule
 from fxdream.capturing.dynamo import describe_error
 from fxdream.ir.graphs import copy_graph_module
 from fxdream.pass_api import Pass, PassContext, PassResult, complete_new_nodes
+from fxdream.pass_rows import not_run, repredicted, rows_not_chosen
 from fxdream.report import PassReport
 from fxdream.runtime.direct_calls import call_ops_directly
 from fxdream.sim.cost.profiled import Profiled
@@ -44,7 +45,6 @@ SIDE_BY_SIDE_NEW_SHARE = 0.05  # ... unless its ops not in the graphs timed with
 # round: a second would cost a whole run of build time for samples those rounds replace. Past a
 # tenth of a second a first round's one-time costs (oneDNN primitives made) are a small share of it.
 FIRST_LOOK_ONE_ROUND_S = 0.1
-RETIMED_SHOWN_ABOVE = 0.01  # a row's Δ moved more than this share of its graph by re-timing: its reason says so
 
 
 class RewriteFailed(RuntimeError):
@@ -301,7 +301,7 @@ class PassPipeline:
         best_rows = [self._repredicted(row, candidates[best[:k]][0], candidates[best[:k + 1]][0], ctx.phase)
                      for k, row in enumerate(best_rows)]
         not_chosen = [self._repredicted(row, candidates[subset[:-1]][0], candidates[subset][0], ctx.phase)
-                      for row, subset in _rows_not_chosen(candidates, best)]
+                      for row, subset in rows_not_chosen(candidates, best)]
         for row in rows + best_rows + not_chosen:
             self._add(row)
         over_budget = " (none fits memory_budget: the lowest predicted peak)" if over else ""
@@ -316,19 +316,10 @@ class PassPipeline:
 
     def _repredicted(self, row: PassReport, before: fx.GraphModule, after: fx.GraphModule,
                      phase: str) -> PassReport:
-        """``row`` with its predicted deltas from the costs as they are now (after the side-by-side
-        rounds), so that the rows add up to the report's predicted totals; where that moved them,
-        its reason (the pass's own judgement, on the first look at each graph) gains the times
-        re-timed side by side where its Δ moved by more than ``RETIMED_SHOWN_ABOVE`` of the graph's
-        time, so the row reads the numbers its Δ column and the totals use."""
+        """``row`` predicted again from the costs as they are now (``pass_rows.repredicted``)."""
         if row.predicted_delta_us is None or before is after:
             return row
-        (before_us, before_peak), (after_us, after_peak) = self.predict(before, phase), self.predict(after, phase)
-        reason = row.reason
-        if abs(after_us - before_us - row.predicted_delta_us) > RETIMED_SHOWN_ABOVE * before_us:
-            reason += f"; re-timed side by side: {before_us / 1e3:.3f} → {after_us / 1e3:.3f} ms"
-        return dataclasses.replace(row, reason=reason, predicted_delta_us=after_us - before_us,
-                                   predicted_delta_peak_bytes=after_peak - before_peak)
+        return repredicted(row, self.predict(before, phase), self.predict(after, phase))
 
     def _contenders(self, candidates: dict, phase: str) -> list[fx.GraphModule]:
         """The graph as captured, then, fastest first, each candidate within ``SIDE_BY_SIDE_MARGIN``
@@ -414,24 +405,3 @@ class PassPipeline:
         log.info("pass %s on %d/%s: %s", row.name, row.graph_index, row.phase, row.reason)
         if self.on_row is not None:
             self.on_row(row)
-
-
-def not_run(row: PassReport, why: str) -> PassReport:
-    """``row``, if applied, as a rewrite whose graph no longer runs (``why``): it runs as captured."""
-    if not row.applied:
-        return row
-    return dataclasses.replace(row, applied=False, reason=f"applied, but {why}; the graph runs as captured: "
-                               f"{row.reason}", predicted_delta_us=None, predicted_delta_peak_bytes=None)
-
-
-def _rows_not_chosen(candidates: dict, best: tuple) -> list[tuple[PassReport, tuple]]:
-    """A row for every applicable pass outside the chosen subset, with that subset: what it did
-    on its own (the first subset it ran in), or why it did nothing, so no pass vanishes from the
-    report."""
-    rows = {}
-    for subset, (_, subset_rows) in candidates.items():  # smaller subsets first
-        if subset and subset[-1] not in best and subset[-1] not in rows:
-            row = subset_rows[-1]
-            rows[subset[-1]] = (dataclasses.replace(row, applied=False, reason=f"not chosen: {row.reason}")
-                                if row.applied else row, subset)
-    return list(rows.values())

@@ -95,20 +95,17 @@ def test_auto_choosing_no_pass_still_says_what_each_did():
         ("idle", False, "nothing to do"), ("copies", False, "not chosen: added 3 copies")]
 
 
-def test_a_row_re_timed_side_by_side_reads_the_new_times_beside_the_first_look(monkeypatch):
+def test_a_row_re_timed_side_by_side_reads_the_new_times_beside_the_first_look():
+    from fxdream.pass_rows import repredicted
     from fxdream.report import PassReport
-    pipeline = PassPipeline((), PassContext(), auto=True)
-    before, after, close = object(), object(), object()
-    times = {before: 100e3, after: 60e3, close: 80.5e3}
-    monkeypatch.setattr(pipeline, "predict", lambda graph, phase: (times[graph], 0))
     first_look = PassReport("p", 0, "fw", False, "not chosen: did it (predicted: 120.000 → 60.000 ms)",
                             predicted_delta_us=-60e3, predicted_delta_peak_bytes=0)
-    row = pipeline._repredicted(first_look, before, after, "fw")
-    assert row.predicted_delta_us == -40e3
+    row = repredicted(first_look, (100e3, 0), (60e3, 8))
+    assert (row.predicted_delta_us, row.predicted_delta_peak_bytes) == (-40e3, 8)
     assert row.reason == ("not chosen: did it (predicted: 120.000 → 60.000 ms); "
                           "re-timed side by side: 100.000 → 60.000 ms")
     nearly = dataclasses.replace(first_look, predicted_delta_us=-20e3)  # moved by 0.5 % of the graph
-    assert pipeline._repredicted(nearly, before, close, "fw").reason == first_look.reason
+    assert repredicted(nearly, (100e3, 0), (80.5e3, 0)).reason == first_look.reason
 
 
 class Counted:

@@ -27,7 +27,7 @@ LAYERS = (
     ("pass_api", ("fxdream.pass_api",)),
     ("passes", ("fxdream.passes",)),
     ("api", ("fxdream.report", "fxdream.numerics", "fxdream.measure", "fxdream.memory_check", "fxdream.pass_registry",
-             "fxdream.pass_runner", "fxdream.eager_check", "fxdream.plan", "fxdream.simulation",
+             "fxdream.pass_runner", "fxdream.pass_rows", "fxdream.eager_check", "fxdream.plan", "fxdream.simulation",
              "fxdream.optimized_module", "fxdream.build", "fxdream.explain",
              "fxdream.ab", "fxdream.whatif", "fxdream.models")),
     ("entry", ("fxdream.cli", "fxdream.cli_arguments", "fxdream.__main__", "fxdream.backend",
