@@ -248,3 +248,54 @@ def test_an_empty_operand_that_promotes_the_cats_dtype_is_kept():
         got = module(x)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, model(x))
+
+
+def _traced(fn):
+    """The torch.fx graph of ``fn(linear, a, b)``, its linear layer ``F.linear`` (as the composite
+    graph writes it) on constant weights."""
+    import torch.fx as fx
+    weight, bias = torch.randn(6, 6), torch.randn(6)
+
+    class Model(torch.nn.Module):
+        def forward(self, a, b):
+            return fn(lambda x: torch.nn.functional.linear(x, weight, bias), a, b)
+
+    graph = fx.symbolic_trace(Model()).graph
+    for node in graph.nodes:
+        if node.target is torch._C._nn.linear:
+            node.target = torch.nn.functional.linear
+    return graph
+
+
+def test_a_partition_reading_a_tensor_twice_and_adding_another_is_found_and_safe_ones_are_not():
+    from fxdream.passes.onednn_graph.bridge_hazards import crashing_partition
+    crashes = [lambda lin, a, b: (lin(a) + lin(b)) * b + a,  # each ran to a segfault in the bridge
+               lambda lin, a, b: (lin(a) + lin(b)) * 2 + a,
+               lambda lin, a, b: torch.relu(lin(a) + lin(b)) + a]
+    for fn in crashes:
+        assert crashing_partition(_traced(fn)) is not None
+    safe = [lambda lin, a, b: lin(a) + a,  # the add is into the tensor read twice: its index is right
+            lambda lin, a, b: lin(a) * b + a,
+            lambda lin, a, b: (lin(a) + lin(b)) * 2 + torch.ones(1),
+            lambda lin, a, b: lin(torch.relu(a)) + b]
+    for fn in safe:
+        assert crashing_partition(_traced(fn)) is None
+
+
+@needs_llga
+def test_one_tensor_passed_twice_into_linears_summed_is_declined_not_crashed():
+    class TwoLinears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+
+        def forward(self, a, b, c, d):
+            return (self.lin(a) + self.lin(b)) * c + d
+
+    torch.manual_seed(0)
+    model, x, y = TwoLinears().eval(), torch.randn(3, 6), torch.randn(3, 6)
+    built = fxdream.optimize(model, (x, y, y, x), passes=["onednn_graph"])  # one graph input each: a, b
+    row = _row(built)
+    assert not row.applied and row.reason.startswith("a partition at lin may read one tensor twice")
+    with torch.no_grad():
+        torch.testing.assert_close(built(x, y, y, x), model(x, y, y, x))
