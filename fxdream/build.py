@@ -248,14 +248,29 @@ DDP_OUTSIDE = ("the model is a DistributedDataParallel: it runs as it is; wrap D
                "instead, DistributedDataParallel(fxdream.optimize(model, ...)), which keeps DDP's gradient hooks")
 
 
+SCRIPT_MODULE = ("the model is a TorchScript module (torch.jit.script or torch.jit.trace): it runs in TorchScript's "
+                 "runtime, which neither torch.fx nor dynamo captures, and runs as it is; optimize the original "
+                 "nn.Module instead")
+
+
+def _runs_as_it_is(model) -> str | None:
+    """Why ``model`` is not captured at all (a wrapper or runtime no capture reaches), else None."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return DDP_OUTSIDE
+    if isinstance(model, torch.jit.ScriptModule):
+        return SCRIPT_MODULE
+    return None
+
+
 def _build(model, inputs, selected, auto, training, target, strict, cost, memory_budget,
            timing_rounds: int | None = None) -> OptimizedModule:
     """Capture (one throw-away step) with the pass pipeline as the graph transform."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    as_it_is = _runs_as_it_is(model)
+    if as_it_is is not None:
         if strict:
-            raise CaptureError(f"strict=True: {DDP_OUTSIDE}")
+            raise CaptureError(f"strict=True: {as_it_is}")
         return OptimizedModule(model, model, CaptureSession(model), PassPipeline((), PassContext()), training,
-                               target, strict, capture="none", fallback_reason=DDP_OUTSIDE)
+                               target, strict, capture="none", fallback_reason=as_it_is)
     cost_model = cost_model_for(this_machine_device(target), cost, reuse=True, timing_rounds=timing_rounds) \
         if selected and cost else None
     if isinstance(cost_model, Profiled):

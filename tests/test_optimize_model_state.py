@@ -342,3 +342,30 @@ def test_every_timed_call_of_a_build_sees_the_examples_cache_object():
     with torch.no_grad():
         expected = model(**step, past_key_values=copy.deepcopy(cache)).logits
     torch.testing.assert_close(optimized(**step, past_key_values=copy.deepcopy(cache)).logits, expected)
+
+
+class _ScriptedInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.inner(x))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_torchscript_models_run_as_they_are_with_the_reason(training):
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).train(training)
+    for model in (torch.jit.script(plain), torch.jit.trace(plain, (x,))):
+        built = fxdream.optimize(model, (x,), training=training)
+        assert built.report.fallback_reason.startswith("the model is a TorchScript module")
+        torch.testing.assert_close(built(x), model(x))
+    model = _ScriptedInside().train(training)  # a TorchScript submodule: dynamo's break, then eager
+    built = fxdream.optimize(model, (x,), training=training)
+    assert built.report.fallback_reason is not None
+    torch.testing.assert_close(built(x), model(x))
+    with pytest.raises(fxdream.CaptureError, match="TorchScript module"):
+        fxdream.optimize(torch.jit.script(plain), (x,), training=training, strict=True)

@@ -77,7 +77,7 @@ def compile_with(model: torch.nn.Module, session: Callable) -> Callable:
     if code is not None and len(_cache_entries(code)) >= limit:
         # each optimize() is a new backend: with the cache full, dynamo would run this one eagerly, silently
         torch._dynamo.eval_frame.remove_from_cache(code)  # private, isolated
-        own = getattr(type(model).forward, "__code__", None)
+        own = _forward_code(model)
         shared = "" if code is own else " (a frame every torch.nn module shares)"
         session.notes.append(f"dynamo's cache for {type(model).__name__}.forward{shared} was full ({limit} "
                              f"compilations earlier in this process); cleared it to capture this one")
@@ -185,7 +185,7 @@ def _compiled_code(model: torch.nn.Module):
     """The code object whose cache holds ``torch.compile(model)``'s compilations: its forward's,
     or, for torch's own modules (``nn.Linear``: dynamo wraps them in a frame it can capture),
     that wrapper's, which every such module in the process shares."""
-    forward = getattr(type(model).forward, "__code__", None)
+    forward = _forward_code(model)
     try:  # private, isolated
         from torch._dynamo import external_utils, trace_rules
         if torch._dynamo.config.wrap_top_frame or trace_rules.check(model.forward):
@@ -193,6 +193,15 @@ def _compiled_code(model: torch.nn.Module):
     except Exception:
         pass
     return forward
+
+
+def _forward_code(model: torch.nn.Module):
+    """The code object of ``model``'s class's forward; None where it has none (a TorchScript
+    module's forward is a descriptor that raises when read from the class)."""
+    try:
+        return getattr(type(model).forward, "__code__", None)
+    except AttributeError:
+        return None
 
 
 def _cache_entries(code) -> list:

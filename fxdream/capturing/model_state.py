@@ -132,8 +132,11 @@ def switch_to_build_mode(model: torch.nn.Module, training: bool) -> str | None:
 def attributes_kept(model: torch.nn.Module):
     """Every module's attributes, parameters, buffers and submodules as they were, whatever runs
     inside: a symbolic trace runs forward on proxies, and a forward that rebinds its state
-    (``self.state = h.detach()``, a buffer reassigned) would leave a proxy in the model."""
-    saved = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+    (``self.state = h.detach()``, a buffer reassigned) would leave a proxy in the model.
+    TorchScript modules are left out: their tables are TorchScript's (no Python forward rebinds
+    them), and cannot be cleared from Python."""
+    saved = [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()
+             if not isinstance(m, torch.jit.ScriptModule)]
     try:
         yield
     finally:
