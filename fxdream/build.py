@@ -184,7 +184,8 @@ def _check_precision(module: OptimizedModule, model, inputs: tuple, rows: list, 
                          f"here (its casts cost more than its faster kernels save on graphs this small)")
     elif precision != "fp32":
         why = module._fallback_reason or "; ".join(sorted({r.reason for r in rows})) or "no graph to rewrite"
-        module._note(f"precision={precision!r} was not applied (the module computes in float32): {why}")
+        module._note(f"precision={precision!r} was not applied (the module computes in the model's own dtypes): "
+                     f"{why}")
 
 
 def _measured_build(model, inputs, selected, auto, training, target, strict, cost, memory_budget,

@@ -75,6 +75,9 @@ def test_it_declines_with_the_reason_on_a_cpu_without_native_bf16(monkeypatch):
     assert any("precision='bf16' was not applied" in n and "no native bf16" in n for n in module.report.notes)
     with torch.no_grad():
         assert torch.equal(module(x), model(x))
+    double = fxdream.optimize(model.double(), (x.double(),), precision="bf16", cost=None)
+    assert any("was not applied (the module computes in the model's own dtypes)" in n  # float64 here
+               for n in double.report.notes)
 
 
 def test_it_declines_in_training():
