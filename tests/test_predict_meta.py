@@ -488,3 +488,19 @@ def test_a_module_built_from_a_masked_transformer_keeps_torchs_check_and_equals_
     optimized = fxdream.optimize(model, (src, tgt), eager_check=False)
     with torch.no_grad():
         torch.testing.assert_close(optimized(src, tgt), model(src, tgt))
+
+
+def test_a_torchscript_submodule_is_predicted_around_and_a_torchscript_model_is_refused_clearly():
+    class WithScript(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.inner, self.post = nn.Linear(16, 16), torch.jit.script(nn.Linear(16, 16)), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.post(self.inner(self.pre(x)))
+
+    model, x = WithScript(), torch.randn(4, 16)
+    assert fxdream.simulate(model, (x,), device="h100").time_ms > 0
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in (model.pre, model.post))
+    with pytest.raises(fxdream.CaptureError, match="TorchScript module .* the original nn.Module"):
+        fxdream.simulate(torch.jit.script(nn.Linear(16, 4)), (x,), device="h100")

@@ -33,9 +33,11 @@ def called_blocks(model: torch.nn.Module, inputs: tuple, training: bool) -> list
 
     def leave(module, args, output):
         depth[0] -= 1
-    handles = [hook for m in model.modules() if m is not model
-               for hook in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
-    try:
+    handles = []
+    try:  # a TorchScript submodule takes no Python hooks (and is not a block dynamo can compile)
+        for m in model.modules():
+            if m is not model and not isinstance(m, torch.jit.ScriptModule):
+                handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
         run_once(model, model, inputs, training)
     finally:
         for handle in handles:

@@ -44,6 +44,10 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs=(), training: 
     Without ``measure``, where the graph broke and ``call_order``: the order of one step's graph
     calls, without times (``record_model_calls``)."""
     check_model(model)
+    if isinstance(model, torch.jit.ScriptModule):
+        raise CaptureError(f"{type(model).__name__} is a TorchScript module (torch.jit.script or torch.jit.trace): it "
+                           "runs in TorchScript's runtime, which neither torch.fx nor dynamo captures; capture (and "
+                           "predict) the original nn.Module instead")
     model, inputs = bind_keywords(model, example_inputs, example_kwargs)
     initialize_lazy_modules(model, inputs)
     with preserved_modes(model), dynamo_state_kept():
