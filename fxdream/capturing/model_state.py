@@ -210,9 +210,23 @@ def preserved_state(model: torch.nn.Module):
                         # a tensor made under inference_mode is written only inside it
                         with torch.inference_mode() if buffer.is_inference() else contextlib.nullcontext():
                             buffer.copy_(saved)
+                        _version_put_back(buffer, version)
             for p, saved in grads.items():
                 p.grad = saved
             _refresh_rnn_weights(model)
+
+
+def _version_put_back(buffer: torch.Tensor, version: int | None) -> None:
+    """``buffer``'s version counter set back to ``version`` once its values are back as they were
+    then: a graph the user's forward recorded before the step saved the buffer at that version
+    (BatchNorm saves its running statistics), and its backward checks it; the step's updates and
+    this restore would otherwise fail it ("modified by an inplace operation")."""
+    if version is None:
+        return
+    try:  # private, isolated
+        torch._C._autograd._unsafe_set_version_counter((buffer,), (version,))
+    except Exception:
+        pass
 
 
 def rng_kept(model: torch.nn.Module):
