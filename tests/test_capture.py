@@ -360,3 +360,17 @@ def test_dynamos_warning_that_a_capture_failed_on_a_graph_is_not_shown_for_fxdre
         return logging.LogRecord("torch._dynamo.exc", logging.WARNING, __file__, 1, message, None, None)
     assert not dynamo_log.filter(record("<fxdream.capturing.session.CaptureSession object at 0x7f>"))
     assert dynamo_log.filter(record("inductor"))  # another backend's failure is shown as dynamo shows it
+
+
+def test_a_dynamically_quantized_model_is_captured_the_same_way_every_time():
+    """Its packed weights are TorchScript objects without __eq__: the fake-tensor cache's key
+    comparison raised on the second capture, which then took dynamo's path with a break."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation of eager-mode quantization
+        model = torch.ao.quantization.quantize_dynamic(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).eval(),
+            {torch.nn.Linear}, dtype=torch.float16)
+    x = torch.randn(4, 32)
+    codes = {fxdream.capture(model, (x,)).torch_graph.code for _ in range(2)}
+    assert len(codes) == 1

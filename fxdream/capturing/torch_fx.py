@@ -16,6 +16,8 @@ for RNNs, see ``capture.tracing_config``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import operator
 import os
@@ -39,14 +41,26 @@ from fxdream.capturing.traced_runner import TracedRunner, autocast_enabled
 def compile_model(model: torch.nn.Module, inputs: tuple, session: CaptureSession,
                   training: bool) -> tuple[Callable, str]:
     """(runner, how it was captured): in inference torch.fx's trace when the model traces whole,
-    else (training, or the reason) dynamo, both compiling through ``session``."""
-    reason = "training"
-    if not training:
-        with torch.no_grad(), preserved_state(model):
-            runner, reason = trace_and_compile(model, inputs, session)
-        if runner is not None:
-            return runner, "torch.fx symbolic_trace"
-    return compile_with(model, session), f"dynamo ({reason})"
+    else (training, or the reason) dynamo, both compiling through ``session``. A model holding
+    TorchScript objects (a dynamically quantized linear's packed weights) compiles without the
+    fake-tensor dispatch cache: its key holds the object, which has no ``__eq__``, so a second
+    capture of the model in one process failed there and took another path."""
+    with _fake_tensor_cache_off() if _holds_script_objects(model) else contextlib.nullcontext():
+        reason = "training"
+        if not training:
+            with torch.no_grad(), preserved_state(model):
+                runner, reason = trace_and_compile(model, inputs, session)
+            if runner is not None:
+                return runner, "torch.fx symbolic_trace"
+        return compile_with(model, session), f"dynamo ({reason})"
+
+
+def _holds_script_objects(model: torch.nn.Module) -> bool:
+    return any(isinstance(value, torch.ScriptObject) for m in model.modules() for value in vars(m).values())
+
+
+def _fake_tensor_cache_off():
+    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
 
 
 def trace_and_compile(model: torch.nn.Module, inputs: tuple,
