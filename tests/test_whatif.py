@@ -447,3 +447,17 @@ def test_what_ifs_count_every_call_of_a_graph_called_per_layer():
     _, captured, step, _ = capture_for_prediction((one_block, (x,)), to_capture, inputs, training=True)
     amp_one = W.amp(predict(captured, cost, True, SGD, step=step), dtype="float16", captured=captured)
     assert amp.details["amp.from_fx"] >= 4 * amp_one.details["amp.from_fx"]  # (the graphs split blocks unevenly)
+
+
+def test_a_window_period_is_compared_with_one_gpus_period_in_the_same_window(captured_mlp):
+    """A steady-state period overlaps the host's start-up with the step before; the baseline's
+    one step pays it: one rank with no network must read 1.0x, not faster than one GPU."""
+    _, captured = captured_mlp
+    base = h100_prediction(captured, SGD)
+    for what_if in (W.ddp_period(base, W.Cluster(1, 1), captured=captured),
+                    W.p3(base, W.Cluster(1, 1), captured=captured, slice_bytes=4096)):
+        assert what_if.baseline_ms == what_if.details["one GPU's period ms (same window)"]
+    alone = W.ddp_period(base, W.Cluster(1, 1), captured=captured)
+    assert alone.predicted_speedup == pytest.approx(1.0)
+    slow = W.ddp_period(base, W.Cluster(2, 1, network_gbps=0.1), captured=captured)
+    assert slow.predicted_speedup < 1.0

@@ -52,6 +52,9 @@ class WhatIf:
     contention: bool = True
     captured: Any = field(default=None, repr=False, compare=False)
     graphs: Any = field(default=None, repr=False, compare=False)
+    # predicted: what the scenario is compared with where that is not the baseline's one step (a
+    # steady-state period in a two-iteration window is compared with one GPU's in the same window)
+    compared_with_ms: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "details", MappingProxyType(dict(self.details)))
@@ -72,7 +75,8 @@ class WhatIf:
 
     @property
     def baseline_ms(self) -> float:
-        return self.baseline.time_ms
+        """What the scenario's time is compared with: the baseline's step, or ``compared_with_ms``."""
+        return self.baseline.time_ms if self.compared_with_ms is None else self.compared_with_ms
 
     @property
     def predicted_speedup(self) -> float:
@@ -194,12 +198,12 @@ def _start(x, device=None, captured=None, graphs=None, contention: bool | None =
 
 def _finish(s: _Start, name: str, tg: TaskGraph, details: dict, *, device: DeviceSpec | None = None,
             static_bytes: int | None = None, predicted_ms: float | None = None,
-            prediction: Prediction | None = None) -> WhatIf:
+            prediction: Prediction | None = None, compared_with_ms: float | None = None) -> WhatIf:
     pred = prediction or _prediction(s.current, tg, s.contention, device=device, static_bytes=static_bytes)
     scenario = f"{s.scenario} + {name}" if s.scenario else name
     merged = {**s.details, **details}
     return WhatIf(scenario, s.baseline, pred, pred.time_ms if predicted_ms is None else predicted_ms,
-                  merged, None, s.contention, s.captured, s.graphs)
+                  merged, None, s.contention, s.captured, s.graphs, compared_with_ms)
 
 
 def _with_durations(tg: TaskGraph, durations: Mapping[str, float]) -> TaskGraph:

@@ -196,14 +196,16 @@ def p3(x, cluster: Cluster, *, captured=None, graphs=None, slice_bytes: int = 4 
     g_ddp, _ = _two_iterations(tg, grads, buckets, cluster, channel, priority=False)
     tl_p3, period_p3 = _window_period(g_p3, fw1, s.contention, static)
     _, period_ddp = _window_period(g_ddp, fw1, s.contention, static)
+    one_gpu = _one_gpu_period(s, tg, grads, buckets, channel, static)
     pred = Prediction(s.current.device, s.current.training, g_p3, tl_p3, static)
     details = {"p3.cluster": cluster.describe(), "p3.slices": len(slices),
+               "one GPU's period ms (same window)": one_gpu / 1e3,
                "p3.slice_bytes": int(slice_bytes),
                "p3.allreduce_ms_total": sum(cluster.allreduce_us(b) for _, b in slices) / 1e3,
                "p3.ddp_period_ms (same window)": period_ddp / 1e3,
                "p3.window_makespan_ms": tl_p3.makespan_us / 1e3}
     return _finish(s, f"P3 {cluster.describe()}", g_p3, details, predicted_ms=period_p3 / 1e3,
-                   prediction=pred)
+                   prediction=pred, compared_with_ms=one_gpu / 1e3)
 
 
 def ddp_period(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb: float = 25.0,
@@ -219,5 +221,16 @@ def ddp_period(x, cluster: Cluster, *, captured=None, graphs=None, bucket_cap_mb
     g, fw1 = _two_iterations(tg, grads, buckets, cluster, channel, priority=False)
     tl, period = _window_period(g, fw1, s.contention, static)
     pred = Prediction(s.current.device, s.current.training, g, tl, static)
-    return _finish(s, f"DDP (window) {cluster.describe()}", g, {"ddp.buckets": len(buckets)},
-                   predicted_ms=period / 1e3, prediction=pred)
+    one_gpu = _one_gpu_period(s, tg, grads, buckets, channel, static)
+    return _finish(s, f"DDP (window) {cluster.describe()}", g,
+                   {"ddp.buckets": len(buckets), "one GPU's period ms (same window)": one_gpu / 1e3},
+                   predicted_ms=period / 1e3, prediction=pred, compared_with_ms=one_gpu / 1e3)
+
+
+def _one_gpu_period(s: _Start, tg: TaskGraph, grads: Sequence[Gradient], buckets: list, channel: str,
+                    static: int) -> float:
+    """The steady-state period of one GPU (no communication) in the same two-iteration window:
+    what a period is compared with, as a step's makespan pays the host's start-up once where a
+    training loop's steps overlap it with the previous step's kernels."""
+    alone, fw1 = _two_iterations(tg, grads, buckets, Cluster(1, 1), channel, priority=False)
+    return _window_period(alone, fw1, s.contention, static)[1]
