@@ -243,7 +243,7 @@ META_CONSTANT_HINT = ("hint: the model made a tensor on the meta device outside 
 # A model on the meta device that reads a tensor's value (``.item()``, ``if x.sum() > 0``,
 # ``nonzero``, ``.tolist()``) has none to read: torch's meta kernels say so in these words.
 META_VALUE_ERRORS = ("cannot be called on meta tensors", "meta tensor; no data", "register_meta function",
-                     "cannot be converted to Scalar")
+                     "cannot be converted to Scalar", "meta tensor without output_size")
 META_VALUE_HINT = ("hint: the model reads a tensor's value (.item(), a branch on a tensor, nonzero, .tolist()), "
                    "which a model on the meta device does not have: build the model on the CPU with real "
                    "example inputs (simulate then captures on their data, nothing runs on the predicted device), "
@@ -252,8 +252,9 @@ META_VALUE_HINT = ("hint: the model reads a tensor's value (.item(), a branch on
 
 # An op torch has no meta kernel for (``masked_select``) cannot run on a model on the meta device.
 META_KERNEL_MISSING = "no fake impl or Meta kernel registered"
-META_KERNEL_HINT = ("hint: the model calls an op torch cannot run on the meta device (no meta kernel; "
-                    "masked_select's output size is its mask's values): build the model on the CPU with real "
+META_KERNEL_HINT = ("hint: the model calls an op torch cannot run on the meta device (it has no meta kernel, "
+                    "as ops whose output size follows values, masked_select or unique, have none): build the "
+                    "model on the CPU with real "
                     "example inputs (simulate then captures on their data, nothing runs on the predicted device)")
 
 

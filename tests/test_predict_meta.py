@@ -504,3 +504,21 @@ def test_a_torchscript_submodule_is_predicted_around_and_a_torchscript_model_is_
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in (model.pre, model.post))
     with pytest.raises(fxdream.CaptureError, match="TorchScript module .* the original nn.Module"):
         fxdream.simulate(torch.jit.script(nn.Linear(16, 4)), (x,), device="h100")
+
+
+class _ValueSizedOps(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x, counts):
+        return self.op(x, counts)
+
+
+@pytest.mark.parametrize("op, says", [
+    (lambda x, counts: torch.repeat_interleave(x, counts, dim=0), "reads a tensor's value"),
+    (lambda x, counts: torch.bincount(counts), "no meta kernel, as ops whose output size follows values")])
+def test_ops_whose_output_size_follows_values_get_a_capture_error_saying_what_to_do(op, says):
+    x, counts = torch.empty(4, 3, device="meta"), torch.empty(4, dtype=torch.long, device="meta")
+    with pytest.raises(fxdream.CaptureError, match=says + ".* build the model on the CPU"):
+        fxdream.simulate(_ValueSizedOps(op), (x, counts), device="h100")
