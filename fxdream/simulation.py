@@ -54,8 +54,25 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
                                optimizer, contention, passes, memory_budget)
     if load.disturbed and isinstance(model_cost, Profiled):
         forget_profiles()  # costs measured beside other processes: not for later predictions to reuse
-    disturbed = disturbed_notes(load, model_cost)
-    return dataclasses.replace(prediction, notes=prediction.notes + disturbed) if disturbed else prediction
+    extra = disturbed_notes(load, model_cost) + _precision_notes(model, example_inputs, model_cost.device)
+    return dataclasses.replace(prediction, notes=prediction.notes + extra) if extra else prediction
+
+
+def _precision_notes(model: torch.nn.Module, inputs: tuple, device: DeviceSpec) -> tuple[str, ...]:
+    """What the prediction does not do about precision: an autocast the call is made inside (the
+    capture's graphs compute in the model's dtypes; autocast inside forward is captured), and
+    bfloat16 on a device without a bfloat16 rate (costed at float32's, as the GPU has no bf16 math)."""
+    notes = []
+    outer = [kind for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)]
+    if outer:
+        notes.append(f"called inside torch.autocast({outer[0]!r}): the prediction does not apply it (the captured "
+                     f"graphs compute in the model's dtypes); put torch.autocast inside forward, or predict it "
+                     f"with whatif.amp")
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in inputs if isinstance(x, torch.Tensor))]
+    if device.kind == "cuda" and "bfloat16" not in device.peak_flops and \
+            any(t.dtype == torch.bfloat16 for t in tensors):
+        notes.append(f"{device.name} has no bfloat16 math: bfloat16 kernels are costed at its float32 rate")
+    return tuple(notes)
 
 
 def disturbed_notes(load, cost) -> tuple[str, ...]:

@@ -522,3 +522,18 @@ def test_ops_whose_output_size_follows_values_get_a_capture_error_saying_what_to
     x, counts = torch.empty(4, 3, device="meta"), torch.empty(4, dtype=torch.long, device="meta")
     with pytest.raises(fxdream.CaptureError, match=says + ".* build the model on the CPU"):
         fxdream.simulate(_ValueSizedOps(op), (x, counts), device="h100")
+
+
+def test_what_a_prediction_does_not_do_about_precision_is_said():
+    from fxdream import whatif
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.empty(16, 64, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = fxdream.simulate(model, (x,), device="h100")
+    assert any("inside torch.autocast('cpu')" in n for n in under.notes)
+    assert not any("autocast" in n for n in fxdream.simulate(model, (x,), device="h100").notes)
+    bf16 = fxdream.simulate(model.to(torch.bfloat16), (x.to(torch.bfloat16),), device="v100")
+    assert any("v100 has no bfloat16 math" in n for n in bf16.notes)
+    with pytest.raises(ValueError, match="v100 has no bfloat16 math"):
+        whatif.amp(fxdream.simulate(model.float(), (x,), device="v100"), "v100", dtype="bfloat16")

@@ -194,6 +194,9 @@ def amp(x, device=None, dtype: str = "float16", *, captured=None, graphs=None,
     base_spec = _spec(device) or s.current.device
     if base_spec is _UNSPECIFIED:
         raise ValueError("amp needs a device (a DeviceSpec or a name such as 'h100') for its rates")
+    if base_spec.kind == "cuda" and key == "bfloat16" and "bfloat16" not in base_spec.peak_flops:
+        raise ValueError(f"{base_spec.name} has no bfloat16 math (torch's autocast refuses bfloat16 on such a GPU): "
+                         f"use dtype='float16'")
     spec = _amp_spec(base_spec, key)
     on_gpu = spec.kind != "cpu"
     p32, plow, bw = spec.flops("float32"), spec.flops(key), spec.mem_bandwidth
