@@ -299,3 +299,21 @@ def test_one_tensor_passed_twice_into_linears_summed_is_declined_not_crashed():
     assert not row.applied and row.reason.startswith("a partition at lin may read one tensor twice")
     with torch.no_grad():
         torch.testing.assert_close(built(x, y, y, x), model(x, y, y, x))
+
+
+@needs_llga
+def test_a_torch_cond_graph_is_declined_saying_what_cannot_be_told():
+    class Cond(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda x: self.a(x).relu(), lambda x: self.b(x) * 2, (x,))
+
+    model, x = Cond().eval(), torch.randn(4, 6)
+    built = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    assert _row(built).reason.startswith("the graph calls what is not an ATen op (torch.cond's branches")
+    with torch.no_grad():
+        for sample in (x, -x):
+            torch.testing.assert_close(built(sample), model(sample))

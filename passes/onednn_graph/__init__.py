@@ -165,7 +165,12 @@ class OneDnnGraph(PassBase):
         return None
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        if written_inputs(gm) != frozenset():
+        written = written_inputs(gm)
+        if written is None:
+            return PassResult.unchanged(gm, "the graph calls what is not an ATen op (torch.cond's branches, a "
+                                            "Python function): which inputs it writes cannot be told, and freezing "
+                                            "would fold the values it updates")
+        if written:
             return PassResult.unchanged(gm, "the graph writes to its inputs (a buffer updated in forward, an in-place "
                                             "op on an input): freezing would fold the values it updates")
         with real_tensors(), torch.no_grad():  # the pipeline may run passes under a fake mode
