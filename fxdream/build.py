@@ -13,6 +13,7 @@ from fxdream.capturing.arguments import (
     check_flag,
     check_memory_budget,
     check_model,
+    inside_torch_compile,
     resolve_device,
 )
 from fxdream.capturing.blockwise import capture_after_nothing
@@ -93,6 +94,7 @@ def optimize(model: torch.nn.Module, example_inputs=(), passes=(), training: boo
     eagerly and the report says so, with both times.
     """
     check_model(model)
+    model = inside_torch_compile(model)
     model, inputs = bind_keywords(model, example_inputs, example_kwargs)
     training = check_flag("training", training)
     memory_budget = check_memory_budget(memory_budget)

@@ -10,7 +10,7 @@ import torch.fx.experimental._config as meta_config  # private; the only switch 
 from torch.utils._pytree import tree_leaves
 
 from fxdream.build import cost_model_for
-from fxdream.capturing.arguments import check_memory_budget, check_model
+from fxdream.capturing.arguments import check_memory_budget, check_model, inside_torch_compile
 from fxdream.capturing.capture_model import capture_with_host_gaps
 from fxdream.capturing.captured import CaptureError, captured_parts
 from fxdream.capturing.keywords import bind_keywords
@@ -41,6 +41,7 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not known; valid: {', '.join(OPTIMIZERS)} or None")
     check_model(model)
+    model = inside_torch_compile(model)
     check_memory_budget(memory_budget)
     model, example_inputs = bind_keywords(model, example_inputs, example_kwargs)  # all positional from here
     captured_model, inputs, model_cost = prediction_inputs(model, example_inputs, device, cost)

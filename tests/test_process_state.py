@@ -68,3 +68,28 @@ def test_a_build_leaves_grad_mode_rng_threads_and_dynamos_limits_as_they_were():
     fxdream.optimize(models[1], (x,), cost=None)
     assert getattr(config, name) == limit and torch.get_num_threads() == threads
     assert torch.is_grad_enabled() == grad and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_torch_compiled_model_whose_cache_is_full_is_captured_as_the_model_itself():
+    """torch.compile's wrapper is looked through (the model itself is traced): past dynamo's
+    recompile limit, with its caches filled by earlier builds of the class, a build through the
+    wrapper captured no graph ("OptimizedModule.__call__ ... marked as skipped")."""
+    class Small(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)) + x)
+
+    model = Small().eval()
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    with torch.no_grad():
+        for batch in range(1, 11):  # past the recompile limit (8)
+            compiled(torch.randn(batch, 8))
+    x = torch.randn(3, 8)
+    for training in (False, True):
+        built = fxdream.optimize(compiled, (x,), training=training)
+        assert built.report.fallback_reason is None and built.report.graphs
+        assert built.report.capture == ("dynamo (training)" if training else "torch.fx symbolic_trace")
+        torch.testing.assert_close(built(x), model(x))

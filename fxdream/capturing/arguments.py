@@ -12,6 +12,13 @@ def check_model(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
+def inside_torch_compile(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped, else ``model``: fxdream captures the model itself
+    (its own graphs replace the compiled ones), so the wrapper's frames, skip marks and dynamo
+    caches, which earlier calls of it fill, play no part in whether it is captured."""
+    return model._orig_mod if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else model
+
+
 def check_inputs(example_inputs, example_kwargs: Mapping | None = None,
                  model: torch.nn.Module | None = None) -> tuple:
     """The example call as one positional tuple (``check_call``'s first part)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fxdream.capturing.arguments import check_model
+from fxdream.capturing.arguments import check_model, inside_torch_compile
 from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.causal_mask import causal_checks_unread
@@ -44,6 +44,7 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs=(), training: 
     Without ``measure``, where the graph broke and ``call_order``: the order of one step's graph
     calls, without times (``record_model_calls``)."""
     check_model(model)
+    model = inside_torch_compile(model)
     if isinstance(model, torch.jit.ScriptModule):
         raise CaptureError(f"{type(model).__name__} is a TorchScript module (torch.jit.script or torch.jit.trace): it "
                            "runs in TorchScript's runtime, which neither torch.fx nor dynamo captures; capture (and "
