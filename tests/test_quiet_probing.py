@@ -42,3 +42,20 @@ def test_a_wrong_input_shape_in_a_prediction_raises_torchs_error_without_fake_te
         logger.removeHandler(handler)
     assert not [r for r in records if "failed while attempting to run meta" in str(r.msg)]
     assert logger.filters == []  # the filter is the capture's only
+
+
+def test_a_torch_fx_trace_that_fails_its_check_run_prints_nothing(capsys):
+    class Attention(torch.nn.Module):  # traced, ``w`` is a proxy: the trace calls .sum on eager's None
+        def __init__(self):
+            super().__init__()
+            self.attention = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, q):
+            out, w = self.attention(q, q, q, need_weights=False)
+            return out if w is None else out + w.sum(-1, keepdim=True)
+
+    model, q = Attention().eval(), torch.randn(2, 5, 16)
+    built = fxdream.optimize(model, (q,))  # the torch.fx path declined: dynamo's capture
+    with torch.no_grad():
+        torch.testing.assert_close(built(q), model(q))
+    assert "FX-traced Module" not in capsys.readouterr().err

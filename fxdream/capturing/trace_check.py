@@ -70,7 +70,7 @@ def _run_both(model, traced, inputs: tuple, on_samples: bool) -> BothRuns:
             mutates_inputs = [tensor_version(x) for x in inputs] != input_versions or (
                 None in input_versions and torch.is_inference_mode_enabled())  # unknown: assume it may
         torch.manual_seed(0)
-        values = list(traced(*inputs))
+        values = list(traced.forward(*inputs))  # not __call__: torch.fx's wrapper prints a failing trace's error
     return BothRuns(expected, values, mutates_inputs, on_samples)
 
 
