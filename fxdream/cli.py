@@ -158,6 +158,17 @@ def cmd_whatif(args) -> int:
     return 0
 
 
+def _check_optimizer(args) -> None:
+    """``--optimizer`` is a training step's: given for an inference prediction, it would be
+    silently ignored. With ``--training`` and none given: sgd."""
+    if getattr(args, "command", None) not in ("simulate", "explain"):
+        return
+    if args.optimizer is not None and not args.training:
+        raise ValueError(f"--optimizer {args.optimizer}: an optimizer step is part of a training step; add --training")
+    if args.optimizer is None:
+        args.optimizer = "sgd"
+
+
 def _check_output_paths(args) -> None:
     """Before any work: a file to write whose folder does not exist (found only at the end, it
     cost a whole simulation and gave a traceback)."""
@@ -288,8 +299,8 @@ def _add_predicting_commands(sub) -> None:
     model_args(sim)
     sim.add_argument("--device", type=device_name, default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     sim.add_argument("--cost", default="auto", choices=("auto", "profiled", "analytic"))
-    sim.add_argument("--optimizer", default="sgd", choices=(*OPTIMIZERS, "none"),
-                     help="sgd (with momentum), sgd_plain (momentum=0), adam, or none")
+    sim.add_argument("--optimizer", choices=(*OPTIMIZERS, "none"),
+                     help="with --training: sgd (with momentum, the default), sgd_plain (momentum=0), adam, or none")
     sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
     sim.add_argument("--plot", help="write a PNG timeline here")
     sim.add_argument("--top", type=positive_int, default=10)
@@ -308,8 +319,8 @@ def _add_predicting_commands(sub) -> None:
     model_args(exp)
     exp.add_argument("--device", type=device_name, default="cpu", help="cpu (this machine), v100, a100, h100, h200")
     exp.add_argument("--pass", dest="passes", default="auto", help='"auto" or pass name(s), comma-separated')
-    exp.add_argument("--optimizer", default="sgd", choices=(*OPTIMIZERS, "none"),
-                     help="the optimizer step a training step includes (as simulate's)")
+    exp.add_argument("--optimizer", choices=(*OPTIMIZERS, "none"),
+                     help="with --training: the optimizer step it includes (as simulate's; default sgd)")
     exp.add_argument("--out", help="file stem for the .trace.json and .png")
     exp.add_argument("--top", type=positive_int, default=10)
     exp.add_argument("--load", action="append", help="a Python file that registers passes (repeatable)")
@@ -321,6 +332,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         _check_output_paths(args)
+        _check_optimizer(args)
         with _progress_on_stderr(not args.quiet):
             return args.run(args)
     except (ValueError, TypeError, RuntimeError) as error:  # one line, not a dynamo traceback

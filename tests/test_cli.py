@@ -225,6 +225,14 @@ def test_simulate_takes_a_training_step_without_an_optimizer(capsys):
         first = capsys.readouterr().out.splitlines()[1]
         tasks[optimizer] = int(first.rsplit("(", 1)[1].split()[0])
     assert tasks["none"] < tasks["sgd"]  # no optimizer step's tasks
+    assert main(["simulate", "mnist_convnet", "--tiny", "--training", "--device", "h100"]) == 0
+    assert int(capsys.readouterr().out.splitlines()[1].rsplit("(", 1)[1].split()[0]) == tasks["sgd"]  # the default
+
+
+@pytest.mark.parametrize("command", ["simulate", "explain"])
+def test_an_optimizer_for_an_inference_prediction_is_refused_not_ignored(command, capsys):
+    assert main([command, "mnist_convnet", "--tiny", "--device", "h100", "--optimizer", "adam"]) == 2
+    assert "add --training" in capsys.readouterr().err
 
 
 def test_a_model_built_on_the_meta_device_is_predicted_and_not_measured(tmp_path, capsys):
