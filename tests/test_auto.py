@@ -7,14 +7,14 @@ import torch
 import torch.nn as nn
 
 import fxdream
-from fxdream.ir.nodes import op_name
+from fxdream.build import cost_model_for
+from fxdream.capturing.dynamo import compile_with
 from fxdream.capturing.session import CaptureSession
 from fxdream.capturing.steps import run_once
 from fxdream.capturing.steps import seeded_step as pipeline_seeded_step
-from fxdream.capturing.dynamo import compile_with
+from fxdream.ir.nodes import op_name
 from fxdream.pass_api import PassContext, PassResult
 from fxdream.pass_runner import PassPipeline
-from fxdream.build import cost_model_for
 
 
 class Net(nn.Module):

@@ -17,7 +17,6 @@ for RNNs, see ``capture.tracing_config``).
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 import operator
 import os
