@@ -168,9 +168,12 @@ def user_build(function: Callable, device: str = "cpu", label: str | None = None
             built = function(batch)
         except Exception as error:  # the traceback stays chained; the line names the builder
             raise RuntimeError(f"{label}({batch}) raised {type(error).__name__}: {error}") from error
-        if not (isinstance(built, tuple) and len(built) in (2, 3) and isinstance(built[0], torch.nn.Module)):
+        if not (isinstance(built, tuple) and len(built) in (2, 3)):
             raise TypeError(f"{label}({batch}) must return (model, inputs) or (model, inputs, loss_fn), "
                             f"got {type(built).__name__}" + (f" of {len(built)}" if isinstance(built, tuple) else ""))
+        if not isinstance(built[0], torch.nn.Module):
+            raise TypeError(f"{label}({batch}) must return (model, inputs) or (model, inputs, loss_fn) with the model "
+                            f"a torch.nn.Module, got a {type(built[0]).__name__} first")
         model, inputs = built[:2]
         model, inputs = bind_keywords(model, (), inputs) if isinstance(inputs, dict) else (model, check_inputs(inputs))
         loss_fn = built[2] if len(built) == 3 and built[2] is not None else differentiable_scalar

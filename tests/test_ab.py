@@ -120,6 +120,8 @@ def test_a_build_function_may_leave_out_the_loss_as_on_the_command_line(training
         assert row.max_abs_diff == 0.0
     with pytest.raises(TypeError, match=r"must return \(model, inputs\) or \(model, inputs, loss_fn\), got tuple of 1"):
         ab(lambda batch: (_mlp(batch)[0],), ["reinplace"], progress=False)
+    with pytest.raises(TypeError, match=r"with the model a torch.nn.Module, got a function first"):
+        ab(lambda batch: (lambda x: x, torch.randn(batch, 8)), ["reinplace"], progress=False)
 
 
 def test_a_module_with_its_example_inputs_is_measured_at_their_batch():
