@@ -56,6 +56,9 @@ def simulate(model: torch.nn.Module, example_inputs=(), device: str | DeviceSpec
     if load.disturbed and isinstance(model_cost, Profiled):
         forget_profiles()  # costs measured beside other processes: not for later predictions to reuse
     extra = disturbed_notes(load, model_cost) + _precision_notes(model, example_inputs, model_cost.device)
+    if training and not any(p.requires_grad for p in model.parameters()):
+        extra += ("training=True, but no parameter of the model requires grad (frozen, or packed as a dynamically "
+                  "quantized model's weights are): the step has no backward or optimizer step to predict",)
     return dataclasses.replace(prediction, notes=prediction.notes + extra) if extra else prediction
 
 

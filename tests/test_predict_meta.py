@@ -537,3 +537,11 @@ def test_what_a_prediction_does_not_do_about_precision_is_said():
     assert any("v100 has no bfloat16 math" in n for n in bf16.notes)
     with pytest.raises(ValueError, match="v100 has no bfloat16 math"):
         whatif.amp(fxdream.simulate(model.float(), (x,), device="v100"), "v100", dtype="bfloat16")
+
+
+def test_a_training_prediction_of_a_model_with_nothing_to_train_says_so():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    prediction = fxdream.simulate(model, (torch.randn(2, 8),), device="h100", training=True)
+    assert any("no parameter of the model requires grad" in n for n in prediction.notes)
