@@ -271,7 +271,9 @@ def test_a_partition_reading_a_tensor_twice_and_adding_another_is_found_and_safe
     from fxdream.passes.onednn_graph.bridge_hazards import crashing_partition
     crashes = [lambda lin, a, b: (lin(a) + lin(b)) * b + a,  # each ran to a segfault in the bridge
                lambda lin, a, b: (lin(a) + lin(b)) * 2 + a,
-               lambda lin, a, b: torch.relu(lin(a) + lin(b)) + a]
+               lambda lin, a, b: torch.relu(lin(a) + lin(b)) + a,
+               lambda lin, a, b: (torch.mm(lin(b), a) + lin(a)) * a,  # a matrix product's second operand
+               lambda lin, a, b: ((lin(a) + lin(b)) * (a * 2.0) + a * 2.0) * (a * 2.0)]  # one value once merged
     for fn in crashes:
         assert crashing_partition(_traced(fn)) is not None
     safe = [lambda lin, a, b: lin(a) + a,  # the add is into the tensor read twice: its index is right
