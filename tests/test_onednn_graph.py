@@ -319,3 +319,17 @@ def test_a_torch_cond_graph_is_declined_saying_what_cannot_be_told():
     with torch.no_grad():
         for sample in (x, -x):
             torch.testing.assert_close(built(sample), model(sample))
+
+
+@needs_llga
+def test_a_layer_norm_without_affine_parameters_compiles_and_a_failure_names_its_error():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16, elementwise_affine=False)).eval()
+    x = torch.randn(4, 8)
+    built = fxdream.optimize(model, (x,), passes=["onednn_graph"])
+    assert _row(built).applied
+    with torch.no_grad():
+        torch.testing.assert_close(built(x), model(x))
+    from fxdream.passes.onednn_graph import _last_line
+    boilerplate = RuntimeError("The following operation failed in the TorchScript interpreter.\n"
+                               "Traceback of TorchScript (most recent call last):\nRuntimeError: range check\n")
+    assert _last_line(boilerplate) == "RuntimeError: range check"

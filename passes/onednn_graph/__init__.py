@@ -112,6 +112,13 @@ def compile_with_llga(graph: fx.GraphModule,
     return script, outputs, traced_outputs[0]
 
 
+def _last_line(error: Exception) -> str:
+    """The message's last line: TorchScript puts its interpreter's boilerplate first and the
+    error it ran into last ("RuntimeError: vector::_M_range_check: ...")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def _fingerprint(graph: fx.GraphModule, example: list[torch.Tensor]) -> str:
     shapes = ";".join(f"{tuple(t.shape)}{tuple(t.stride())}{t.dtype}" for t in example)
     return hashlib.sha1((graph.code + shapes).encode()).hexdigest()[:12]
@@ -188,7 +195,7 @@ class OneDnnGraph(PassBase):
                 script, found, expected = compile_with_llga(composite, example)
             except Exception as error:  # noqa: BLE001  a compile that fails in any way leaves the graph as it is
                 return PassResult.unchanged(gm, f"oneDNN Graph could not compile or run the graph "
-                                                f"({type(error).__name__}: {str(error).strip()[:160]})")
+                                                f"({type(error).__name__}: {_last_line(error)[:160]})")
             if any(e.shape != f.shape or e.dtype != f.dtype for e, f in zip(expected, found)):
                 return PassResult.unchanged(gm, "oneDNN Graph's outputs differ from the graph's in shape or dtype "
                                                 "(such as a 0-d tensor made 1-d): left as it is")

@@ -5,7 +5,7 @@ written back in the composite form TorchScript's oneDNN Graph bridge recognises.
 ``batch_norm``, ``native_layer_norm`` → ``layer_norm``, ``max_pool2d_with_indices`` →
 ``max_pool2d``, ``addmm(b, x, t(w))`` and ``addmm(b, x, w)`` of a constant ``w`` → ``linear``, a
 ``cat`` onto an empty KV cache without it; a tanh GELU as its formula, which the bridge would
-run in erf form.
+run in erf form; a layer norm without weight or bias given constant ones and zeros.
 """
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ def composite_graph(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModul
         return None
     root, activations = found
     _constant_weights_transposed(new.graph, root)
+    _layer_norms_given_affine(new.graph, root)
     _tanh_gelus_written_out(new.graph)
     _write_in_composite_form(new.graph)
     new.graph.output_node().args = (tuple(dict.fromkeys(flat_outputs(new.graph))),)
@@ -143,6 +144,30 @@ def _constant_weights_transposed(graph: fx.Graph, root: torch.nn.Module) -> None
         node.args = (node.args[0], node.args[1], transposed)
         if not weight.users:
             graph.erase_node(weight)
+
+
+def _layer_norms_given_affine(graph: fx.Graph, root: torch.nn.Module) -> None:
+    """A ``native_layer_norm`` without weight or bias (``elementwise_affine=False``, a bare
+    ``F.layer_norm``) given constant ones and zeros: the fuser fails on the missing inputs
+    ("vector::_M_range_check") and declined the whole graph; x·1 + 0 is the same value."""
+    for node in list(graph.nodes):
+        if node.target is not aten.native_layer_norm.default or len(node.args) != 5:
+            continue
+        x, shape, weight, bias, eps = node.args
+        value = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if (weight is not None and bias is not None) or not isinstance(value, torch.Tensor):
+            continue
+        made = []
+        for given, fill in ((weight, 1.0), (bias, 0.0)):
+            if given is not None:
+                made.append(given)
+                continue
+            name = f"layer_norm_{'weight' if fill else 'bias'}_{node.name}"
+            root.register_buffer(name, torch.full(tuple(shape), fill, dtype=value.dtype))
+            with graph.inserting_before(node), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the attribute is on ``root``, not on the graph's module
+                made.append(graph.get_attr(name))
+        node.args = (x, shape, made[0], made[1], eps)
 
 
 def _tanh_gelus_written_out(graph: fx.Graph) -> None:
