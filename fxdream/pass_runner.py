@@ -307,8 +307,9 @@ class PassPipeline:
         over_budget = " (none fits memory_budget: the lowest predicted peak)" if over else ""
         ties = (f"; it ties with the fastest, {names(tied[4])} at {tied[2] / 1e3:.3f} ms (within that one's "
                 f"measured spread and {TIE_MAX_GAIN:.0%}): the simpler is kept") if tied else ""
+        then = f"; then, on the chosen graph, {', '.join(p.name for p in final)}" if final else ""
         self._add(PassReport("auto", index, ctx.phase, bool(best), f"chose {names(best)}: predicted "
-                             f"{best_us / 1e3:.3f} ms of {len(scored)} subsets{over_budget}{ties}",
+                             f"{best_us / 1e3:.3f} ms of {len(scored)} subsets{over_budget}{ties}{then}",
                              notes=(f"predicted: {summary}",)))
         for p in final:
             best_gm = self._finish(p, best_gm, ctx, index)

@@ -148,6 +148,7 @@ def test_a_final_pass_runs_once_on_the_chosen_graph_and_stays_if_predicted_faste
     pipeline = _auto([AddCopies("copies", 2), Final(FoldMulByOne()), Final(idle)])
     auto, fold, counted = pipeline.rows[-3:]
     assert auto.name == "auto" and auto.reason.startswith("chose none") and "of 2 subsets" in auto.reason
+    assert auto.reason.endswith("; then, on the chosen graph, fold, counted")  # "none" is of the subsets
     assert (fold.name, fold.applied, fold.reason) == ("fold", True, "folded 1")
     assert fold.predicted_delta_us < 0 and idle.runs == 1 and not counted.applied
     assert not any(op_name(n) == "aten.mul" for n in pipeline.rewritten[(0, "fw")].graph.nodes)
