@@ -9,6 +9,7 @@ import time
 import torch
 
 from fxdream.capturing.arguments import (
+    TORCHSCRIPT_MODEL,
     check_counts,
     check_flag,
     check_memory_budget,
@@ -221,6 +222,8 @@ def _check_built(module: OptimizedModule, model, inputs: tuple, training: bool, 
     ``changed_numerics``: a pass that changes numerics (bf16) applied, so a verified difference
     beyond float32 rounding is its expected deviation, not a wrong result. Each check starts from
     the example's Python objects (a cache object the calls append to)."""
+    if not (verify or measure or eager_check):
+        return  # nothing calls the module: no objects to walk
     restore = python_objects_restorer(call_values(model, inputs))
     if verify:
         causes: list[str] = []
@@ -251,9 +254,7 @@ DDP_OUTSIDE = ("the model is a DistributedDataParallel: it runs as it is; wrap D
                "instead, DistributedDataParallel(fxdream.optimize(model, ...)), which keeps DDP's gradient hooks")
 
 
-SCRIPT_MODULE = ("the model is a TorchScript module (torch.jit.script or torch.jit.trace): it runs in TorchScript's "
-                 "runtime, which neither torch.fx nor dynamo captures, and runs as it is; optimize the original "
-                 "nn.Module instead")
+SCRIPT_MODULE = f"the model is {TORCHSCRIPT_MODEL}, and runs as it is; optimize the original nn.Module instead"
 
 
 def _runs_as_it_is(model) -> str | None:

@@ -12,6 +12,12 @@ def check_model(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
+# what a TorchScript model (``torch.jit.ScriptModule``) is to a capture: optimize runs it as it
+# is, the predictions refuse it, each with this
+TORCHSCRIPT_MODEL = ("a TorchScript module (torch.jit.script or torch.jit.trace): it runs in TorchScript's runtime, "
+                     "which neither torch.fx nor dynamo captures")
+
+
 def inside_torch_compile(model: torch.nn.Module) -> torch.nn.Module:
     """The module ``torch.compile`` wrapped, else ``model``: fxdream captures the model itself
     (its own graphs replace the compiled ones), so the wrapper's frames, skip marks and dynamo

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fxdream.capturing.arguments import check_model, inside_torch_compile
+from fxdream.capturing.arguments import TORCHSCRIPT_MODEL, check_model, inside_torch_compile
 from fxdream.capturing.blockwise import capture_after_nothing
 from fxdream.capturing.captured import CaptureError
 from fxdream.capturing.causal_mask import causal_checks_unread
@@ -46,9 +46,8 @@ def capture_with_host_gaps(model: torch.nn.Module, example_inputs=(), training: 
     check_model(model)
     model = inside_torch_compile(model)
     if isinstance(model, torch.jit.ScriptModule):
-        raise CaptureError(f"{type(model).__name__} is a TorchScript module (torch.jit.script or torch.jit.trace): it "
-                           "runs in TorchScript's runtime, which neither torch.fx nor dynamo captures; capture (and "
-                           "predict) the original nn.Module instead")
+        raise CaptureError(f"{type(model).__name__} is {TORCHSCRIPT_MODEL}; capture (and predict) the original "
+                           "nn.Module instead")
     model, inputs = bind_keywords(model, example_inputs, example_kwargs)
     initialize_lazy_modules(model, inputs)
     with preserved_modes(model), dynamo_state_kept():

@@ -157,8 +157,8 @@ def time_graph(gm: fx.GraphModule, inputs, device: torch.device, samples: dict, 
     round longer than this is the only one (a first look, which side-by-side rounds time again:
     ``Profiled.profile_side_by_side``), where it took under ``one_round_under_us`` (the best
     prediction so far of the graph a candidate would replace): a candidate whose one round reads
-    slower gets a second and keeps the faster, so that one noisy round does not decide against
-    it (a slow first look keeps it out of the side-by-side rounds)."""
+    slower gets more rounds, as any graph does (the faster of two, or a median), so that one noisy
+    round does not decide against it (a slow first look keeps it out of the side-by-side rounds)."""
     outputs, taken = None, []
     cuda = device.type == "cuda"
     if cuda:  # the first run on a GPU autotunes (cuDNN) and tells how long the host takes to queue it
