@@ -53,7 +53,9 @@ from fxdream.measure import time_interleaved  # noqa: E402
 from fxdream.runtime.cuda_graph_runner import cuda_graph_memory_bytes, describe_runners  # noqa: E402
 
 RUNNERS = ("eager", "capture", "cuda_graphs", "fuse+cuda_graphs", "reduce_overhead")
+# the zoo's models by name (fxdream.models.NAMES), and two written by third-party packages
 MODELS = ("resnet50", "bert_base", "tv_resnet50", "hf_bert")
+THIRD_PARTY = ("tv_resnet50", "hf_bert")
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 BATCH_ORDER = (1, 128, 8, 32)
 
@@ -67,7 +69,7 @@ def log(message: str) -> None:
 def build_model(name: str, batch: int, dtype: torch.dtype):
     """(model in eval mode on cuda, inputs) or raises ImportError for a missing third-party package."""
     generator = torch.Generator().manual_seed(1)
-    if name in ("resnet50", "bert_base"):
+    if name in models.NAMES:
         model, inputs, _ = models.build(name, batch, device="cuda", dtype=dtype)
         return model.eval(), inputs
     if name == "tv_resnet50":
@@ -83,7 +85,7 @@ def build_model(name: str, batch: int, dtype: torch.dtype):
         model = transformers.BertModel(config)
         ids = torch.randint(1, config.vocab_size, (batch, 128), generator=generator)
         return LastHidden(model).to("cuda", dtype).eval(), (ids.to("cuda"),)
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(tuple(models.NAMES) + THIRD_PARTY)}")
 
 
 # --- runners -----------------------------------------------------------------------------------
@@ -285,7 +287,7 @@ def main(argv=None) -> int:
     peer_batches = {int(b) for b in args.peer_batches.split(",") if b}
     peer_models = {m for m in args.peer_models.split(",") if m}
     runner_names = [r for r in args.runners.split(",") if r]
-    for value, valid, what in ((model_names, MODELS, "model"), (dtypes, DTYPES, "dtype"),
+    for value, valid, what in ((model_names, tuple(models.NAMES) + THIRD_PARTY, "model"), (dtypes, DTYPES, "dtype"),
                                (runner_names, RUNNERS, "runner")):
         bad = [v for v in value if v not in valid]
         if bad:

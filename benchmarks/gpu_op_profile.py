@@ -29,7 +29,9 @@ from fxdream.ir.flops import kernel_class, node_flops
 from fxdream.ir.nodes import is_view, node_bytes, node_dtype, op_name
 from fxdream.sim.cost.devices import get_device
 from fxdream.sim.cost.profiled import Profiled
+from fxdream.runtime.direct_calls import direct
 from fxdream.sim.prediction import this_machine_device
+from fxdream.sim.profile.in_context import synthetic_args
 from fxdream.sim.profile.op_keys import profile_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +42,25 @@ RESULTS = Path(__file__).parent / "results"
 
 def log(message: str) -> None:
     print(f"[gpu_op_profile {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def cuda_op_memory(node, device: torch.device) -> dict:
+    """What one call of ``node``'s op allocates beyond its inputs, by torch's caching allocator:
+    ``transient_bytes`` (freed before it returns: cuDNN / cuBLAS workspaces, split-K sums) and
+    ``kept_bytes`` (still held after it, outputs included). The second call is the one read, so
+    a handle's one-time workspace is not counted."""
+    args, kwargs = synthetic_args(node, device)
+    op = direct(node.target)
+    op(*args, **kwargs)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = op(*args, **kwargs)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return {"transient_bytes": peak - after, "kept_bytes": after - before}
 
 
 def op_records(captured, cost: Profiled, device_type: str, case: str, budget_end: float) -> list[dict]:
@@ -57,13 +78,19 @@ def op_records(captured, cost: Profiled, device_type: str, case: str, budget_end
                 seen.add(key)
                 kernel = cost.isolated_us(node)
                 value = node.meta.get("val")
+                memory = {}
+                if device_type == "cuda":
+                    try:
+                        memory = cuda_op_memory(node, torch.device(device_type))
+                    except Exception as error:  # an op that cannot run on synthetic inputs: no memory reading
+                        memory = {"memory_error": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
                 records.append({
                     "case": case, "phase": phase, "op": op_name(node), "class": kernel_class(node),
                     "dtype": node_dtype(node), "shape": list(value.shape) if isinstance(value, torch.Tensor) else None,
                     "flops": int(node_flops(node)), "bytes": int(node_bytes(node)), "kernel_us": kernel,
                     "host_us": cost.host_us(node) if device_type == "cuda" else None,
                     "in_graph_us": cost.graph_kernel_us(node) if device_type == "cuda" else None,
-                    "key": key})
+                    "key": key, **memory})
     return records
 
 
