@@ -318,3 +318,19 @@ def test_an_rnn_left_in_train_mode_keeps_its_dropout_in_an_inference_build(cls):
         torch.manual_seed(7)
         torch.testing.assert_close(optimized(x), expected)
         assert not torch.equal(optimized(x), optimized(x))  # a draw per call
+
+
+def test_an_lstm_on_a_gpu_is_kept_whole_in_inference():
+    """A trace unrolls a GPU LSTM into ops per time step where eager runs cuDNN's layer: the
+    capture keeps it one op instead (checked on fake CUDA tensors: no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxdream.ops.rnn import redirect_lstm
+    shapes = [p.shape for p in nn.LSTM(6, 8, num_layers=2, batch_first=True)._flat_weights]
+    with FakeTensorMode():
+        params = [torch.randn(shape, device="cuda") for shape in shapes]
+        x = torch.randn(3, 5, 6, device="cuda")
+        h = torch.zeros(2, 3, 8, device="cuda")
+        with torch.no_grad():
+            output, hy, cy = redirect_lstm((x, (h, h), params, True, 2, 0.0, False, False, True), {})
+    assert output.device.type == "cuda" and output.shape == (3, 5, 8) and hy.shape == cy.shape == (2, 3, 8)

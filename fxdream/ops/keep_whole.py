@@ -37,8 +37,8 @@ _DIFFERENTIABLE = frozenset({F.interpolate, *UPSAMPLE_FUNCTIONS, torch._VF.lstm,
 
 
 class _KeepOpsWhole(TorchFunctionMode):
-    """Redirects (``_REDIRECTS``) GRU/RNN layers to ``rnn_inference``, an LSTM on the meta
-    device or with projections on a CPU to ``lstm_inference``, RNN cells, upsampling, circular
+    """Redirects (``_REDIRECTS``) GRU/RNN layers to ``rnn_inference``, an LSTM on a GPU, on the
+    meta device or with projections on a CPU to ``lstm_inference``, RNN cells, upsampling, circular
     padding and 1-d max pooling to their ops (rnn_cell_op, upsample_op, pad_op, max_pool1d_op),
     and on a GPU SDPA to ``fxdream::attention_inference`` (sdpa_op); on the meta device SDPA to
     the fused kernel a GPU runs (``sdpa.fused_on_meta``). While a training graph is traced, only
@@ -67,8 +67,8 @@ class _KeepOpsWhole(TorchFunctionMode):
 
 
 def keep_ops_whole(gm: torch.fx.GraphModule | None = None):
-    """While tracing a graph: in inference GRU/RNN layers (and an LSTM on the meta device or with
-    projections on a CPU), RNN cells, upsampling, circular padding and 1-d max pooling become one
+    """While tracing a graph: in inference GRU/RNN layers (and an LSTM on a GPU, on the meta device
+    or with projections on a CPU), RNN cells, upsampling, circular padding and 1-d max pooling become one
     node each (and SDPA on a GPU one ``attention_inference``); in training upsampling (and on the
     meta device RNNs, LSTM/GRU cells as a GPU's ops, and SDPA) only. On the meta device SDPA is
     the fused kernel. Given the graph about to be traced, only if it may call one: the mode's

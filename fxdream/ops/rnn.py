@@ -3,9 +3,11 @@
 aot_autograd traces ``torch._VF.gru`` (what ``nn.GRU.forward`` calls) through its
 CompositeImplicit definition: on CPU, where there is no fused kernel, that is a handful of
 ATen ops per time step and layer (a 32-step bidirectional GRU: ~1500 nodes), and running
-them from Python takes several times as long as eager's C++ loop. ``nn.LSTM`` does not
-need this: on CPU it lowers to oneDNN's fused ``mkldnn_rnn_layer``, on CUDA to cuDNN's; except
-with projections (``proj_size``) on a CPU, which oneDNN does not take: ``lstm_inference``.
+them from Python takes several times as long as eager's C++ loop. ``nn.LSTM`` on a CPU
+lowers to oneDNN's fused ``mkldnn_rnn_layer``, except with projections (``proj_size``), which
+oneDNN does not take: ``lstm_inference``. On a GPU the trace unrolls every LSTM into ops per
+time step, where eager runs cuDNN's fused layer (GNMT fp16 bs1 on an H200: 4991 kernels, the
+captured call 9x eager's time): ``lstm_inference`` there too.
 
 ``keep_ops_whole()`` is active while a capture traces a graph; in inference it sends those
 calls to ``fxdream::rnn_inference``, an opaque op that calls the same ``torch._VF`` function
@@ -58,6 +60,7 @@ rnn_inference = torch.ops.fxdream.rnn_inference.default
 # 1218 nodes), slower than eager's loop. Without projections the capture keeps oneDNN's layer.
 # On the meta device (a prediction's capture) ATen has neither oneDNN's nor cuDNN's layer and
 # unrolls every LSTM the same way, where the devices predicted for run one fused layer: kept whole.
+# On a GPU the trace unrolls it as well, where eager runs cuDNN's layer: kept whole, calling it.
 _LIB.define("lstm_inference(Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
             "bool bidirectional, bool batch_first) -> (Tensor, Tensor, Tensor)")
 
@@ -231,14 +234,15 @@ def _monte_carlo_dropout(input, dropout, train, num_layers, *tensors) -> bool:
 
 
 def redirect_lstm(args, kwargs):
-    """For an LSTM as nn.LSTM calls ``_VF.lstm`` (9 arguments): in inference (train=False)
-    ``lstm_inference(...)`` on the meta device, or on a CPU with projections or an empty input; in train mode without
+    """For an LSTM as nn.LSTM calls ``_VF.lstm`` (9 arguments), outside autocast: in inference
+    (train=False) ``lstm_inference(...)`` on a GPU or the meta device, or on a CPU with
+    projections or an empty input; in train mode without
     gradients, stacked with dropout, ``lstm_dropout(...)``; in training ``lstm_train(...)`` on the
     meta device; else None."""
     if kwargs or len(args) != 9 or not isinstance(args[1], (tuple, list)):
         return None
     input, (h, c), params, has_biases, num_layers, dropout, train, bidirectional, batch_first = args
-    if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or autocast_on("cpu"):
+    if not all(isinstance(t, torch.Tensor) for t in (input, h, c)) or autocast_on(input.device):
         return None
     if _monte_carlo_dropout(input, dropout, train, num_layers, h, c, *params):
         return tuple(lstm_dropout(input, [h, c], list(params), has_biases, num_layers, bidirectional, batch_first,
@@ -250,7 +254,7 @@ def redirect_lstm(args, kwargs):
                                               batch_first)
         return output, hy, cy
     projected_on_cpu = input.device.type == "cpu" and h.shape[-1] != c.shape[-1]
-    if not (projected_on_cpu or _empty_on_cpu(input) or input.device.type == "meta"):
+    if not (projected_on_cpu or _empty_on_cpu(input) or input.device.type in ("meta", "cuda")):
         return None
     return tuple(lstm_inference(input, [h, c], list(params), has_biases, num_layers, bidirectional, batch_first))
 
