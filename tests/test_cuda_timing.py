@@ -3,6 +3,8 @@
 On CPU the CUDA calls are replaced by fakes whose events read a clock the fake kernels
 advance, so the bookkeeping (which key gets which time) is checked here; the real timings
 are checked on a GPU."""
+import contextlib
+
 import pytest
 import torch
 import torch.fx as fx
@@ -154,3 +156,47 @@ def test_a_tiny_op_is_host_bound_and_a_large_matmul_device_bound():
     assert device_us > 2 * host_us and device_us > 2 * 4096 ** 3 / 2e15 * 1e6, (device_us, host_us)
     assert 0.0 <= cuda_timing.event_gap_us() < 10.0
     assert 0.0 <= cuda_timing.graph_kernel_saving_us() < 10.0
+
+
+class QueuedEvents:
+    """A GPU whose events each take ``device_us`` once the stream reaches them, recorded by a
+    host that takes ``host_us`` per record: behind a hold they run back to back, after it at
+    the host's pace."""
+
+    def __init__(self, device_us: float, host_us: float):
+        self.device_us, self.host_us, self.host_clock, self.stream_free = device_us, host_us, 0.0, 0.0
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                gpu.host_clock += gpu.host_us
+                gpu.stream_free = max(gpu.stream_free, gpu.host_clock) + gpu.device_us
+                self.at = gpu.stream_free
+
+            def synchronize(self):
+                gpu.host_clock = max(gpu.host_clock, gpu.stream_free)
+
+            def elapsed_time(self, other):
+                return (other.at - self.at) / 1e3
+
+        self.Event = Event
+
+    def hold(self, us, device=None):
+        self.stream_free = max(self.stream_free, self.host_clock) + us
+
+
+def test_the_event_gap_is_read_with_every_event_queued_behind_the_hold(monkeypatch):
+    """A host that records an event every 8 µs outlasts a fixed 500 µs hold: the gap would read
+    ~3 µs (the host's pace) where the device takes 0.5, and every op timed in context would read
+    that much short. The hold is sized from the host's own time for the events."""
+    gpu = QueuedEvents(device_us=0.5, host_us=8.0)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
+    monkeypatch.setattr(cuda_timing, "hold_gpu", gpu.hold)
+    monkeypatch.setattr(cuda_timing.time, "perf_counter", lambda: gpu.host_clock * 1e-6)
+    monkeypatch.setattr(cuda_timing, "_MEASURED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    assert cuda_timing.event_gap_us() == pytest.approx(0.5)

@@ -25,6 +25,8 @@ from fxdream.sim.profile.host_timing import calls_per_block
 # only wall time; and the sleep's clock rate is calibrated once, while GPU clocks move.
 HOLD_MARGIN = 2.0
 HOLD_EXTRA_US = 100.0
+# A once-per-device measurement's hold: this many times the host's time, as it costs nothing
+EVENT_HOLD_MARGIN = 4.0
 _MEASURED: dict[tuple[str, int], float] = {}  # (what, device index) → its measurement
 
 
@@ -42,7 +44,9 @@ def cycles_per_us(device: torch.device | None = None) -> float:
     def measure():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         cycles = 2_000_000
-        torch.cuda._sleep(cycles // 10)  # warm the kernel up
+        # warm up for ~10 ms first: an idle GPU's clock is several times lower (an H200: 345
+        # against 1980 MHz), and a rate read before it rises makes every later hold that much shorter
+        torch.cuda._sleep(cycles * 10)
         start.record()
         torch.cuda._sleep(cycles)
         end.record()
@@ -53,10 +57,19 @@ def cycles_per_us(device: torch.device | None = None) -> float:
 
 def event_gap_us(device: torch.device | None = None) -> float:
     """Device time an event recorded between two ops adds (measured once per device): in-context
-    timing puts one between every two ops and takes it out of the op's time again."""
+    timing puts one between every two ops and takes it out of the op's time again. The events
+    are queued behind a hold several times as long as the host takes to record them (timed on a
+    first pass): where the hold ends first, the later events run as the host records them, the
+    gap reads the host's pace (µs, not the device's fraction of one), and every op timed in
+    context reads that much short."""
     def measure():
         events = [torch.cuda.Event(enable_timing=True) for _ in range(101)]
-        hold_gpu(500.0)
+        started = time.perf_counter()
+        for event in events:
+            event.record()
+        host_us = (time.perf_counter() - started) * 1e6
+        events[-1].synchronize()
+        hold_gpu(host_us * EVENT_HOLD_MARGIN + HOLD_EXTRA_US)
         for event in events:
             event.record()
         events[-1].synchronize()
