@@ -20,7 +20,8 @@ def _conv_node(x: torch.Tensor, out_channels: int, kernel: int = 3) -> fx.Node:
                                                           [1, 1], False, [0, 0], 1))
     graph.output(conv)
     root = torch.nn.Module()
-    root.weight = torch.nn.Parameter(torch.randn(out_channels, x.shape[1], kernel, kernel))
+    root.weight = torch.nn.Parameter(torch.randn(out_channels, x.shape[1], kernel, kernel, dtype=x.dtype,
+                                                 device=x.device))
     gm = fx.GraphModule(root, graph)
     RecordValues(gm).run(x)
     for node in gm.graph.nodes:  # the weight's value, as a captured graph's placeholder carries it
@@ -46,7 +47,7 @@ def test_a_few_channels_are_read_as_they_are_and_channels_last_reorders_only_the
     assert workspace_bytes(narrow, "cpu") == 2 * max(8, CHANNEL_BLOCK) * 36 * FLOAT
     channels_last = _conv_node(torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last), 16)
     assert workspace_bytes(channels_last, "cpu") == 16 * 8 * 9 * FLOAT
-    assert workspace_bytes(channels_last, "cuda") == 0  # cuDNN's: chosen at run time, not held
+    assert workspace_bytes(channels_last, "cuda") == 0  # float32 on cuDNN: chosen at run time, not held
 
 
 def test_atens_slow_convolution_unfolds_its_input_into_columns():
@@ -108,8 +109,8 @@ def _conv_backward_node(x: torch.Tensor, out_channels: int, kernel: int = 3) -> 
                                                                    [True, True, True]))
     graph.output(node)
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    w = torch.randn(out_channels, x.shape[1], kernel, kernel)
-    RecordValues(gm).run(torch.randn(x.shape[0], out_channels, *x.shape[2:]), x, w)
+    w = torch.randn(out_channels, x.shape[1], kernel, kernel, dtype=x.dtype, device=x.device)
+    RecordValues(gm).run(torch.randn(x.shape[0], out_channels, *x.shape[2:], dtype=x.dtype, device=x.device), x, w)
     return node
 
 
@@ -118,3 +119,41 @@ def test_a_convolution_backward_holds_its_reordered_gradient_input_and_weight():
     assert workspace_bytes(node, "cpu") == (2 * 16 * 36 + 2 * 8 * 36 + 16 * 8 * 9) * FLOAT
     slow = _conv_backward_node(torch.randn(1, 8, 6, 6), 16)  # the slow path: its columns again
     assert workspace_bytes(slow, "cpu") == 8 * 9 * 36 * FLOAT
+
+
+HALF = 2
+
+
+def test_a_half_nchw_convolution_on_a_gpu_holds_nhwc_copies_of_input_weight_and_output():
+    """cuDNN's tensor-core kernels run NHWC: an NCHW half convolution holds copies of its
+    input, weight and output (an H200's allocator: VGG-19 bs8 conv1_2, 98 MiB beside its 50 MiB
+    output). Not where a channel count is no multiple of 8 (an RGB stem), not channels_last
+    tensors, not a 1x1 stride-1 convolution over 14x14 positions or more (a GEMM as it is)."""
+    half = dict(dtype=torch.float16, device="meta")
+    conv = _conv_node(torch.empty(2, 8, 6, 6, **half), 16)
+    assert workspace_bytes(conv, "cuda") == (2 * 8 * 36 + 16 * 8 * 9 + 2 * 16 * 36) * HALF
+    assert workspace_bytes(_conv_node(torch.empty(2, 3, 6, 6, **half), 16), "cuda") == 0
+    channels_last = torch.empty(2, 8, 6, 6, **half).to(memory_format=torch.channels_last)
+    assert workspace_bytes(_conv_node(channels_last, 16), "cuda") == 0
+    assert workspace_bytes(_conv_node(torch.empty(2, 8, 14, 14, **half), 16, kernel=1), "cuda") == 0
+    small_1x1 = _conv_node(torch.empty(2, 8, 7, 7, **half), 16, kernel=1)
+    assert workspace_bytes(small_1x1, "cuda") == (2 * 8 * 49 + 16 * 8 + 2 * 16 * 49) * HALF
+    backward = _conv_backward_node(torch.empty(2, 8, 6, 6, **half), 16)
+    assert workspace_bytes(backward, "cuda") == (2 * 16 * 36 + 2 * 8 * 36 + 16 * 8 * 9) * HALF
+    assert workspace_bytes(_conv_node(torch.empty(2, 8, 6, 6, device="meta"), 16), "cuda") == 0  # float32
+
+
+def test_a_half_conv_nets_predicted_gpu_peak_holds_its_largest_convolutions_copies():
+    """VGG-style: the first 64-channel convolution at full resolution holds its input's, its
+    weight's and its output's NHWC copies beside the output (an H200 measured VGG-19 fp16 bs8
+    inference at 198 MiB above its weights, predicted 196)."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3, padding=1), torch.nn.ReLU(),
+                                    torch.nn.Conv2d(64, 64, 3, padding=1)).half().eval()
+    x = torch.empty(2, 3, 32, 32, dtype=torch.float16, device="meta")
+    prediction = fxdream.simulate(model, (x,), device="h200", cost="analytic")
+    activation = 2 * 64 * 32 * 32 * HALF
+    weight = 64 * 64 * 9 * HALF
+    # the relu's output (the second conv's input) + the conv's output + its three copies
+    expected = activation + activation + (activation + weight + activation)
+    assert prediction.peak_memory_bytes - prediction.static_bytes == expected
