@@ -96,6 +96,9 @@ def one_row(name: str, batch: int, training: bool, max_step_s: float, rounds: in
     row = dict(model=name, batch=batch, training=training, tiny=tiny, device=device, dtype=dtype, build_s=build_s,
                capture=report.capture, subgraphs=len(report.graphs), graph_breaks=len(report.graph_breaks),
                chosen=list(dict.fromkeys(r.name for r in report.passes if r.applied and r.name != "auto")),
+               # each pass row's verdict and reason: why a pass was or was not chosen, read after the run
+               pass_rows=[dict(name=r.name, phase=r.phase, applied=r.applied, reason=r.reason[:400])
+                          for r in report.passes],
                ran_eagerly=report.fallback_reason is not None, measured_eager_ms=measured["eager"].median_ms,
                measured_baseline_ms=base_ms, measured_optimized_ms=auto_ms,
                measured_baseline_min_ms=measured["no passes"].min_ms, measured_optimized_min_ms=measured["auto"].min_ms,

@@ -107,6 +107,10 @@ def test_build_fidelity_puts_the_reports_predictions_beside_the_measured_modules
     (row,) = json.loads(pathlib.Path(out + ".json").read_text())["rows"]
     measured, predicted = row["measured_optimized_ms"], row["predicted_optimized_ms"]
     assert row["optimized_error_pct"] == pytest.approx(100 * (predicted / measured - 1))
+    # every pass row's verdict, so a choice can be explained after the run
+    assert {r["name"] for r in row["pass_rows"]} >= {"auto", *row["chosen"]}
+    applied = {r["name"] for r in row["pass_rows"] if r["applied"] and r["name"] != "auto"}
+    assert applied == set(row["chosen"])
     low, high = row["predicted_optimized_range_ms"]
     assert low <= predicted <= high and row["optimized_in_range"] == (low <= measured <= high)
     assert row["measured_gain"] == pytest.approx(row["measured_baseline_ms"] / measured)
