@@ -14,9 +14,11 @@ predicted with calls back to back, as timed: ``fxdream.sim.prediction.iteration_
 steps (forward + backward, no optimizer) at batch 32 and 128 under autocast. Held out, BERT-base
 in float16 on the same machine (diag_hf_bert_h200_*): the zoo's bert_base at batch 1 as captured
 (wall and device time), and Hugging Face BertModel's eager device time at batch 128 and 1,
-against the summed kernels of its captured graph.
+against the summed kernels of its captured graph; and models the fit never saw, measured on a
+later lease (``UNSEEN``: ResNet-18, VGG-19, DenseNet-121 as captured and in CUDA graphs), with
+their per-op records.
 
-    python benchmarks/fit_gpu_model.py --ops benchmarks/results/gpu_op_profile_h200_2026-11-27.json
+    python benchmarks/fit_gpu_model.py --ops benchmarks/results/gpu_op_profile_h200_2026-11-30.json
                                                        # fit, check, write the JSON (~5 min)
     python benchmarks/fit_gpu_model.py --no-write      # whole models only, fit and check
 
@@ -74,6 +76,11 @@ RESULTS = Path(__file__).parent / "results"
 AB = "gpu_ab_h200_2026-11-26_4_resnet50_bs1.json"
 AUX = "gpu_aux_stream_h200_2026-11-26.json"
 DIAG = "diag_hf_bert_h200_2026-11-26.txt"
+# models the fit never saw, measured on a later lease: captured and in CUDA graphs (held out)
+UNSEEN = "gpu_ab_h200_2026-11-30_held_out_models.json"
+# GNMT is left out of them: on a GPU its capture unrolls each LSTM into per-step ops, which a
+# capture on the meta device keeps as one op, so the two captures are not the same program
+UNSEEN_MODELS = ("resnet18", "vgg19", "densenet121")
 FITTED = ("dispatch_overhead_us", "launch_overhead_us", "kernel_min_us", "roofline_share.conv",
           "roofline_share.batch_norm")
 # with per-op records, each class's startup and share start where its records put them
@@ -154,6 +161,25 @@ def resnet50_cases(base: DeviceSpec) -> list[Case]:
         captured = capture(AutocastLike(model).train(), inputs, training=True)
         cases.append(Case(f"resnet50 autocast fp16 bs{batch} training step (no optimizer)",
                           aux[batch]["measured_baseline_ms"], wall_ms(captured, True), AUX))
+    return cases
+
+
+def unseen_cases(base: DeviceSpec) -> list[Case]:
+    """Held out: each zoo model of the later lease's A/B run (``UNSEEN``), as captured and in
+    CUDA graphs, at the batches it reached."""
+    cases = []
+    for row in json.loads((RESULTS / UNSEEN).read_text())["cases"]:
+        name, batch, runners = row["model"], row["batch"], row["runners"]
+        if name not in UNSEEN_MODELS or row["dtype"] != "fp16":
+            continue
+        model, inputs = _meta_model(name, batch, False)
+        captured = capture(model, inputs)
+        cases.append(Case(f"{name} fp16 bs{batch} inference, captured", runners["capture"]["median_ms"],
+                          wall_ms(captured, False), UNSEEN))
+        if "cuda_graphs" in runners:
+            rewritten = plan(model, captured, base, False, ["cuda_graphs"], Analytic(base)).graphs
+            cases.append(Case(f"{name} fp16 bs{batch} inference, cuda_graphs", runners["cuda_graphs"]["median_ms"],
+                              wall_ms(captured, False, rewritten), UNSEEN))
     return cases
 
 
@@ -284,7 +310,7 @@ def main(argv=None) -> int:
                              "the startup and share of each class with per-op records; without records the conv "
                              "and batch-norm shares)")
     parser.add_argument("--ops", action="append", default=[], help="a gpu_op_profile.py file (repeatable)")
-    parser.add_argument("--held-out-ops", default="bert_base",
+    parser.add_argument("--held-out-ops", default="bert_base,resnet18,vgg19,densenet121,gnmt",
                         help="models whose per-op cases are checked, not fitted (comma-separated)")
     parser.add_argument("--no-models", action="store_true", help="per-op cases only (no whole-model cases)")
     parser.add_argument("--out", default=None, help="the fit's path (default fxdream/sim/cost/fits/<device>.json)")
@@ -299,8 +325,8 @@ def main(argv=None) -> int:
             + ", ".join(f"{k.split('.', 1)[1]} {v:.2f}x" for k, v in factors.items()))
     fit_cases, held_cases = [], []
     if not args.no_models:
-        log("capturing ResNet-50 (fit) and BERT (held out) on the meta device")
-        fit_cases, held_cases = resnet50_cases(base), bert_cases()
+        log(f"capturing ResNet-50 (fit), BERT and {', '.join(UNSEEN_MODELS)} (held out) on the meta device")
+        fit_cases, held_cases = resnet50_cases(base), bert_cases() + unseen_cases(base)
     all_records = [r for rs in records.values() for r in rs]
     fit_records = [r for r in all_records if not r["case"].startswith(held_models)]
     held_records = [r for r in all_records if r["case"].startswith(held_models)]

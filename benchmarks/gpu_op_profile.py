@@ -27,9 +27,9 @@ from fxdream import models
 from fxdream.capturing.capture_model import capture
 from fxdream.ir.flops import kernel_class, node_flops
 from fxdream.ir.nodes import is_view, node_bytes, node_dtype, op_name
+from fxdream.runtime.direct_calls import direct
 from fxdream.sim.cost.devices import get_device
 from fxdream.sim.cost.profiled import Profiled
-from fxdream.runtime.direct_calls import direct
 from fxdream.sim.prediction import this_machine_device
 from fxdream.sim.profile.in_context import synthetic_args
 from fxdream.sim.profile.op_keys import profile_key

@@ -37,8 +37,24 @@ RECORDED_TF32 = (True, False)
 
 
 def op_records(paths: list[str]) -> dict[str, list[dict]]:
-    """Each ``gpu_op_profile.py`` file's records, by file name, read once."""
-    return {Path(p).name: json.loads(Path(p).read_text())["records"] for p in paths}
+    """Each ``gpu_op_profile.py`` file's records, by file name, read once, each in the kernel
+    class ``fxdream.ir.flops.kernel_class`` gives its op now (``record_class``)."""
+    return {Path(p).name: [dict(r, **{"class": record_class(r)}) for r in json.loads(Path(p).read_text())["records"]]
+            for p in paths}
+
+
+def record_class(record: dict) -> str:
+    """A record's kernel class, with a convolution whose weight (its key's third tensor for a
+    backward, second for the others) has a 1-wide kernel in every spatial dimension in
+    "conv_1x1": records written before that class existed say "conv"."""
+    if record["class"] != "conv":
+        return record["class"]
+    shapes = re.findall(r"T\(([^)]*)\):", record["key"])
+    position = 2 if record["op"] == "aten.convolution_backward" else 1
+    if len(shapes) <= position:
+        return "conv"
+    weight = [int(d) for d in shapes[position].split(",") if d.strip()]
+    return "conv_1x1" if len(weight) >= 3 and all(d == 1 for d in weight[2:]) else "conv"
 
 
 def record_kernels(record: dict) -> int:

@@ -151,6 +151,7 @@ class _Symbolic:
     def _gemm_parts(self, node) -> dict:
         """conv backward → {"dgrad"/"wgrad": (time expr, fill expr)}."""
         grad, x, w = (value_of(a) for a in node.args[:3])
+        klass = kernel_class(node)
         g = max(1, int(node.args[9]))
         mask = tuple(node.args[10])
         scale_x = self.scaling.scales(node.args[1], x)
@@ -164,12 +165,12 @@ class _Symbolic:
         if mask[0]:
             m, n, k = batch_x * in_pix, c_in // g, c_out // g * window
             fill = _min(1, sp.ceiling(m / TILE) * math.ceil(n / TILE) * g / self.slots)
-            parts["dgrad"] = (self._kernel_time(self._roof(2 * m * n * k * g, nbytes, node), "conv", fill), fill)
+            parts["dgrad"] = (self._kernel_time(self._roof(2 * m * n * k * g, nbytes, node), klass, fill), fill)
         if mask[1]:
             m, n, k = c_out // g, c_in // g * window, batch_g * out_pix
             split = _max(1, sp.floor(k / SPLIT_K_MIN))
             fill = _min(1, math.ceil(m / TILE) * math.ceil(n / TILE) * g * split / self.slots)
-            t = self._kernel_time(self._roof(2 * m * n * k * g, nbytes, node), "conv", fill)
+            t = self._kernel_time(self._roof(2 * m * n * k * g, nbytes, node), klass, fill)
             if mask[2]:
                 t = t + self._kernel_time(self.scaling.nbytes(node.args[0], grad) / self.device.mem_bandwidth * 10**6,
                                           "other")

@@ -342,7 +342,8 @@ def test_crossover_formula_on_a_device_fitted_to_measured_kernels():
     the fill still sets how much of the shorter gradient the other stream hides."""
     device = DeviceSpec("toy", "cuda", {"float32": 1e12}, 1e18, launch_overhead_us=0.0,
                         dispatch_overhead_us=1.0, kernel_min_us=0.0, num_sms=4, memory_bytes=2**30,
-                        roofline_share={"conv": 0.5}, kernel_startup_us={"conv": 3.0}, kernels_measured=True)
+                        roofline_share={"conv": 0.5, "conv_1x1": 0.5}, kernel_startup_us={"conv": 3.0, "conv_1x1": 3.0},
+                        kernels_measured=True)
     one, _ = conv_backward_graph(layers=1, channels=128, pixels=8, batch=2)
     terms = model_terms([one], device, b0=2)
     _, definitions, gain = formula(terms)

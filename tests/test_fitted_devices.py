@@ -48,8 +48,29 @@ def test_kernel_classes():
 
     def conv(graph, x, w):
         return graph.call_function(aten.convolution.default, (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1))
-    conv_gm = graph_with_values(conv, (1, 2, 4, 4), (3, 2, 1, 1))
-    assert kernel_class(_nodes(conv_gm)[aten.convolution.default]) == "conv"
+    # a pointwise (1x1) convolution is a GEMM over the positions: a class of its own
+    pointwise = graph_with_values(conv, (1, 2, 4, 4), (3, 2, 1, 1))
+    assert kernel_class(_nodes(pointwise)[aten.convolution.default]) == "conv_1x1"
+    spatial = graph_with_values(conv, (1, 2, 4, 4), (3, 2, 3, 1))
+    assert kernel_class(_nodes(spatial)[aten.convolution.default]) == "conv"
+
+    def conv_backward(graph, grad, x, w):
+        return graph.call_function(aten.convolution_backward.default, (grad, x, w, [3], [1, 1], [0, 0], [1, 1],
+                                                                        False, [0, 0], 1, [True, True, True]))
+    backward = graph_with_values(conv_backward, (1, 3, 4, 4), (1, 2, 4, 4), (3, 2, 1, 1))
+    assert kernel_class(_nodes(backward)[aten.convolution_backward.default]) == "conv_1x1"
+
+
+def test_a_pointwise_convolution_takes_its_own_classs_share_and_float32_runs_at_tf32():
+    def conv(graph, x, w):
+        return graph.call_function(aten.convolution.default, (x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1))
+    node = _nodes(graph_with_values(conv, (8, 64, 14, 14), (64, 64, 1, 1)))[aten.convolution.default]
+    spec = dataclasses.replace(get_device("h100"), roofline_share={"conv": 0.25, "conv_1x1": 0.5},
+                               kernel_startup_us={}, kernel_min_us=0.0)
+    flops = 2 * 8 * 14 * 14 * 64 * 64
+    traffic = node_bytes(node)
+    roofline_us = max(flops / spec.peak_flops["tf32"], traffic / spec.mem_bandwidth) * 1e6
+    assert Analytic(spec).kernel_us(node) == pytest.approx(roofline_us / 0.5)
 
 
 def test_a_share_divides_the_roofline_of_its_class_only():
@@ -83,19 +104,19 @@ def test_a_conv_backward_and_its_parts_one_per_kernel_move_alike():
 
 
 def test_a_startup_adds_to_each_kernel_of_its_class():
-    """Startup 10 µs for convolutions: a conv backward launches a kernel per gradient in its
+    """Startup 10 µs for pointwise convolutions: a conv backward launches a kernel per gradient in its
     output mask (data and weight here), so it takes two startups; the floor applies per kernel."""
     gm = graph_with_values(_conv_backward, (1, 8, 4, 4), (1, 8, 4, 4), (8, 8, 1, 1))
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
-    assert kernel_count(node) == 2 and kernel_class(node) == "conv"
-    started = with_parameters(TOY, {"kernel_startup_us.conv": 10.0})
+    assert kernel_count(node) == 2 and kernel_class(node) == "conv_1x1"
+    started = with_parameters(TOY, {"kernel_startup_us.conv_1x1": 10.0})
     bare = Analytic(TOY).kernel_us(node)
     assert bare == pytest.approx(2 * 3.0)  # tiny work: two kernels at the 3 µs floor
     assert Analytic(started).kernel_us(node) == pytest.approx(2 * 10.0 + kernel_bytes(node) / 1e9 * 1e6)
     # the roofline part divides by the share, the startup does not
-    assert started.kernel_time_us(0, 1e6, kernel_class="conv") == pytest.approx(10.0 + 1000.0)
-    halved = with_parameters(started, {"roofline_share.conv": 0.5})
-    assert halved.kernel_time_us(0, 1e6, kernel_class="conv") == pytest.approx(10.0 + 2000.0)
+    assert started.kernel_time_us(0, 1e6, kernel_class="conv_1x1") == pytest.approx(10.0 + 1000.0)
+    halved = with_parameters(started, {"roofline_share.conv_1x1": 0.5})
+    assert halved.kernel_time_us(0, 1e6, kernel_class="conv_1x1") == pytest.approx(10.0 + 2000.0)
     assert halved.kernel_time_us(0, 1e6, kernel_class="other") == pytest.approx(1000.0)  # its class only
 
 

@@ -20,7 +20,8 @@ BATCH_NORM_OPS = frozenset({"aten.native_batch_norm", "aten._native_batch_norm_l
                             "aten.native_batch_norm_backward", "aten.cudnn_batch_norm",
                             "aten.cudnn_batch_norm_backward",
                             "aten.miopen_batch_norm", "aten.miopen_batch_norm_backward"})
-KERNEL_CLASSES = ("conv", "gemm", "batch_norm", "other")
+KERNEL_CLASSES = ("conv", "conv_1x1", "gemm", "batch_norm", "other")
+CONV_CLASSES = frozenset({"conv", "conv_1x1"})
 # Batch norms in training pass over their data more than once: the forward reads its input for
 # the statistics and again to normalize (2x + y over the x + y its tensors count: 1.5x), the
 # backward reads grad_output and input for its reductions and again for grad_input (5/3x). The
@@ -35,18 +36,30 @@ _TRAINING_ARG = 5  # native_batch_norm, _native_batch_norm_legit(_functional), c
 
 
 def kernel_class(node: fx.Node) -> str:
-    """"conv" (convolutions and their gradients), "gemm" (matrix products, attention),
-    "batch_norm" (batch norm and its gradient: per-channel reductions over the batch) or
-    "other" (pointwise, copies, other norms and reductions: memory-bound). Libraries reach
-    different shares of the roofline on each (``DeviceSpec.roofline_share``)."""
+    """"conv" (convolutions with a spatial kernel, and their gradients), "conv_1x1" (pointwise
+    convolutions: a GEMM over the positions, which cuDNN runs at about twice the share of the
+    roofline a 3x3 reaches, with less than half its startup: the H200's per-op records),
+    "gemm" (matrix products, attention), "batch_norm" (batch norm and its gradient:
+    per-channel reductions over the batch) or "other" (pointwise, copies, other norms and
+    reductions: memory-bound). Libraries reach different shares of the roofline on each
+    (``DeviceSpec.roofline_share``)."""
     name = op_name(node)
     if name in CONV_OPS:
-        return "conv"
+        return "conv_1x1" if _pointwise_kernel(node, name) else "conv"
     if name in GEMM_OPS or name in _SDPA_OPS or "scaled_dot_product" in name:
         return "gemm"
     if name in BATCH_NORM_OPS:
         return "batch_norm"
     return "other"
+
+
+def _pointwise_kernel(node: fx.Node, name: str) -> bool:
+    """Whether a convolution op's weight has a 1-wide kernel in every spatial dimension (the
+    weight is the third argument of a convolution's backward, the second of the others)."""
+    position = 2 if name == "aten.convolution_backward" else 1
+    weight = value_of(node.args[position]) if len(node.args) > position else None
+    return isinstance(weight, torch.Tensor) and weight.dim() >= 3 and all(
+        size == 1 for size in weight.shape[2:])
 
 
 def traffic_factor(op: str, dtype: str, training: bool | None = None) -> float:

@@ -27,7 +27,7 @@ from types import MappingProxyType
 
 import torch
 
-from fxdream.ir.flops import KERNEL_CLASSES
+from fxdream.ir.flops import CONV_CLASSES, KERNEL_CLASSES
 from fxdream.sim.profile.machine_load import watch_machine_load
 
 GiB = 2 ** 30
@@ -45,7 +45,7 @@ class DeviceSpec:
     kernel_min_us: float             # shortest kernel the device runs
     num_sms: int | None
     memory_bytes: int
-    # Share of the roofline kernels of each class reach ("conv", "gemm", "batch_norm", "other":
+    # Share of the roofline kernels of each class reach ("conv", "conv_1x1", "gemm", "batch_norm", "other":
     # ``fxdream.ir.flops.kernel_class``); a class not named reaches all of it.
     roofline_share: Mapping[str, float] = field(default_factory=dict)
     # µs each kernel of a class takes besides its work (ramp-up, the last partial wave, the
@@ -109,7 +109,7 @@ class DeviceSpec:
         GEMM where matmuls may (``tf32_matmul``: torch.backends.cuda.matmul.allow_tf32, off by
         default); ``dtype`` itself otherwise, and on a device without a TF32 rate."""
         key = dtype_name(dtype)
-        allowed = tf32_conv if kernel_class == "conv" else tf32_matmul if kernel_class == "gemm" else False
+        allowed = tf32_conv if kernel_class in CONV_CLASSES else tf32_matmul if kernel_class == "gemm" else False
         return "tf32" if key == "float32" and allowed and "tf32" in self.peak_flops else key
 
     def kernel_time_us(self, flops: float, bytes_moved: float, dtype="float32", kernel_class: str = "other",

@@ -203,7 +203,7 @@ class OccupancyAware:
         sms = self.device.num_sms or 0
         floor = self.device.kernel_min_us
         name = op_name(node)
-        startup = self.device.kernel_startup_us.get("conv", 0.0)
+        startup = self.device.kernel_startup_us.get(kernel_class(node), 0.0)
         if name == "aten.convolution_backward":
             return sum(max(floor, startup + self._roofline(node, g.flops, b) / g.fill(sms))
                        for g, b in zip(gemms, _conv_bw_bytes(node, gemms))) + self.bias_gradient_us(node)
