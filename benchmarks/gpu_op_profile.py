@@ -5,7 +5,8 @@ the model is captured on this machine's device and every op of its graphs is tim
 its shapes with ``Profiled`` (blocks of calls, median of rounds): its kernel µs, its host µs
 (dispatch + launch) and, on a GPU, its kernel replayed from a CUDA graph. One record per
 distinct op key: op, kernel class, dtype, output shape, FLOPs and bytes (what the roofline
-needs), and the measurements. Run on every GPU lease (``scripts/gpu_session.sh``, step
+needs), how many nodes of the case's graphs share the key, and the measurements (on a GPU also
+the memory the op allocates beyond its inputs). Run on every GPU lease (``scripts/gpu_session.sh``, step
 ``ops``); on a CPU it runs the same way (host and kernel are one time there), which is how
 its tests run it.
 
@@ -19,6 +20,7 @@ import datetime
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -63,10 +65,18 @@ def cuda_op_memory(node, device: torch.device) -> dict:
     return {"transient_bytes": peak - after, "kept_bytes": after - before}
 
 
+def graph_saving_us(cost: Profiled) -> float:
+    """What a CUDA-graph replay saves per kernel on this GPU, as ``cost`` measured it."""
+    return cost.measurements.get("__graph_kernel_saving__|cuda", 0.0)
+
+
 def op_records(captured, cost: Profiled, device_type: str, case: str, budget_end: float) -> list[dict]:
     """One record per distinct op key of ``captured``'s graphs, timed alone."""
     records, seen = [], set()
     parts = captured if isinstance(captured, tuple) else (captured,)
+    # how many nodes of the case's graphs share each key: a record times one, the graphs run all
+    counts = Counter(profile_key(node, device_type) for part in parts for _, gm in part.graphs()
+                     for node in gm.graph.nodes if node.op == "call_function" and not is_view(node))
     for part in parts:
         for phase, gm in part.graphs():
             for node in gm.graph.nodes:
@@ -90,7 +100,10 @@ def op_records(captured, cost: Profiled, device_type: str, case: str, budget_end
                     "flops": int(node_flops(node)), "bytes": int(node_bytes(node)), "kernel_us": kernel,
                     "host_us": cost.host_us(node) if device_type == "cuda" else None,
                     "in_graph_us": cost.graph_kernel_us(node) if device_type == "cuda" else None,
-                    "key": key, **memory})
+                    # the kernel less a replay's saving per kernel, before graph_kernel_us's floor (the
+                    # spec's fitted kernel_min_us, which a fit of that floor must not read back)
+                    "in_graph_unfloored_us": kernel - graph_saving_us(cost) if device_type == "cuda" else None,
+                    "count": counts[key], "key": key, **memory})
     return records
 
 

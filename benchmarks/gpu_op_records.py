@@ -67,7 +67,12 @@ def record_kernels(record: dict) -> int:
 
 def record_kernel_us(record: dict) -> float | None:
     """The kernel time a record measured: replayed in a CUDA graph where it was (the stream time
-    the floor stands for), else timed alone."""
+    the floor stands for), before the recording spec's floor where the record keeps that
+    (``in_graph_unfloored_us``: a fit of the floor must not read its own value back), else timed
+    alone."""
+    unfloored = record.get("in_graph_unfloored_us")
+    if unfloored is not None and unfloored > 0:
+        return unfloored
     return record.get("in_graph_us") or record["kernel_us"]
 
 

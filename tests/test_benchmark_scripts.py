@@ -9,6 +9,9 @@ import sys
 import pytest
 import torch
 
+import fxdream
+from fxdream import models
+from fxdream.ir.nodes import is_view
 from fxdream.passes.fuse_conv_bias_act import sites as conv_sites
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -249,6 +252,12 @@ def test_gpu_op_profile_records_each_distinct_op_once_with_its_roofline_inputs(t
                          "--tiny", "--out", str(out)]) == 0
     records = json.loads(out.read_text())["records"]
     assert len({(r["case"], r["key"]) for r in records}) == len(records)  # each op key once per case
+    # each record counts the nodes sharing its key: together, every compute node of the case's graphs
+    model, inputs, _ = models.build("mnist_convnet", 2, tiny=True)
+    captured = fxdream.capture(model.eval(), inputs)
+    nodes = [n for _, gm in captured.graphs() for n in gm.graph.nodes if n.op == "call_function" and not is_view(n)]
+    infer = [r for r in records if r["case"].endswith("infer")]
+    assert all(r["count"] >= 1 for r in records) and sum(r["count"] for r in infer) == len(nodes)
     assert {r["case"] for r in records} == {"mnist_convnet fp32 bs2 infer", "mnist_convnet fp32 bs2 train"}
     convs = [r for r in records if r["op"] == "aten.convolution"]
     assert convs and all(r["class"] in ("conv", "conv_1x1") and r["flops"] > 0 and r["kernel_us"] > 0 for r in convs)
