@@ -19,7 +19,7 @@ later lease (``UNSEEN``: ResNet-18, VGG-19, DenseNet-121 as captured and in CUDA
 their per-op records.
 
     python benchmarks/fit_gpu_model.py --ops benchmarks/results/gpu_op_profile_h200_2026-11-30.json
-                                                       # fit, check, write the JSON (~5 min)
+                                                       # fit, check, write the JSON (~15 min)
     python benchmarks/fit_gpu_model.py --no-write      # whole models only, fit and check
 
 Per-op records (``benchmarks/gpu_op_profile.py``, ``--ops``): each kernel time against the
