@@ -196,7 +196,10 @@ class _Lowering:
         self.allocs[work] = self.allocs.get(work, 0) + sum(buffers.size[b] for b in created) + workspace
         if workspace:
             self.workspaces[work] = self.workspaces.get(work, 0) + workspace
-        buffers.use(node, work, graph_index)
+        # a view (a getitem of a multi-output op too) uses its input where the kernel that made it
+        # ran: on the host's clock a view can run before that kernel, and an output nothing reads
+        # (max_pool2d's indices) would be freed before it is allocated, held from then on
+        buffers.use(node, self.kernel_of.get(buffers.key(node)) or work if work == name else work, graph_index)
 
 
 def _append_autograd(tg: TaskGraph, name: str, us: float) -> None:
