@@ -31,9 +31,10 @@ On a GPU (cuDNN, read off the allocator's peak around each op on an H200:
 * A half-precision convolution on NCHW tensors runs cuDNN's tensor-core kernels in NHWC where
   both channel counts are multiples of ``TENSOR_CORE_CHANNELS``: it holds NHWC copies of its
   input, weight and output while it runs. Not 1x1 stride-1 convolutions over at least
-  ``GEMM_1X1_MIN_POSITIONS`` positions, which it runs as they are (a GEMM). Within 25-35 % of
-  the allocator in 286 of 344 forward records (the rest, stems with 3 input channels among
-  them, are the algorithm's own choice), 0.9x their total.
+  ``GEMM_1X1_MIN_POSITIONS`` positions, which it runs as they are (a GEMM). Right in 318 of
+  344 forward records (under 1 MiB measured where nothing is held, else 0.75-1.35x the
+  allocator's reading; the rest, stems with 3 input channels among them, are the algorithm's
+  own choice), 0.9x their total.
 * Its backward likewise holds copies of the incoming gradient, the input and the weight (0.95x
   the records' total; the single records vary more).
 Other workspaces (float32 convolutions, cuBLAS's) depend on the algorithm chosen at run time:
