@@ -12,8 +12,9 @@ predictions (Profiled on this GPU, plus the analytic model of this GPU's DeviceS
 its measurements. A first section measures the per-call overhead of the runner on a tiny graph
 (3 one-element ops) against reduce-overhead's and against a bare CUDAGraph.replay().
 
-Models: the zoo's resnet50 and bert_base (fxdream.models), torchvision's resnet50 and a
-transformers BertModel (random weights from their default configs; skipped if not importable).
+Models: by default the zoo's resnet50 and bert_base (fxdream.models; any zoo model by name),
+torchvision's resnet50 and a transformers BertModel (random weights from their default configs;
+skipped if not importable).
 Cases run bs1 first, then bs128, 8, 32 (the seed's two points first), and stop when
 --budget-s is spent (the rest is listed as skipped), so a run fits a device lease. The
 peer's compile dominates the time, so by default it is built for the zoo's ResNet-50 at
@@ -53,9 +54,9 @@ from fxdream.measure import time_interleaved  # noqa: E402
 from fxdream.runtime.cuda_graph_runner import cuda_graph_memory_bytes, describe_runners  # noqa: E402
 
 RUNNERS = ("eager", "capture", "cuda_graphs", "fuse+cuda_graphs", "reduce_overhead")
-# the zoo's models by name (fxdream.models.NAMES), and two written by third-party packages
-MODELS = ("resnet50", "bert_base", "tv_resnet50", "hf_bert")
-THIRD_PARTY = ("tv_resnet50", "hf_bert")
+MODELS = ("resnet50", "bert_base", "tv_resnet50", "hf_bert")  # the default --models
+THIRD_PARTY = ("tv_resnet50", "hf_bert")  # written by torchvision / transformers
+VALID_MODELS = tuple(models.NAMES) + THIRD_PARTY  # any zoo model by name (fxdream.models.NAMES), and those
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 BATCH_ORDER = (1, 128, 8, 32)
 
@@ -85,7 +86,7 @@ def build_model(name: str, batch: int, dtype: torch.dtype):
         model = transformers.BertModel(config)
         ids = torch.randint(1, config.vocab_size, (batch, 128), generator=generator)
         return LastHidden(model).to("cuda", dtype).eval(), (ids.to("cuda"),)
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join(tuple(models.NAMES) + THIRD_PARTY)}")
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(VALID_MODELS)}")
 
 
 # --- runners -----------------------------------------------------------------------------------
@@ -287,7 +288,7 @@ def main(argv=None) -> int:
     peer_batches = {int(b) for b in args.peer_batches.split(",") if b}
     peer_models = {m for m in args.peer_models.split(",") if m}
     runner_names = [r for r in args.runners.split(",") if r]
-    for value, valid, what in ((model_names, tuple(models.NAMES) + THIRD_PARTY, "model"), (dtypes, DTYPES, "dtype"),
+    for value, valid, what in ((model_names, VALID_MODELS, "model"), (dtypes, DTYPES, "dtype"),
                                (runner_names, RUNNERS, "runner")):
         bad = [v for v in value if v not in valid]
         if bad:

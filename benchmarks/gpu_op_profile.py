@@ -65,11 +65,6 @@ def cuda_op_memory(node, device: torch.device) -> dict:
     return {"transient_bytes": peak - after, "kept_bytes": after - before}
 
 
-def graph_saving_us(cost: Profiled) -> float:
-    """What a CUDA-graph replay saves per kernel on this GPU, as ``cost`` measured it."""
-    return cost.measurements.get("__graph_kernel_saving__|cuda", 0.0)
-
-
 def op_records(captured, cost: Profiled, device_type: str, case: str, budget_end: float) -> list[dict]:
     """One record per distinct op key of ``captured``'s graphs, timed alone."""
     records, seen = [], set()
@@ -102,7 +97,7 @@ def op_records(captured, cost: Profiled, device_type: str, case: str, budget_end
                     "in_graph_us": cost.graph_kernel_us(node) if device_type == "cuda" else None,
                     # the kernel less a replay's saving per kernel, before graph_kernel_us's floor (the
                     # spec's fitted kernel_min_us, which a fit of that floor must not read back)
-                    "in_graph_unfloored_us": kernel - graph_saving_us(cost) if device_type == "cuda" else None,
+                    "in_graph_unfloored_us": kernel - cost.graph_saving_us() if device_type == "cuda" else None,
                     "count": counts[key], "key": key, **memory})
     return records
 

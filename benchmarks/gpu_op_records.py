@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from fxdream.ir.flops import traffic_factor
+from fxdream.ir.flops import pointwise_weight_shape, traffic_factor
 from fxdream.sim.cost.devices import DeviceSpec
 
 
@@ -49,12 +49,15 @@ def record_class(record: dict) -> str:
     "conv_1x1": records written before that class existed say "conv"."""
     if record["class"] != "conv":
         return record["class"]
-    shapes = re.findall(r"T\(([^)]*)\):", record["key"])
+    tensors = key_tensors(record)
     position = 2 if record["op"] == "aten.convolution_backward" else 1
-    if len(shapes) <= position:
-        return "conv"
-    weight = [int(d) for d in shapes[position].split(",") if d.strip()]
-    return "conv_1x1" if len(weight) >= 3 and all(d == 1 for d in weight[2:]) else "conv"
+    return "conv_1x1" if len(tensors) > position and pointwise_weight_shape(tensors[position][0]) else "conv"
+
+
+def key_tensors(record: dict) -> list[tuple[list[int], str]]:
+    """(shape, dtype name) of each tensor argument in a record's op key, in argument order."""
+    return [([int(d) for d in shape.split(",") if d.strip()], dtype)
+            for shape, dtype in re.findall(r"T\(([^)]*)\):(\w+):", record["key"])]
 
 
 def record_kernels(record: dict) -> int:
@@ -82,9 +85,7 @@ def record_traffic(record: dict) -> float:
     tensors of its key (grad_output, input, weight) read again by each kernel after the first."""
     traffic = record["bytes"] * traffic_factor(record["op"], record["dtype"])
     if record["op"] == "aten.convolution_backward":
-        tensors = re.findall(r"T\(([^)]*)\):(\w+):", record["key"])[:3]
-        read = sum(math.prod(int(d) for d in shape.split(",") if d.strip()) * getattr(torch, dtype).itemsize
-                   for shape, dtype in tensors)
+        read = sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in key_tensors(record)[:3])
         traffic += (record_kernels(record) - 1) * read
     return traffic
 

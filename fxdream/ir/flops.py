@@ -58,8 +58,13 @@ def _pointwise_kernel(node: fx.Node, name: str) -> bool:
     weight is the third argument of a convolution's backward, the second of the others)."""
     position = 2 if name == "aten.convolution_backward" else 1
     weight = value_of(node.args[position]) if len(node.args) > position else None
-    return isinstance(weight, torch.Tensor) and weight.dim() >= 3 and all(
-        size == 1 for size in weight.shape[2:])
+    return isinstance(weight, torch.Tensor) and pointwise_weight_shape(weight.shape)
+
+
+def pointwise_weight_shape(shape) -> bool:
+    """Whether a convolution weight of ``shape`` (out, in, *kernel) has a 1-wide kernel in every
+    spatial dimension (what makes its convolution "conv_1x1")."""
+    return len(shape) >= 3 and all(size == 1 for size in shape[2:])
 
 
 def traffic_factor(op: str, dtype: str, training: bool | None = None) -> float:

@@ -199,7 +199,8 @@ class _Lowering:
         # a view (a getitem of a multi-output op too) uses its input where the kernel that made it
         # ran: on the host's clock a view can run before that kernel, and an output nothing reads
         # (max_pool2d's indices) would be freed before it is allocated, held from then on
-        buffers.use(node, self.kernel_of.get(buffers.key(node)) or work if work == name else work, graph_index)
+        made_by = self.kernel_of.get(buffers.key(node)) if work == name else None
+        buffers.use(node, made_by or work, graph_index)
 
 
 def _append_autograd(tg: TaskGraph, name: str, us: float) -> None:

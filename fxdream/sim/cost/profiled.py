@@ -125,8 +125,11 @@ class Profiled:
         kernel = self.kernel_us(node)
         if self.torch_device.type != "cuda" or kernel == 0.0:
             return kernel
-        saving = self._once("graph_kernel_saving", lambda: graph_kernel_saving_us(self.torch_device))
-        return max(kernel - saving, min(kernel, self.device.kernel_min_us))
+        return max(kernel - self.graph_saving_us(), min(kernel, self.device.kernel_min_us))
+
+    def graph_saving_us(self) -> float:
+        """Device µs a CUDA-graph replay saves per kernel on this GPU (measured once)."""
+        return self._once("graph_kernel_saving", lambda: graph_kernel_saving_us(self.torch_device))
 
     def dispatch_us(self, node: fx.Node) -> float:
         if is_view(node):
